@@ -1,0 +1,314 @@
+"""Hugging Face checkpoints <-> Policy: config.json, (sharded) safetensors, tokenizer.json.
+
+No pickle anywhere: weights are read with `safetensors` lazily, tensor by tensor, and placed
+directly with their target sharding when a mesh is given.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+import tokenizers
+from flax import nnx
+from jax.sharding import Mesh
+from safetensors import SafetensorError, safe_open
+from safetensors.numpy import save_file
+
+from jaxrl_scale.config import ModelConfig, RopeScalingConfig
+from jaxrl_scale.model import Policy
+from jaxrl_scale.sharding import variable_sharding
+from jaxrl_scale.tokenizer import Tokenizer
+
+ARCHITECTURES = {
+    "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+    "LlamaForCausalLM": "llama",
+}
+_HF_NAMES = {arch: name for name, arch in ARCHITECTURES.items()}
+INDEX_FILE = "model.safetensors.index.json"
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)  # buffers some old checkpoints carry
+
+
+class CheckpointError(ValueError):
+    """A checkpoint folder cannot be read into a Policy; the message names the file or tensor."""
+
+
+# --------------------------------------------------------------------------- config
+
+
+def _rope_fields(hf: dict[str, Any]) -> tuple[float, RopeScalingConfig | None]:
+    params = hf.get("rope_parameters") or {}  # transformers >= 5
+    scaling = hf.get("rope_scaling") or params  # transformers 4 keeps theta at top level
+    theta = float(params.get("rope_theta", hf.get("rope_theta", 10_000.0)))
+    rope_type = scaling.get("rope_type", scaling.get("type", "default"))
+    if rope_type == "default":
+        return theta, None
+    if rope_type != "llama3":
+        raise CheckpointError(
+            f"config.json: rope type {rope_type!r} is not supported (default, llama3)"
+        )
+    return theta, RopeScalingConfig(
+        factor=float(scaling["factor"]),
+        low_freq_factor=float(scaling["low_freq_factor"]),
+        high_freq_factor=float(scaling["high_freq_factor"]),
+        original_max_position_embeddings=int(scaling["original_max_position_embeddings"]),
+    )
+
+
+def config_from_hf(hf: dict[str, Any], **overrides: Any) -> ModelConfig:
+    """ModelConfig from a parsed HF config.json; `overrides` set e.g. dtype or lm_head_dtype."""
+    names = hf.get("architectures") or []
+    arch = next((ARCHITECTURES[n] for n in names if n in ARCHITECTURES), None)
+    if arch is None:
+        raise CheckpointError(
+            f"config.json: unsupported architecture {names or hf.get('model_type')!r}; "
+            f"supported: {', '.join(ARCHITECTURES)}"
+        )
+    if hf.get("hidden_act", "silu") != "silu":
+        raise CheckpointError(f"config.json: hidden_act {hf['hidden_act']!r} is not supported")
+    if hf.get("use_sliding_window") or hf.get("mlp_bias"):
+        raise CheckpointError(
+            "config.json: sliding-window attention and mlp_bias are not supported"
+        )
+    if arch != "qwen2" and hf.get("attention_bias"):
+        raise CheckpointError(f"config.json: attention_bias is not supported for {arch}")
+    theta, scaling = _rope_fields(hf)
+    fields = dict(
+        architecture=arch,
+        vocab_size=hf["vocab_size"],
+        hidden_size=hf["hidden_size"],
+        intermediate_size=hf["intermediate_size"],
+        num_layers=hf["num_hidden_layers"],
+        num_heads=hf["num_attention_heads"],
+        num_kv_heads=hf.get("num_key_value_heads") or hf["num_attention_heads"],
+        head_dim=hf.get("head_dim"),
+        rope_theta=theta,
+        rope_scaling=scaling,
+        rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+        tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        qkv_bias=arch == "qwen2",
+        qk_norm=arch == "qwen3",
+    )
+    return ModelConfig(**{**fields, **overrides})
+
+
+def config_to_hf(cfg: ModelConfig, tokenizer: Tokenizer | None = None) -> dict[str, Any]:
+    """The HF config.json for `cfg` (rope keys in the form transformers 4 and 5 both read)."""
+    hf: dict[str, Any] = {
+        "architectures": [_HF_NAMES[cfg.architecture]],
+        "model_type": cfg.architecture,
+        "vocab_size": cfg.vocab_size,
+        "hidden_size": cfg.hidden_size,
+        "intermediate_size": cfg.intermediate_size,
+        "num_hidden_layers": cfg.num_layers,
+        "num_attention_heads": cfg.num_heads,
+        "num_key_value_heads": cfg.num_kv_heads,
+        "head_dim": cfg.resolved_head_dim,
+        "hidden_act": "silu",
+        "rms_norm_eps": cfg.rms_norm_eps,
+        "rope_theta": cfg.rope_theta,
+        "rope_scaling": None,
+        "tie_word_embeddings": cfg.tie_embeddings,
+        "attention_bias": cfg.qkv_bias,
+        "torch_dtype": "float32",
+    }
+    if cfg.rope_scaling is not None:
+        hf["rope_scaling"] = {"rope_type": "llama3", **dataclasses.asdict(cfg.rope_scaling)}
+    if tokenizer is not None:
+        hf["eos_token_id"] = (
+            list(tokenizer.eos_ids) if len(tokenizer.eos_ids) > 1 else tokenizer.eos_ids[0]
+        )
+        hf["pad_token_id"] = tokenizer.pad_id
+        hf["bos_token_id"] = tokenizer.bos_id
+    return hf
+
+
+# --------------------------------------------------------------------------- tensor names
+
+
+def _hf_variables(model: Policy) -> Iterator[tuple[str, nnx.Variable, bool]]:
+    """(HF tensor name, variable, stored transposed?) for every parameter of `model`."""
+    yield "model.embed_tokens.weight", model.embedding, False
+    for i, layer in enumerate(model.layers):
+        p, attn, mlp = f"model.layers.{i}.", layer.attn, layer.mlp
+        yield p + "input_layernorm.weight", layer.attn_norm, False
+        yield p + "post_attention_layernorm.weight", layer.mlp_norm, False
+        for proj in "qkvo":
+            yield f"{p}self_attn.{proj}_proj.weight", getattr(attn, f"{proj}_kernel"), True
+        if model.cfg.qkv_bias:
+            for proj in "qkv":
+                yield f"{p}self_attn.{proj}_proj.bias", getattr(attn, f"{proj}_bias"), False
+        if model.cfg.qk_norm:
+            yield p + "self_attn.q_norm.weight", attn.q_norm, False
+            yield p + "self_attn.k_norm.weight", attn.k_norm, False
+        for proj in ("gate", "up", "down"):
+            yield f"{p}mlp.{proj}_proj.weight", getattr(mlp, f"{proj}_kernel"), True
+    yield "model.norm.weight", model.final_norm, False
+    if not model.cfg.tie_embeddings:
+        yield "lm_head.weight", model.lm_head, True
+
+
+# --------------------------------------------------------------------------- load
+
+
+def _weight_files(path: Path) -> dict[str, Path]:
+    """Tensor name -> safetensors file, from the index when sharded."""
+    index = path / INDEX_FILE
+    if index.exists():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError) as e:
+            raise CheckpointError(f"{index}: malformed index ({e})") from None
+        return {name: path / file for name, file in weight_map.items()}
+    single = path / "model.safetensors"
+    if not single.exists():
+        raise CheckpointError(f"{path}: no model.safetensors or {INDEX_FILE}")
+    try:
+        with safe_open(single, "numpy") as f:
+            return dict.fromkeys(f.keys(), single)  # noqa: SIM118 (not a dict)
+    except (SafetensorError, OSError) as e:
+        raise CheckpointError(f"{single}: not a readable safetensors file ({e})") from None
+
+
+def _read_json(file: Path) -> dict[str, Any]:
+    try:
+        return json.loads(file.read_text())
+    except FileNotFoundError:
+        raise CheckpointError(f"{file}: missing") from None
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{file}: not valid JSON ({e})") from None
+
+
+def load_tokenizer(path: str | Path) -> Tokenizer:
+    """tokenizer.json plus special ids from generation_config.json / config.json."""
+    path = Path(path)
+    file = path / "tokenizer.json"
+    if not file.exists():
+        raise CheckpointError(f"{file}: missing")
+    try:
+        backend = tokenizers.Tokenizer.from_file(str(file))
+    except Exception as e:  # the tokenizers library raises a bare Exception subclass
+        raise CheckpointError(f"{file}: not a readable tokenizer ({e})") from None
+    hf = _read_json(path / "config.json")
+    gen_file = path / "generation_config.json"
+    gen = _read_json(gen_file) if gen_file.exists() else {}
+    eos = gen.get("eos_token_id", hf.get("eos_token_id"))
+    if eos is None:
+        raise CheckpointError(f"{path}: no eos_token_id in generation_config.json or config.json")
+    eos_ids = eos if isinstance(eos, list) else [eos]
+    return Tokenizer(
+        backend, eos_ids=eos_ids, pad_id=hf.get("pad_token_id"), bos_id=hf.get("bos_token_id")
+    )
+
+
+def load_pretrained(
+    path: str | Path, *, mesh: Mesh | None = None, **config_overrides: Any
+) -> tuple[Policy, Tokenizer]:
+    """Read an HF folder into (Policy, Tokenizer). Parameters are stored float32.
+
+    With `mesh`, each tensor goes straight to its sharding (no full copy on one device).
+    `config_overrides` set ModelConfig fields the checkpoint does not fix (dtype, lm_head_dtype).
+    """
+    path = Path(path)
+    cfg = config_from_hf(_read_json(path / "config.json"), **config_overrides)
+    model = nnx.eval_shape(lambda: Policy(cfg, rngs=nnx.Rngs(0)))
+    files = _weight_files(path)
+    expected = {name for name, _, _ in _hf_variables(model)}
+    unexpected = sorted(
+        n
+        for n in files
+        if n not in expected
+        and not n.endswith(_IGNORED_SUFFIXES)
+        and not (cfg.tie_embeddings and n == "lm_head.weight")
+    )
+    if unexpected:
+        raise CheckpointError(
+            f"{path}: unexpected tensors for {cfg.architecture}: {unexpected[:5]}"
+        )
+    handles: dict[Path, Any] = {}
+    with contextlib.ExitStack() as stack:
+        for name, variable, transposed in _hf_variables(model):
+            if name not in files:
+                raise CheckpointError(f"{path}: missing tensor {name!r}")
+            file = files[name]
+            if file not in handles:
+                try:
+                    handles[file] = stack.enter_context(safe_open(file, "numpy"))
+                except (SafetensorError, OSError) as e:
+                    raise CheckpointError(
+                        f"{file}: not a readable safetensors file ({e})"
+                    ) from None
+            try:
+                array = handles[file].get_tensor(name)
+            except (SafetensorError, OSError) as e:
+                raise CheckpointError(f"{file}: cannot read tensor {name!r} ({e})") from None
+            array = np.asarray(array.T if transposed else array, dtype=np.float32)
+            want = variable.get_value().shape
+            if array.shape != tuple(want):
+                shape = array.T.shape if transposed else array.shape
+                raise CheckpointError(
+                    f"{path}: tensor {name!r} has shape {shape}, expected "
+                    f"{tuple(reversed(want)) if transposed else tuple(want)}"
+                )
+            target = variable_sharding(variable, mesh) if mesh is not None else None
+            variable.set_value(jax.device_put(array, target))
+    return model, load_tokenizer(path)
+
+
+# --------------------------------------------------------------------------- save
+
+
+def save_pretrained(
+    model: Policy,
+    tokenizer: Tokenizer,
+    path: str | Path,
+    *,
+    max_shard_bytes: int | None = None,
+) -> Path:
+    """Write `model` and `tokenizer` as an HF folder (float32 weights); shard above max_shard_bytes."""
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    tensors = {}
+    for name, variable, transposed in _hf_variables(model):
+        array = np.asarray(jax.device_get(variable.get_value()), dtype=np.float32)
+        tensors[name] = np.ascontiguousarray(array.T if transposed else array)
+    shards = _split_shards(tensors, max_shard_bytes)
+    if len(shards) == 1:
+        save_file(shards[0], str(path / "model.safetensors"), metadata={"format": "pt"})
+    else:
+        weight_map = {}
+        for i, shard in enumerate(shards):
+            file = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+            save_file(shard, str(path / file), metadata={"format": "pt"})
+            weight_map.update(dict.fromkeys(shard, file))
+        total = sum(a.nbytes for a in tensors.values())
+        index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+        (path / INDEX_FILE).write_text(json.dumps(index, indent=2))
+    (path / "config.json").write_text(json.dumps(config_to_hf(model.cfg, tokenizer), indent=2))
+    gen = {"eos_token_id": list(tokenizer.eos_ids), "pad_token_id": tokenizer.pad_id}
+    if tokenizer.bos_id is not None:
+        gen["bos_token_id"] = tokenizer.bos_id
+    (path / "generation_config.json").write_text(json.dumps(gen, indent=2))
+    tokenizer.save(path)
+    return path
+
+
+def _split_shards(tensors: dict[str, np.ndarray], max_bytes: int | None) -> list[dict]:
+    if max_bytes is None:
+        return [tensors]
+    shards: list[dict] = [{}]
+    size = 0
+    for name, array in tensors.items():
+        if shards[-1] and size + array.nbytes > max_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][name] = array
+        size += array.nbytes
+    return shards

@@ -1,0 +1,268 @@
+"""Decoder-only policy (Qwen2/Qwen2.5, Qwen3, Llama-3) in Flax NNX, with a true FP32 logits head.
+
+Shape key: B batch, T query tokens, S key tokens, D model, H heads, K kv-heads, E head dim,
+F mlp, V vocab. Kernels are stored [in, out] in float32 and carry logical axis names
+(`logical_axes` metadata) that `sharding.py` maps onto mesh axes.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxrl_scale.config import ModelConfig, RopeScalingConfig
+
+_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+
+
+INIT_STD = 0.02  # normal init of every matrix, as the HF families use
+
+
+def _param(rngs: nnx.Rngs, shape: tuple[int, ...], axes: tuple[str | None, ...]):
+    return nnx.Param(
+        INIT_STD * jax.random.normal(rngs.params(), shape, jnp.float32), logical_axes=axes
+    )
+
+
+def _ones(shape: tuple[int, ...], axes: tuple[str | None, ...]):
+    return nnx.Param(jnp.ones(shape, jnp.float32), logical_axes=axes)
+
+
+def _zeros(shape: tuple[int, ...], axes: tuple[str | None, ...]):
+    return nnx.Param(jnp.zeros(shape, jnp.float32), logical_axes=axes)
+
+
+# --------------------------------------------------------------------------- pieces
+
+
+def rms_norm(x, weight, eps: float, out_dtype):
+    """x * rsqrt(mean(x^2) + eps) * weight, computed in float32 (as HF does)."""
+    x32 = x.astype(jnp.float32)
+    normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    return (weight.astype(jnp.float32) * normed).astype(out_dtype)
+
+
+def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScalingConfig | None):
+    """Inverse frequencies [E/2]; Llama-3 scaling divides low frequencies by `factor` and blends."""
+    inv_freq = 1.0 / (theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))
+    if scaling is None:
+        return inv_freq
+    wavelen = 2 * math.pi / inv_freq
+    low_wavelen = scaling.original_max_position_embeddings / scaling.low_freq_factor
+    high_wavelen = scaling.original_max_position_embeddings / scaling.high_freq_factor
+    smooth = (scaling.original_max_position_embeddings / wavelen - scaling.low_freq_factor) / (
+        scaling.high_freq_factor - scaling.low_freq_factor
+    )
+    blended = (1 - smooth) * inv_freq / scaling.factor + smooth * inv_freq
+    scaled = jnp.where(wavelen > low_wavelen, inv_freq / scaling.factor, inv_freq)
+    is_medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+    return jnp.where(is_medium, blended, scaled)
+
+
+def apply_rope(x_bthe, positions_bt, inv_freq_e2):
+    """Rotate-half RoPE on the last axis; angles in float32."""
+    angles_bte = positions_bt[..., None].astype(jnp.float32) * inv_freq_e2
+    angles_bte = jnp.concatenate([angles_bte, angles_bte], axis=-1)[:, :, None, :]
+    cos, sin = jnp.cos(angles_bte).astype(x_bthe.dtype), jnp.sin(angles_bte).astype(x_bthe.dtype)
+    half = x_bthe.shape[-1] // 2
+    rotated = jnp.concatenate([-x_bthe[..., half:], x_bthe[..., :half]], axis=-1)
+    return x_bthe * cos + rotated * sin
+
+
+def default_positions(mask_bt):
+    """Positions counting only real tokens, so left-padded rows start at 0."""
+    return jnp.maximum(jnp.cumsum(mask_bt.astype(jnp.int32), axis=-1) - 1, 0)
+
+
+def head_logits(h_xd, kernel_dv, head_dtype: str):
+    """LM head -> float32 logits. float32: float32 inputs and accumulation (ScaleRL's FP32 head);
+    bfloat16: a bf16 matmul with bf16 output, cast afterwards (the ablation's other arm)."""
+    dtype = _DTYPES[head_dtype]
+    logits = jnp.einsum(
+        "...d,dv->...v", h_xd.astype(dtype), kernel_dv.astype(dtype), preferred_element_type=dtype
+    )
+    return logits.astype(jnp.float32)
+
+
+# --------------------------------------------------------------------------- modules
+
+
+class Attention(nnx.Module):
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        d, h, k, e = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.resolved_head_dim
+        self.cfg = cfg
+        self.q_kernel = _param(rngs, (d, h * e), ("embed", "heads"))
+        self.k_kernel = _param(rngs, (d, k * e), ("embed", "kv_heads"))
+        self.v_kernel = _param(rngs, (d, k * e), ("embed", "kv_heads"))
+        self.o_kernel = _param(rngs, (h * e, d), ("heads", "embed"))
+        if cfg.qkv_bias:
+            self.q_bias = _zeros((h * e,), ("heads",))
+            self.k_bias = _zeros((k * e,), ("kv_heads",))
+            self.v_bias = _zeros((k * e,), ("kv_heads",))
+        if cfg.qk_norm:
+            self.q_norm = _ones((e,), ("norm",))
+            self.k_norm = _ones((e,), ("norm",))
+
+    def __call__(self, x_btd, positions_bt, mask_bts, inv_freq_e2):
+        cfg = self.cfg
+        dtype = x_btd.dtype
+        b, t, _ = x_btd.shape
+        e = cfg.resolved_head_dim
+
+        def project(kernel, bias_name, heads):
+            y = x_btd @ kernel[...].astype(dtype)
+            if cfg.qkv_bias:
+                y = y + getattr(self, bias_name)[...].astype(dtype)
+            return y.reshape(b, t, heads, e)
+
+        q_bthe = project(self.q_kernel, "q_bias", cfg.num_heads)
+        k_btke = project(self.k_kernel, "k_bias", cfg.num_kv_heads)
+        v_btke = project(self.v_kernel, "v_bias", cfg.num_kv_heads)
+        if cfg.qk_norm:
+            q_bthe = rms_norm(q_bthe, self.q_norm[...], cfg.rms_norm_eps, dtype)
+            k_btke = rms_norm(k_btke, self.k_norm[...], cfg.rms_norm_eps, dtype)
+        q_bthe = apply_rope(q_bthe, positions_bt, inv_freq_e2)
+        k_btke = apply_rope(k_btke, positions_bt, inv_freq_e2)
+        out_bthe = jax.nn.dot_product_attention(
+            q_bthe, k_btke, v_btke, mask=mask_bts[:, None], scale=1.0 / math.sqrt(e)
+        )
+        return out_bthe.reshape(b, t, -1) @ self.o_kernel[...].astype(dtype)
+
+
+class MLP(nnx.Module):
+    """SwiGLU: down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        d, f = cfg.hidden_size, cfg.intermediate_size
+        self.gate_kernel = _param(rngs, (d, f), ("embed", "mlp"))
+        self.up_kernel = _param(rngs, (d, f), ("embed", "mlp"))
+        self.down_kernel = _param(rngs, (f, d), ("mlp", "embed"))
+
+    def __call__(self, x_btd):
+        dtype = x_btd.dtype
+        gate = jax.nn.silu(x_btd @ self.gate_kernel[...].astype(dtype))
+        return (gate * (x_btd @ self.up_kernel[...].astype(dtype))) @ self.down_kernel[...].astype(
+            dtype
+        )
+
+
+class Block(nnx.Module):
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        self.cfg = cfg
+        self.attn_norm = _ones((cfg.hidden_size,), ("norm",))
+        self.attn = Attention(cfg, rngs=rngs)
+        self.mlp_norm = _ones((cfg.hidden_size,), ("norm",))
+        self.mlp = MLP(cfg, rngs=rngs)
+
+    def __call__(self, x_btd, positions_bt, mask_bts, inv_freq_e2):
+        eps, dtype = self.cfg.rms_norm_eps, x_btd.dtype
+        h = rms_norm(x_btd, self.attn_norm[...], eps, dtype)
+        x_btd = x_btd + self.attn(h, positions_bt, mask_bts, inv_freq_e2)
+        h = rms_norm(x_btd, self.mlp_norm[...], eps, dtype)
+        return x_btd + self.mlp(h)
+
+
+class Policy(nnx.Module):
+    """The policy network: tokens [B, T] -> float32 logits [B, T, V].
+
+    `mask_bt` (1 = real token) handles per-row padding; positions default to the count of real
+    tokens before each one, so left-padded prompts see the same positions as unpadded ones.
+    """
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        self.cfg = cfg
+        d, v = cfg.hidden_size, cfg.vocab_size
+        self.embedding = _param(rngs, (v, d), ("vocab", "embed"))
+        self.layers = nnx.List([Block(cfg, rngs=rngs) for _ in range(cfg.num_layers)])
+        self.final_norm = _ones((d,), ("norm",))
+        if not cfg.tie_embeddings:
+            self.lm_head = _param(rngs, (d, v), ("embed", "vocab"))
+
+    @property
+    def compute_dtype(self):
+        return _DTYPES[self.cfg.dtype]
+
+    def hidden_states(self, tokens_bt, *, mask_bt=None, positions_bt=None):
+        """Final-normed hidden states [B, T, D], in float32 when the head is float32."""
+        cfg = self.cfg
+        if mask_bt is None:
+            mask_bt = jnp.ones(tokens_bt.shape, jnp.bool_)
+        mask_bt = mask_bt.astype(jnp.bool_)
+        if positions_bt is None:
+            positions_bt = default_positions(mask_bt)
+        t = tokens_bt.shape[1]
+        causal_ts = jnp.tril(jnp.ones((t, t), jnp.bool_))
+        mask_bts = causal_ts[None] & mask_bt[:, None, :]
+        inv_freq_e2 = rope_inv_freq(cfg.resolved_head_dim, cfg.rope_theta, cfg.rope_scaling)
+
+        x_btd = jnp.take(self.embedding[...], tokens_bt, axis=0).astype(self.compute_dtype)
+        for block in self.layers:
+            x_btd = block(x_btd, positions_bt, mask_bts, inv_freq_e2)
+        return rms_norm(x_btd, self.final_norm[...], cfg.rms_norm_eps, _DTYPES[cfg.lm_head_dtype])
+
+    def head_kernel(self):
+        """Vocabulary projection [D, V] (the transposed embedding when tied)."""
+        return self.embedding[...].T if self.cfg.tie_embeddings else self.lm_head[...]
+
+    def logits(self, h_btd):
+        return head_logits(h_btd, self.head_kernel(), self.cfg.lm_head_dtype)
+
+    def __call__(self, tokens_bt, *, mask_bt=None, positions_bt=None):
+        return self.logits(
+            self.hidden_states(tokens_bt, mask_bt=mask_bt, positions_bt=positions_bt)
+        )
+
+
+def init_policy(cfg: ModelConfig, seed: int = 0) -> Policy:
+    """A randomly initialised policy on the default device (see sharding.init_sharded for meshes)."""
+    return Policy(cfg, rngs=nnx.Rngs(params=seed))
+
+
+# --------------------------------------------------------------------------- log-probs
+
+
+def _chunk_logprobs(h_bcd, targets_bc, kernel_dv, head_dtype: str, temperature: float):
+    logits_bcv = head_logits(h_bcd, kernel_dv, head_dtype) / temperature
+    logz_bc = jax.nn.logsumexp(logits_bcv, axis=-1)
+    picked_bc = jnp.take_along_axis(logits_bcv, targets_bc[..., None], axis=-1)[..., 0]
+    return picked_bc - logz_bc
+
+
+def token_logprobs(
+    model: Policy,
+    tokens_bt,
+    *,
+    mask_bt=None,
+    positions_bt=None,
+    temperature: float = 1.0,
+    chunk_size: int | None = None,
+):
+    """log pi(tokens[:, t] | tokens[:, :t]) as float32 [B, T]; position 0 (no context) is 0.
+
+    The vocabulary projection and log-softmax run over chunks of `chunk_size` positions inside a
+    rematerialised `lax.map`, so the [B, T, V] logits never exist at once, forward or backward.
+    `temperature` divides the logits, matching what a sampler at that temperature draws from.
+    """
+    chunk = chunk_size or model.cfg.logits_chunk_size
+    b, t = tokens_bt.shape
+    h_btd = model.hidden_states(tokens_bt, mask_bt=mask_bt, positions_bt=positions_bt)
+    # Position i predicts token i + 1: score hidden states 0..T-2 against tokens 1..T-1.
+    h_btd, targets_bt = h_btd[:, :-1], tokens_bt[:, 1:]
+    n_chunks = -(-(t - 1) // chunk)
+    pad = n_chunks * chunk - (t - 1)
+    h_btd = jnp.pad(h_btd, ((0, 0), (0, pad), (0, 0)))
+    targets_bt = jnp.pad(targets_bt, ((0, 0), (0, pad)))
+    h_nbcd = h_btd.reshape(b, n_chunks, chunk, -1).swapaxes(0, 1)
+    targets_nbc = targets_bt.reshape(b, n_chunks, chunk).swapaxes(0, 1)
+
+    kernel_dv = model.head_kernel()
+    one_chunk = jax.checkpoint(_chunk_logprobs, static_argnums=(3, 4))
+    logp_nbc = jax.lax.map(
+        lambda xs: one_chunk(*xs, kernel_dv, model.cfg.lm_head_dtype, temperature),
+        (h_nbcd, targets_nbc),
+    )
+    logp_bt = logp_nbc.swapaxes(0, 1).reshape(b, -1)[:, : t - 1]
+    return jnp.pad(logp_bt, ((0, 0), (1, 0)))
