@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import math
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -133,26 +134,49 @@ def config_to_hf(cfg: ModelConfig, tokenizer: Tokenizer | None = None) -> dict[s
 # --------------------------------------------------------------------------- tensor names
 
 
-def _hf_variables(model: Policy) -> Iterator[tuple[str, nnx.Variable, bool]]:
-    """(HF tensor name, variable, stored transposed?) for every parameter of `model`."""
-    yield "model.embed_tokens.weight", model.embedding, False
+def _hf_variables(model: Policy) -> Iterator[tuple[str, nnx.Variable, int]]:
+    """(HF tensor name, variable, n_in) for every parameter of `model`.
+
+    n_in > 0 marks a matmul kernel: its first n_in axes flatten into HF's input dimension and the
+    rest into the output dimension, stored transposed ([out, in]) by HF. n_in = 0: same values,
+    HF's shape is our shape flattened to its own rank (biases [K, E] -> [K * E]).
+    """
+    yield "model.embed_tokens.weight", model.embedding, 0
     for i, layer in enumerate(model.layers):
         p, attn, mlp = f"model.layers.{i}.", layer.attn, layer.mlp
-        yield p + "input_layernorm.weight", layer.attn_norm, False
-        yield p + "post_attention_layernorm.weight", layer.mlp_norm, False
-        for proj in "qkvo":
-            yield f"{p}self_attn.{proj}_proj.weight", getattr(attn, f"{proj}_kernel"), True
+        yield p + "input_layernorm.weight", layer.attn_norm, 0
+        yield p + "post_attention_layernorm.weight", layer.mlp_norm, 0
+        for proj in "qkv":
+            yield f"{p}self_attn.{proj}_proj.weight", getattr(attn, f"{proj}_kernel"), 1
+        yield f"{p}self_attn.o_proj.weight", attn.o_kernel, 2
         if model.cfg.qkv_bias:
             for proj in "qkv":
-                yield f"{p}self_attn.{proj}_proj.bias", getattr(attn, f"{proj}_bias"), False
+                yield f"{p}self_attn.{proj}_proj.bias", getattr(attn, f"{proj}_bias"), 0
         if model.cfg.qk_norm:
-            yield p + "self_attn.q_norm.weight", attn.q_norm, False
-            yield p + "self_attn.k_norm.weight", attn.k_norm, False
+            yield p + "self_attn.q_norm.weight", attn.q_norm, 0
+            yield p + "self_attn.k_norm.weight", attn.k_norm, 0
         for proj in ("gate", "up", "down"):
-            yield f"{p}mlp.{proj}_proj.weight", getattr(mlp, f"{proj}_kernel"), True
-    yield "model.norm.weight", model.final_norm, False
+            yield f"{p}mlp.{proj}_proj.weight", getattr(mlp, f"{proj}_kernel"), 1
+    yield "model.norm.weight", model.final_norm, 0
     if not model.cfg.tie_embeddings:
-        yield "lm_head.weight", model.lm_head, True
+        yield "lm_head.weight", model.lm_head, 1
+
+
+def hf_shape(shape: tuple[int, ...], n_in: int, name: str) -> tuple[int, ...]:
+    """The shape HF stores for a variable of `shape`."""
+    if n_in:
+        return (math.prod(shape[n_in:]), math.prod(shape[:n_in]))
+    return (math.prod(shape),) if name.endswith(".bias") else tuple(shape)
+
+
+def to_hf_layout(array: np.ndarray, n_in: int, name: str) -> np.ndarray:
+    if n_in:
+        return array.reshape(math.prod(array.shape[:n_in]), -1).T
+    return array.reshape(hf_shape(array.shape, n_in, name))
+
+
+def from_hf_layout(array: np.ndarray, n_in: int, shape: tuple[int, ...]) -> np.ndarray:
+    return (array.T if n_in else array).reshape(shape)
 
 
 # --------------------------------------------------------------------------- load
@@ -234,7 +258,7 @@ def load_pretrained(
         )
     handles: dict[Path, Any] = {}
     with contextlib.ExitStack() as stack:
-        for name, variable, transposed in _hf_variables(model):
+        for name, variable, n_in in _hf_variables(model):
             if name not in files:
                 raise CheckpointError(f"{path}: missing tensor {name!r}")
             file = files[name]
@@ -249,14 +273,13 @@ def load_pretrained(
                 array = handles[file].get_tensor(name)
             except (SafetensorError, OSError) as e:
                 raise CheckpointError(f"{file}: cannot read tensor {name!r} ({e})") from None
-            array = np.asarray(array.T if transposed else array, dtype=np.float32)
-            want = variable.get_value().shape
-            if array.shape != tuple(want):
-                shape = array.T.shape if transposed else array.shape
+            want = tuple(variable.get_value().shape)
+            if tuple(array.shape) != hf_shape(want, n_in, name):
                 raise CheckpointError(
-                    f"{path}: tensor {name!r} has shape {shape}, expected "
-                    f"{tuple(reversed(want)) if transposed else tuple(want)}"
+                    f"{path}: tensor {name!r} has shape {tuple(array.shape)}, expected "
+                    f"{hf_shape(want, n_in, name)}"
                 )
+            array = from_hf_layout(np.asarray(array, dtype=np.float32), n_in, want)
             target = variable_sharding(variable, mesh) if mesh is not None else None
             variable.set_value(jax.device_put(array, target))
     return model, load_tokenizer(path)
@@ -272,13 +295,13 @@ def save_pretrained(
     *,
     max_shard_bytes: int | None = None,
 ) -> Path:
-    """Write `model` and `tokenizer` as an HF folder (float32 weights); shard above max_shard_bytes."""
+    """Write `model` and `tokenizer` as an HF folder (float32 weights), sharded if asked."""
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     tensors = {}
-    for name, variable, transposed in _hf_variables(model):
+    for name, variable, n_in in _hf_variables(model):
         array = np.asarray(jax.device_get(variable.get_value()), dtype=np.float32)
-        tensors[name] = np.ascontiguousarray(array.T if transposed else array)
+        tensors[name] = np.ascontiguousarray(to_hf_layout(array, n_in, name))
     shards = _split_shards(tensors, max_shard_bytes)
     if len(shards) == 1:
         save_file(shards[0], str(path / "model.safetensors"), metadata={"format": "pt"})

@@ -94,14 +94,14 @@ class Attention(nnx.Module):
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
         d, h, k, e = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.resolved_head_dim
         self.cfg = cfg
-        self.q_kernel = _param(rngs, (d, h * e), ("embed", "heads"))
-        self.k_kernel = _param(rngs, (d, k * e), ("embed", "kv_heads"))
-        self.v_kernel = _param(rngs, (d, k * e), ("embed", "kv_heads"))
-        self.o_kernel = _param(rngs, (h * e, d), ("heads", "embed"))
+        self.q_kernel = _param(rngs, (d, h, e), ("embed", "heads", "head_dim"))
+        self.k_kernel = _param(rngs, (d, k, e), ("embed", "kv_heads", "head_dim"))
+        self.v_kernel = _param(rngs, (d, k, e), ("embed", "kv_heads", "head_dim"))
+        self.o_kernel = _param(rngs, (h, e, d), ("heads", "head_dim", "embed"))
         if cfg.qkv_bias:
-            self.q_bias = _zeros((h * e,), ("heads",))
-            self.k_bias = _zeros((k * e,), ("kv_heads",))
-            self.v_bias = _zeros((k * e,), ("kv_heads",))
+            self.q_bias = _zeros((h, e), ("heads", "head_dim"))
+            self.k_bias = _zeros((k, e), ("kv_heads", "head_dim"))
+            self.v_bias = _zeros((k, e), ("kv_heads", "head_dim"))
         if cfg.qk_norm:
             self.q_norm = _ones((e,), ("norm",))
             self.k_norm = _ones((e,), ("norm",))
@@ -109,27 +109,25 @@ class Attention(nnx.Module):
     def __call__(self, x_btd, positions_bt, mask_bts, inv_freq_e2):
         cfg = self.cfg
         dtype = x_btd.dtype
-        b, t, _ = x_btd.shape
-        e = cfg.resolved_head_dim
 
-        def project(kernel, bias_name, heads):
-            y = x_btd @ kernel[...].astype(dtype)
+        def project(kernel_dhe, bias_name):
+            y_bthe = jnp.einsum("btd,dhe->bthe", x_btd, kernel_dhe[...].astype(dtype))
             if cfg.qkv_bias:
-                y = y + getattr(self, bias_name)[...].astype(dtype)
-            return y.reshape(b, t, heads, e)
+                y_bthe = y_bthe + getattr(self, bias_name)[...].astype(dtype)
+            return y_bthe
 
-        q_bthe = project(self.q_kernel, "q_bias", cfg.num_heads)
-        k_btke = project(self.k_kernel, "k_bias", cfg.num_kv_heads)
-        v_btke = project(self.v_kernel, "v_bias", cfg.num_kv_heads)
+        q_bthe = project(self.q_kernel, "q_bias")
+        k_btke = project(self.k_kernel, "k_bias")
+        v_btke = project(self.v_kernel, "v_bias")
         if cfg.qk_norm:
             q_bthe = rms_norm(q_bthe, self.q_norm[...], cfg.rms_norm_eps, dtype)
             k_btke = rms_norm(k_btke, self.k_norm[...], cfg.rms_norm_eps, dtype)
         q_bthe = apply_rope(q_bthe, positions_bt, inv_freq_e2)
         k_btke = apply_rope(k_btke, positions_bt, inv_freq_e2)
         out_bthe = jax.nn.dot_product_attention(
-            q_bthe, k_btke, v_btke, mask=mask_bts[:, None], scale=1.0 / math.sqrt(e)
+            q_bthe, k_btke, v_btke, mask=mask_bts[:, None], scale=cfg.resolved_head_dim**-0.5
         )
-        return out_bthe.reshape(b, t, -1) @ self.o_kernel[...].astype(dtype)
+        return jnp.einsum("bthe,hed->btd", out_bthe, self.o_kernel[...].astype(dtype))
 
 
 class MLP(nnx.Module):
@@ -217,7 +215,7 @@ class Policy(nnx.Module):
 
 
 def init_policy(cfg: ModelConfig, seed: int = 0) -> Policy:
-    """A randomly initialised policy on the default device (see sharding.init_sharded for meshes)."""
+    """A randomly initialised policy on one device (sharding.init_sharded builds on a mesh)."""
     return Policy(cfg, rngs=nnx.Rngs(params=seed))
 
 
@@ -242,27 +240,41 @@ def token_logprobs(
 ):
     """log pi(tokens[:, t] | tokens[:, :t]) as float32 [B, T]; position 0 (no context) is 0.
 
-    The vocabulary projection and log-softmax run over chunks of `chunk_size` positions inside a
-    rematerialised `lax.map`, so the [B, T, V] logits never exist at once, forward or backward.
     `temperature` divides the logits, matching what a sampler at that temperature draws from.
+    The [B, T, V] logits never exist at once (see `logprobs_from_hidden`).
     """
-    chunk = chunk_size or model.cfg.logits_chunk_size
-    b, t = tokens_bt.shape
     h_btd = model.hidden_states(tokens_bt, mask_bt=mask_bt, positions_bt=positions_bt)
+    return logprobs_from_hidden(
+        h_btd,
+        tokens_bt,
+        model.head_kernel(),
+        head_dtype=model.cfg.lm_head_dtype,
+        temperature=temperature,
+        chunk_size=chunk_size or model.cfg.logits_chunk_size,
+    )
+
+
+def logprobs_from_hidden(
+    h_btd, tokens_bt, kernel_dv, *, head_dtype: str, temperature: float, chunk_size: int
+):
+    """Per-token log-probs from final hidden states, `chunk_size` positions at a time.
+
+    Each chunk's projection and log-softmax run inside a rematerialised `lax.map` body, so only
+    one [B, chunk, V] block of logits is live at a time, in the forward and the backward pass.
+    """
+    b, t = tokens_bt.shape
     # Position i predicts token i + 1: score hidden states 0..T-2 against tokens 1..T-1.
     h_btd, targets_bt = h_btd[:, :-1], tokens_bt[:, 1:]
-    n_chunks = -(-(t - 1) // chunk)
-    pad = n_chunks * chunk - (t - 1)
+    n_chunks = -(-(t - 1) // chunk_size)
+    pad = n_chunks * chunk_size - (t - 1)
     h_btd = jnp.pad(h_btd, ((0, 0), (0, pad), (0, 0)))
     targets_bt = jnp.pad(targets_bt, ((0, 0), (0, pad)))
-    h_nbcd = h_btd.reshape(b, n_chunks, chunk, -1).swapaxes(0, 1)
-    targets_nbc = targets_bt.reshape(b, n_chunks, chunk).swapaxes(0, 1)
+    h_nbcd = h_btd.reshape(b, n_chunks, chunk_size, -1).swapaxes(0, 1)
+    targets_nbc = targets_bt.reshape(b, n_chunks, chunk_size).swapaxes(0, 1)
 
-    kernel_dv = model.head_kernel()
     one_chunk = jax.checkpoint(_chunk_logprobs, static_argnums=(3, 4))
     logp_nbc = jax.lax.map(
-        lambda xs: one_chunk(*xs, kernel_dv, model.cfg.lm_head_dtype, temperature),
-        (h_nbcd, targets_nbc),
+        lambda xs: one_chunk(*xs, kernel_dv, head_dtype, temperature), (h_nbcd, targets_nbc)
     )
     logp_bt = logp_nbc.swapaxes(0, 1).reshape(b, -1)[:, : t - 1]
     return jnp.pad(logp_bt, ((0, 0), (1, 0)))

@@ -24,6 +24,7 @@ LOGICAL_RULES: dict[str, str | tuple[str, ...] | None] = {
     "embed": "fsdp",
     "heads": "tensor",
     "kv_heads": "tensor",
+    "head_dim": None,
     "mlp": "tensor",
     "norm": None,
 }

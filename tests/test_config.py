@@ -1,0 +1,86 @@
+import pytest
+from conftest import ROOT
+
+from jaxrl_scale.config import ConfigError, ExperimentConfig, RopeScalingConfig, load_config
+
+DEMO = ROOT / "configs" / "demo.yaml"
+
+
+def test_demo_yaml_loads_into_typed_config():
+    cfg = load_config(DEMO)
+    assert isinstance(cfg, ExperimentConfig)
+    assert cfg.model.architecture == "qwen2"
+    assert cfg.model.qkv_bias is True
+    assert cfg.mesh.data == -1
+
+
+def test_overrides_set_nested_values_and_parse_yaml_scalars():
+    cfg = load_config(
+        DEMO,
+        ["model.num_layers=3", "model.rms_norm_eps=1e-5", "seed=7", "model.lm_head_dtype=bfloat16"],
+    )
+    assert cfg.model.num_layers == 3
+    assert cfg.model.rms_norm_eps == pytest.approx(1e-5)  # "1e-5" is a string to YAML 1.1
+    assert cfg.seed == 7
+    assert cfg.model.lm_head_dtype == "bfloat16"
+
+
+def test_override_can_create_optional_section():
+    cfg = load_config(DEMO, ["model.rope_scaling.factor=4"])
+    assert cfg.model.rope_scaling == RopeScalingConfig(factor=4.0)
+
+
+def test_config_is_frozen():
+    cfg = load_config(DEMO)
+    with pytest.raises(AttributeError):
+        cfg.seed = 3
+
+
+def test_typo_names_key_and_closest_valid_key():
+    with pytest.raises(ConfigError, match=r"'model\.num_layer'.*did you mean 'model\.num_layers'"):
+        load_config(DEMO, ["model.num_layer=3"])
+
+
+def test_unknown_section_is_an_error():
+    with pytest.raises(ConfigError, match=r"unknown config key 'modle'.*did you mean 'model'"):
+        load_config(DEMO, ["modle.num_layers=3"])
+
+
+@pytest.mark.parametrize(
+    "override, key",
+    [
+        ("model.num_layers=three", "model.num_layers"),
+        ("model.dtype=float16", "model.dtype"),
+        ("model.tie_embeddings=[1, 2]", "model.tie_embeddings"),
+        ("seed=1.5", "seed"),
+    ],
+)
+def test_wrong_type_names_key(override, key):
+    with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
+        load_config(DEMO, [override])
+
+
+@pytest.mark.parametrize(
+    "override, key",
+    [
+        ("model.vocab_size=0", "model.vocab_size"),
+        ("model.num_kv_heads=3", "model.num_kv_heads"),
+        ("model.rms_norm_eps=-1", "model.rms_norm_eps"),
+        ("mesh.tensor=0", "mesh.tensor"),
+        ("model.rope_scaling.factor=0.5", "model.rope_scaling.factor"),
+    ],
+)
+def test_out_of_range_names_key(override, key):
+    with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
+        load_config(DEMO, [override])
+
+
+def test_malformed_override_and_yaml(tmp_path):
+    with pytest.raises(ConfigError, match="key.path=value"):
+        load_config(DEMO, ["model.num_layers"])
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("model: [unclosed\n")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_config(bad)
+    with pytest.raises(ConfigError, match="'seed' is not a section"):
+        load_config(DEMO, ["seed.x=1"])

@@ -1,0 +1,157 @@
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import HF_FIXTURES
+from flax import nnx
+from safetensors.numpy import load_file
+
+from jaxrl_scale.config import RopeScalingConfig
+from jaxrl_scale.hf import load_pretrained
+from jaxrl_scale.model import init_policy, logprobs_from_hidden, rope_inv_freq, token_logprobs
+
+ARCHES = ["qwen2", "qwen3", "llama"]
+
+
+def _naive_logprobs(model, tokens, temperature=1.0, mask=None):
+    logp = jax.nn.log_softmax(model(tokens, mask_bt=mask) / temperature, axis=-1)
+    picked = jnp.take_along_axis(logp[:, :-1], tokens[:, 1:, None], axis=-1)[..., 0]
+    return jnp.pad(picked, ((0, 0), (1, 0)))
+
+
+# --------------------------------------------------------------------------- HF parity
+
+
+@pytest.mark.parametrize("arch", ARCHES)
+def test_logits_match_transformers_reference(arch):
+    model, _ = load_pretrained(HF_FIXTURES / arch)
+    ref = load_file(str(HF_FIXTURES / arch / "reference.safetensors"))
+    logits = np.asarray(model(jnp.asarray(ref["tokens"])))
+    assert logits.dtype == np.float32
+    assert logits.shape == ref["logits"].shape
+    assert np.abs(logits - ref["logits"]).max() < 1e-4
+    np.testing.assert_array_equal(logits.argmax(-1), ref["logits"].argmax(-1))
+
+
+@pytest.mark.parametrize("arch", ARCHES)
+def test_left_padded_rows_match_transformers_reference(arch):
+    model, _ = load_pretrained(HF_FIXTURES / arch)
+    ref = load_file(str(HF_FIXTURES / arch / "reference.safetensors"))
+    mask = ref["padded_mask"].astype(bool)
+    logits = np.asarray(model(jnp.asarray(ref["padded_tokens"]), mask_bt=jnp.asarray(mask)))
+    assert np.isfinite(logits).all()
+    assert np.abs(logits - ref["padded_logits"])[mask].max() < 1e-4
+
+
+def test_padding_does_not_change_real_tokens(tiny_model_config):
+    model = init_policy(tiny_model_config, seed=1)
+    tokens = jnp.array([[5, 9, 11, 3, 7]])
+    padded = jnp.array([[0, 0, 5, 9, 11, 3, 7]])
+    mask = jnp.array([[0, 0, 1, 1, 1, 1, 1]])
+    np.testing.assert_allclose(model(padded, mask_bt=mask)[:, 2:], model(tokens), atol=1e-5)
+
+
+def test_llama3_rope_scaling_by_hand():
+    # head_dim 8, theta 10_000: inv_freq = 10000 ** (-[0, 2, 4, 6] / 8) = [1, 0.1, 0.01, 0.001];
+    # wavelengths 2*pi/f = [6.28, 62.8, 628, 6283]. With original context 64, low factor 1, high
+    # factor 4: low_wavelen 64, high_wavelen 16. f0 is high-frequency (kept), f2, f3 are
+    # low-frequency (divided by factor 8), f1 is medium: smooth = (64 / 62.83 - 1) / 3 = 0.006226,
+    # blended = (1 - smooth) * 0.1 / 8 + smooth * 0.1 = 0.0130448.
+    scaling = RopeScalingConfig(factor=8, original_max_position_embeddings=64)
+    got = np.asarray(rope_inv_freq(8, 10_000.0, scaling))
+    smooth = (64 / (2 * np.pi / 0.1) - 1) / 3
+    want = [1.0, (1 - smooth) * 0.1 / 8 + smooth * 0.1, 0.01 / 8, 0.001 / 8]
+    np.testing.assert_allclose(got, want, rtol=1e-5)
+
+
+# --------------------------------------------------------------------------- log-probs
+
+
+@pytest.mark.parametrize("chunk", [1, 4, 7, 64])
+def test_token_logprobs_match_full_log_softmax(chunk):
+    model, _ = load_pretrained(HF_FIXTURES / "qwen3")
+    tokens = jnp.asarray(load_file(str(HF_FIXTURES / "qwen3" / "reference.safetensors"))["tokens"])
+    got = token_logprobs(model, tokens, chunk_size=chunk, temperature=0.7)
+    want = _naive_logprobs(model, tokens, temperature=0.7)
+    assert got.shape == tokens.shape and got.dtype == jnp.float32
+    assert np.all(np.asarray(got[:, 0]) == 0)
+    np.testing.assert_allclose(got, want, atol=1e-5)
+
+
+def test_token_logprobs_gradient_matches_naive(tiny_model_config):
+    model = init_policy(tiny_model_config, seed=2)
+    tokens = jax.random.randint(jax.random.key(0), (2, 11), 0, tiny_model_config.vocab_size)
+    weights = jax.random.normal(jax.random.key(1), tokens.shape)
+
+    def loss(fn):
+        return lambda m: jnp.sum(fn(m) * weights)
+
+    g_chunked = nnx.grad(loss(lambda m: token_logprobs(m, tokens, chunk_size=3)))(model)
+    g_naive = nnx.grad(loss(lambda m: _naive_logprobs(m, tokens)))(model)
+    for a, b in zip(jax.tree.leaves(g_chunked), jax.tree.leaves(g_naive), strict=True):
+        np.testing.assert_allclose(a, b, atol=1e-5)
+
+
+def test_jit_matches_eager(tiny_model_config):
+    model = init_policy(tiny_model_config, seed=3)
+    tokens = jax.random.randint(jax.random.key(2), (3, 9), 0, tiny_model_config.vocab_size)
+    jitted = nnx.jit(lambda m, t: token_logprobs(m, t))(model, tokens)
+    np.testing.assert_allclose(jitted, token_logprobs(model, tokens), atol=1e-6)
+
+
+def test_logprob_temp_memory_is_bounded_as_length_grows():
+    """XLA's compiled memory analysis of forward+backward at Qwen's vocabulary (V = 151,936):
+    chunked temp memory stays flat as T grows 16x, far below one copy of the [B, T, V] logits."""
+    vocab, d, chunk = 151_936, 64, 256
+
+    def grad_fn(h, tokens, kernel):
+        def loss(h, kernel):
+            return logprobs_from_hidden(
+                h, tokens, kernel, head_dtype="float32", temperature=1.0, chunk_size=chunk
+            ).sum()
+
+        return jax.grad(loss, argnums=(0, 1))(h, kernel)
+
+    temps = {}
+    for t in (512, 8192):
+        args = (
+            jax.ShapeDtypeStruct((1, t, d), jnp.float32),
+            jax.ShapeDtypeStruct((1, t), jnp.int32),
+            jax.ShapeDtypeStruct((d, vocab), jnp.float32),
+        )
+        temps[t] = jax.jit(grad_fn).lower(*args).compile().memory_analysis().temp_size_in_bytes
+    full_logits_8192 = 8192 * vocab * 4
+    assert temps[8192] < full_logits_8192 / 10, temps
+    # What grows with T is O(T * D) (hidden states and their gradient), not O(T * V).
+    assert temps[8192] - temps[512] < 16 * 8192 * d * 4, temps
+
+
+# --------------------------------------------------------------------------- dtypes
+
+
+def test_parameters_stay_float32_under_bf16_compute(tiny_model_config):
+    cfg = dataclasses.replace(tiny_model_config, dtype="bfloat16")
+    model = init_policy(cfg)
+    assert {p.dtype for p in jax.tree.leaves(nnx.state(model, nnx.Param))} == {jnp.dtype("float32")}
+    tokens = jnp.arange(12).reshape(2, 6)
+    logits = model(tokens)
+    assert logits.dtype == jnp.float32
+    ref = init_policy(tiny_model_config)(tokens)
+    np.testing.assert_allclose(logits, ref, atol=0.05)  # bf16 compute, close but not exact
+
+
+def test_fp32_head_is_float32_accurate_and_bf16_head_is_not(tiny_model_config):
+    """The FP32 head is float32 maths on float32 inputs, not bf16 logits cast afterwards."""
+    base = dataclasses.replace(tiny_model_config, dtype="bfloat16", vocab_size=512)
+    h = jax.random.normal(jax.random.key(0), (2, 5, base.hidden_size))
+    errors = {}
+    for head in ("float32", "bfloat16"):
+        model = init_policy(dataclasses.replace(base, lm_head_dtype=head))
+        exact = np.asarray(h, np.float64) @ np.asarray(model.head_kernel(), np.float64)
+        logits = model.logits(h)
+        assert logits.dtype == jnp.float32
+        errors[head] = np.abs(np.asarray(logits) - exact).max()
+    assert errors["float32"] < 1e-5
+    assert errors["bfloat16"] > 100 * errors["float32"]
