@@ -111,7 +111,6 @@ def config_to_hf(cfg: ModelConfig, tokenizer: Tokenizer | None = None) -> dict[s
         "num_hidden_layers": cfg.num_layers,
         "num_attention_heads": cfg.num_heads,
         "num_key_value_heads": cfg.num_kv_heads,
-        "head_dim": cfg.resolved_head_dim,
         "hidden_act": "silu",
         "rms_norm_eps": cfg.rms_norm_eps,
         "rope_theta": cfg.rope_theta,
@@ -120,6 +119,8 @@ def config_to_hf(cfg: ModelConfig, tokenizer: Tokenizer | None = None) -> dict[s
         "attention_bias": cfg.qkv_bias,
         "torch_dtype": "float32",
     }
+    if cfg.head_dim is not None:
+        hf["head_dim"] = cfg.head_dim
     if cfg.rope_scaling is not None:
         hf["rope_scaling"] = {"rope_type": "llama3", **dataclasses.asdict(cfg.rope_scaling)}
     if tokenizer is not None:
