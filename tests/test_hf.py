@@ -63,7 +63,9 @@ def test_missing_tensor_is_named(tmp_path):
     tensors = load_file(str(path / "model.safetensors"))
     del tensors["model.layers.1.self_attn.k_norm.weight"]
     save_file(tensors, str(path / "model.safetensors"))
-    with pytest.raises(CheckpointError, match=r"missing tensor 'model\.layers\.1\.self_attn\.k_norm"):
+    with pytest.raises(
+        CheckpointError, match=r"missing tensor 'model\.layers\.1\.self_attn\.k_norm"
+    ):
         load_pretrained(path)
 
 
@@ -72,7 +74,9 @@ def test_shape_mismatch_is_named(tmp_path):
     tensors = load_file(str(path / "model.safetensors"))
     tensors["model.layers.0.mlp.up_proj.weight"] = np.zeros((95, 64), np.float32)
     save_file(tensors, str(path / "model.safetensors"))
-    with pytest.raises(CheckpointError, match=r"'model\.layers\.0\.mlp\.up_proj\.weight'.*\(96, 64\)"):
+    with pytest.raises(
+        CheckpointError, match=r"'model\.layers\.0\.mlp\.up_proj\.weight'.*\(96, 64\)"
+    ):
         load_pretrained(path)
 
 
