@@ -1,0 +1,169 @@
+"""Curve data in: validation of (compute, reward) points, and CSV / JSONL / run-directory loading.
+
+Bad input is an error naming what is wrong (which point, which column, which line); repairable
+input (unsorted points, repeated compute values) is repaired with a `CurveDataWarning` saying so.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+MIN_POINTS = 4
+
+
+class CurveDataError(ValueError):
+    """Curve data cannot be fitted; the message names the curve and the offending point."""
+
+
+class CurveDataWarning(UserWarning):
+    """Curve data was repaired (sorted, duplicates averaged, early points dropped)."""
+
+
+@dataclass(frozen=True)
+class Curve:
+    name: str
+    compute: np.ndarray  # [P] float64, strictly increasing, > 0
+    reward: np.ndarray  # [P] float64
+
+
+def clean_curve(
+    compute,
+    reward,
+    *,
+    name: str = "curve",
+    a_max: float | None = 1.0,
+    c_min: float | None = None,
+) -> Curve:
+    """Validate and tidy one curve.
+
+    Errors: mismatched shapes, NaN/inf, compute <= 0, rewards outside [0, a_max] (when a_max is
+    given), fewer than 4 distinct compute values. Repairs, with a warning: points sorted by
+    compute, rewards at a repeated compute value averaged, points below `c_min` dropped.
+    """
+    c = np.asarray(compute, dtype=np.float64)
+    r = np.asarray(reward, dtype=np.float64)
+    if c.ndim != 1 or c.shape != r.shape:
+        raise CurveDataError(
+            f"{name}: compute and reward must be 1-D of one length, got {c.shape} and {r.shape}"
+        )
+    for label, arr in (("compute", c), ("reward", r)):
+        bad = np.flatnonzero(~np.isfinite(arr))
+        if bad.size:
+            raise CurveDataError(f"{name}: {label}[{bad[0]}] is {arr[bad[0]]} (must be finite)")
+    bad = np.flatnonzero(c <= 0)
+    if bad.size:
+        raise CurveDataError(f"{name}: compute[{bad[0]}] = {c[bad[0]]} (compute must be > 0)")
+    if a_max is not None:
+        bad = np.flatnonzero((r < 0) | (r > a_max))
+        if bad.size:
+            raise CurveDataError(
+                f"{name}: reward[{bad[0]}] = {r[bad[0]]} is outside [0, {a_max}] "
+                "(set a_max for a metric with another range)"
+            )
+    if c_min is not None:
+        keep = c >= c_min
+        if not keep.all():
+            warnings.warn(
+                f"{name}: dropped {int((~keep).sum())} points with compute < {c_min}",
+                CurveDataWarning,
+                stacklevel=2,
+            )
+        c, r = c[keep], r[keep]
+    if np.any(np.diff(c) < 0):
+        warnings.warn(
+            f"{name}: points were not sorted by compute; sorted them",
+            CurveDataWarning,
+            stacklevel=2,
+        )
+        order = np.argsort(c, kind="stable")
+        c, r = c[order], r[order]
+    unique, inverse, counts = np.unique(c, return_inverse=True, return_counts=True)
+    if unique.size < c.size:
+        repeated = unique[counts > 1]
+        warnings.warn(
+            f"{name}: {repeated.size} compute values appear more than once "
+            f"(first: {repeated[0]:g}); averaged their rewards",
+            CurveDataWarning,
+            stacklevel=2,
+        )
+        r = np.bincount(inverse, weights=r) / counts
+        c = unique
+    if c.size < MIN_POINTS:
+        raise CurveDataError(
+            f"{name}: {c.size} distinct points; a sigmoid fit needs at least {MIN_POINTS}"
+        )
+    return Curve(name, c, r)
+
+
+# --------------------------------------------------------------------------- files
+
+
+def _number(value, where: str) -> float | None:
+    """A cell's numeric value; None for an empty cell or JSON null."""
+    if value is None or (isinstance(value, str) and not value.strip()):
+        return None
+    if isinstance(value, bool):
+        raise CurveDataError(f"{where}: expected a number, got {value!r}")
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        raise CurveDataError(f"{where}: expected a number, got {value!r}") from None
+
+
+def _rows(path: Path) -> list[tuple[str, dict]]:
+    """(location, row) pairs from a CSV or JSONL file."""
+    if path.suffix.lower() == ".csv":
+        with path.open(newline="") as f:
+            return [(f"{path}:{i + 2}", row) for i, row in enumerate(csv.DictReader(f))]
+    rows = []
+    with path.open() as f:
+        for i, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise CurveDataError(f"{path}:{i}: not valid JSON ({e.msg})") from None
+            if not isinstance(row, dict):
+                raise CurveDataError(f"{path}:{i}: expected a JSON object per line")
+            rows.append((f"{path}:{i}", row))
+    return rows
+
+
+def load_curve(
+    path: str | Path,
+    *,
+    x: str = "compute_flops",
+    y: str = "eval_pass_rate",
+    a_max: float | None = 1.0,
+    c_min: float | None = None,
+) -> Curve:
+    """Read one curve from a CSV file, a JSONL file or a run directory (its metrics.jsonl).
+
+    Rows lacking either column (e.g. training steps without an evaluation) are skipped; a column
+    that no row has is an error listing the columns that exist.
+    """
+    path = Path(path)
+    file = path / "metrics.jsonl" if path.is_dir() else path
+    if not file.exists():
+        raise CurveDataError(f"{file}: no such file")
+    rows = _rows(file)
+    seen: set[str] = set()
+    cs, rs = [], []
+    for where, row in rows:
+        seen.update(row)
+        cx, ry = _number(row.get(x), f"{where}: {x}"), _number(row.get(y), f"{where}: {y}")
+        if cx is not None and ry is not None:
+            cs.append(cx)
+            rs.append(ry)
+    for col in (x, y):
+        if col not in seen:
+            raise CurveDataError(f"{file}: no column {col!r} (columns: {', '.join(sorted(seen))})")
+    name = path.name if path.is_dir() else path.stem
+    return clean_curve(np.array(cs), np.array(rs), name=name, a_max=a_max, c_min=c_min)

@@ -1,0 +1,334 @@
+"""Least-squares fits of the ScaleRL sigmoid, one curve or thousands at once.
+
+Shapes: N curves, P points per curve, K = 4 solver parameters, G grid starts.
+
+The fit works in log-compute, standardised per curve: x = (ln C - mean) / std, where the curve is
+R = r0 + (A - r0) * logistic(beta * (x - m)); then B = beta / std and C_mid = exp(mean + std * m).
+Bounds become smooth reparameterisations, theta = (u_a, u_b, m, u_r):
+
+    r0 = top - softplus(u_r)                  (top = A when A is held fixed, else a_max)
+    A  = r0 + (a_max - r0) * logistic(u_a)    so r0 < A < a_max
+    beta = exp(u_b)                           so B > 0
+
+Starts come from variable projection: for fixed (beta, m) the curve is linear in (r0, A), so a
+G-point grid over (beta, m) is solved in closed form and the best point seeds Levenberg-Marquardt.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxrl_scale.fit.curves import sigmoid
+from jaxrl_scale.fit.solver import implicit_solution, levenberg_marquardt, stationarity
+
+BETA_GRID = np.geomspace(0.25, 24.0, 10)  # steepness in standardised log-compute units
+M_GRID = np.linspace(-2.5, 4.0, 19)  # midpoint; data sits in about [-1.7, 1.7]
+GTOL = 1e-3  # stationarity (residual-Jacobian cosine) below which a fit counts as converged
+
+
+@dataclasses.dataclass(frozen=True)
+class FitSpec:
+    """What is free in a fit (static under jit)."""
+
+    a_max: float = 1.0
+    fit_r0: bool = True
+    fit_a: bool = True
+    n_iter: int = 20
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class FitResult:
+    """Fitted parameters and diagnostics; every field is [] for one curve or [N] for a batch."""
+
+    a: jax.Array
+    b: jax.Array
+    c_mid: jax.Array
+    r0: jax.Array
+    converged: jax.Array  # finite, and the residual is orthogonal to the curve's tangent space
+    identifiable: jax.Array  # converged and the data reach the inflection (C_mid <= max C)
+    rmse: jax.Array  # weighted root-mean-square residual
+    stationarity: jax.Array  # max |cos(residual, Jacobian column)|; 0 at an exact optimum
+
+    def predict(self, c):
+        """R at compute `c`; shape fields.shape + c.shape."""
+        c = jnp.asarray(c)
+        expand = lambda x: jnp.reshape(x, jnp.shape(x) + (1,) * c.ndim)  # noqa: E731
+        return sigmoid(c, expand(self.a), expand(self.b), expand(self.c_mid), expand(self.r0))
+
+
+# --------------------------------------------------------------------------- one curve
+
+
+def _unpack(theta, r0_fixed, a_fixed, spec: FitSpec):
+    u_a, u_b, m, u_r = theta[0], theta[1], theta[2], theta[3]
+    top = spec.a_max if spec.fit_a else a_fixed
+    r0 = top - jax.nn.softplus(u_r) if spec.fit_r0 else r0_fixed
+    a = r0 + (spec.a_max - r0) * jax.nn.sigmoid(u_a) if spec.fit_a else a_fixed
+    return a, jnp.exp(u_b), m, r0
+
+
+def _residual_and_columns(theta, x, y, w, r0_fixed, a_fixed, spec: FitSpec):
+    """Weighted residual sqrt(w) * (curve - y) [P] and the 4 Jacobian columns [P], in closed
+    form (one exp per point; a held parameter's column is zero)."""
+    u_a, u_b, m, u_r = theta[0], theta[1], theta[2], theta[3]
+    beta = jnp.exp(u_b)
+    top = spec.a_max if spec.fit_a else a_fixed
+    r0 = top - jax.nn.softplus(u_r) if spec.fit_r0 else r0_fixed
+    sig_a = jax.nn.sigmoid(u_a)
+    span = (spec.a_max - r0) * sig_a if spec.fit_a else a_fixed - r0
+    s = jax.nn.sigmoid(beta * (x - m))
+    q = s * (1.0 - s)
+    sqrt_w = jnp.sqrt(w)
+    zero = jnp.zeros_like(s)
+    d_ua = (spec.a_max - r0) * sig_a * (1.0 - sig_a) * s if spec.fit_a else zero
+    d_ub = span * q * (x - m) * beta
+    d_m = -span * q * beta
+    # d r0 / d u_r = -sigmoid(u_r), times d curve / d r0 at fixed u_a.
+    d_r0 = 1.0 - (sig_a * s if spec.fit_a else s)
+    d_ur = -jax.nn.sigmoid(u_r) * d_r0 if spec.fit_r0 else zero
+    residual = sqrt_w * (r0 + span * s - y)
+    return residual, tuple(sqrt_w * d for d in (d_ua, d_ub, d_m, d_ur))
+
+
+def _residual_and_jac(theta, x, y, w, r0_fixed, a_fixed, spec: FitSpec):
+    residual, columns = _residual_and_columns(theta, x, y, w, r0_fixed, a_fixed, spec)
+    return residual, jnp.stack(columns, axis=-1)
+
+
+def _optimality(theta, x, y, w, r0_fixed, a_fixed, spec: FitSpec):
+    """J^T r on free parameters; theta itself on held ones (the solver leaves those at 0)."""
+    r, j = _residual_and_jac(theta, x, y, w, r0_fixed, a_fixed, spec)
+    free = jnp.array([spec.fit_a, True, True, spec.fit_r0])
+    return jnp.where(free, j.T @ r, theta)
+
+
+def _grid_start(x, y, w, r0_fixed, a_fixed, spec: FitSpec):
+    """Best (beta, m) on the grid with (r0, A) solved in closed form, as a theta.
+
+    For fixed (beta, m) the curve is r0 * (1 - s) + A * s with s = logistic(beta * (x - m)), so
+    every weighted sum the 2 x 2 least-squares problem needs is a [G, P] @ [P] product: cheap,
+    and when x is shared across a vmap batch (bootstrap) the [G, P] sigmoids are computed once.
+    """
+    beta_g, m_g = (jnp.asarray(g, x.dtype).ravel() for g in np.meshgrid(BETA_GRID, M_GRID))
+    s_gp = jax.nn.sigmoid(beta_g[:, None] * (x[None, :] - m_g[:, None]))
+    # Centre the rewards so the expanded sum of squares below does not cancel in float32.
+    w_sum = jnp.sum(w)
+    y_mean = jnp.sum(w * y) / w_sum
+    yc = y - y_mean
+    sw, ssw, syw = s_gp @ w, (s_gp * s_gp) @ w, s_gp @ (w * yc)
+    # Weighted sums over u = 1 - s and v = s.
+    uu, uv, vv = w_sum - 2 * sw + ssw, sw - ssw, ssw
+    uy, vy = -syw, syw  # sum(w * yc) = 0
+    tiny = 1e-12
+    shape = beta_g.shape
+    if spec.fit_a and spec.fit_r0:  # normal equations for (r0, A) by Cramer's rule
+        det = uu * vv - uv * uv + tiny
+        r0, a = (uy * vv - vy * uv) / det, (vy * uu - uy * uv) / det
+    elif spec.fit_a:
+        r0 = jnp.broadcast_to(r0_fixed - y_mean, shape)
+        a = (vy - r0 * uv) / (vv + tiny)
+    elif spec.fit_r0:
+        a = jnp.broadcast_to(a_fixed - y_mean, shape)
+        r0 = (uy - a * uv) / (uu + tiny)
+    else:
+        r0 = jnp.broadcast_to(r0_fixed - y_mean, shape)
+        a = jnp.broadcast_to(a_fixed - y_mean, shape)
+    # Respect the bounds r0 < A <= a_max and keep a free r0 within one data range below the
+    # lowest reward: a nearly flat sigmoid over the data makes (r0, A) ill-conditioned.
+    present = w > 0
+    y_lo = jnp.min(jnp.where(present, yc, jnp.inf))
+    y_hi = jnp.max(jnp.where(present, yc, -jnp.inf))
+    if spec.fit_a:  # A above its bound: hold it there and re-solve r0 for that A
+        over = a > spec.a_max - y_mean
+        a = jnp.where(over, spec.a_max - y_mean, a)
+        if spec.fit_r0:
+            r0 = jnp.where(over, (uy - a * uv) / (uu + tiny), r0)
+    if spec.fit_r0:
+        r0 = jnp.clip(r0, y_lo - (y_hi - y_lo), a - 1e-4)
+    if spec.fit_a:
+        a = jnp.maximum(a, r0 + 1e-4)
+    sse = r0 * r0 * uu + 2 * r0 * a * uv + a * a * vv - 2 * r0 * uy - 2 * a * vy
+    best = jnp.argmin(jnp.where(jnp.isfinite(sse), sse, jnp.inf))
+    a, r0, beta, m = a[best] + y_mean, r0[best] + y_mean, beta_g[best], m_g[best]
+    # Start strictly inside the bounds, where the gradient in u_a is alive.
+    frac = jnp.clip((a - r0) / (spec.a_max - r0), 0.02, 0.98)
+    u_a = jnp.log(frac) - jnp.log1p(-frac) if spec.fit_a else jnp.zeros((), x.dtype)
+    top = spec.a_max if spec.fit_a else a_fixed
+    gap = jnp.maximum(top - r0, 1e-4)
+    u_r = gap + jnp.log(-jnp.expm1(-gap)) if spec.fit_r0 else jnp.zeros((), x.dtype)
+    return jnp.stack([u_a, jnp.log(beta), m, u_r]).astype(x.dtype)
+
+
+def _solve(theta_init, x, y, w, r0_fixed, a_fixed, spec: FitSpec):
+    del theta_init  # the start comes from the grid; custom_root needs the argument
+    theta0 = _grid_start(x, y, w, r0_fixed, a_fixed, spec)
+    residual_and_columns = functools.partial(_residual_and_columns, spec=spec)
+    return levenberg_marquardt(
+        residual_and_columns, theta0, x, y, w, r0_fixed, a_fixed, n_iter=spec.n_iter
+    ).theta
+
+
+def _fit_standardised(x, y, w, r0_fixed, a_fixed, spec: FitSpec):
+    """One curve in standardised log-compute: (A, beta, m, r0, rmse, stationarity)."""
+    # Closures, not partials: custom_root would treat a partial's keywords as array arguments.
+    solve = implicit_solution(
+        lambda theta, *args: _solve(theta, *args, spec),
+        lambda theta, *args: _optimality(theta, *args, spec),
+    )
+    theta = solve(jnp.zeros(4, x.dtype), x, y, w, r0_fixed, a_fixed)
+    a, beta, m, r0 = _unpack(theta, r0_fixed, a_fixed, spec)
+    r, j = _residual_and_jac(jax.lax.stop_gradient(theta), x, y, w, r0_fixed, a_fixed, spec)
+    finite = jnp.all(jnp.isfinite(theta))
+    rmse = jnp.sqrt(jnp.sum(r * r) / jnp.sum(w))
+    cosine = jnp.where(finite, stationarity(r, j), jnp.inf)
+    return a, beta, m, jnp.asarray(r0, a.dtype), rmse, cosine
+
+
+@functools.partial(jax.jit, static_argnames="spec")
+def fit_batch(log_c, y, w, r0_fixed, a_fixed, spec: FitSpec) -> FitResult:
+    """Fit N curves: ln C [P] (shared by all) or [N, P], rewards and weights [N, P] (weight 0 =
+    absent point; bootstrap counts are weights), held r0 / A values [N]. Differentiable."""
+    shared = log_c.ndim == 1
+    present = jnp.any(w > 0, axis=0) if shared else w > 0
+    n = jnp.sum(present, axis=-1, keepdims=True)
+    mean = jnp.sum(jnp.where(present, log_c, 0.0), axis=-1, keepdims=True) / n
+    var = jnp.sum(jnp.where(present, (log_c - mean) ** 2, 0.0), axis=-1, keepdims=True) / n
+    std = jnp.sqrt(var) + 1e-12
+    x = jnp.where(present, (log_c - mean) / std, 0.0)
+    y = jnp.where(w > 0, y, 0.0)
+    a, beta, m, r0, rmse, cosine = jax.vmap(
+        functools.partial(_fit_standardised, spec=spec), in_axes=(None if shared else 0, 0, 0, 0, 0)
+    )(x, y, w, r0_fixed, a_fixed)
+    mean, std = mean[..., 0], std[..., 0]
+    c_mid = jnp.exp(mean + std * m)
+    c_max = jnp.exp(jnp.max(jnp.where(w > 0, log_c, -jnp.inf), axis=-1))
+    converged = cosine < GTOL
+    return FitResult(
+        a=a,
+        b=beta / std,
+        c_mid=c_mid,
+        r0=r0,
+        converged=converged,
+        identifiable=converged & (c_mid <= c_max),
+        rmse=rmse,
+        stationarity=cosine,
+    )
+
+
+# --------------------------------------------------------------------------- public API
+
+
+def _is_traced(*xs) -> bool:
+    return any(isinstance(x, jax.core.Tracer) for x in xs)
+
+
+def _held(value, n: int, name: str):
+    """A held parameter as [N] (None -> zeros, unused)."""
+    if value is None:
+        return jnp.zeros((n,), jnp.float32)
+    arr = jnp.asarray(value, jnp.float32)
+    if arr.ndim == 0:
+        return jnp.broadcast_to(arr, (n,))
+    if arr.shape != (n,):
+        raise ValueError(f"{name} must be a scalar or shaped [{n}], got {arr.shape}")
+    return arr
+
+
+def _padded(curves) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    width = max(c.compute.size for c in curves)
+    log_c = np.zeros((len(curves), width), np.float32)
+    y = np.zeros((len(curves), width), np.float32)
+    w = np.zeros((len(curves), width), np.float32)
+    for i, c in enumerate(curves):
+        p = c.compute.size
+        log_c[i, :p], y[i, :p], w[i, :p] = np.log(c.compute), c.reward, 1.0
+        log_c[i, p:] = log_c[i, 0]  # finite filler under weight 0
+    return log_c, y, w
+
+
+def fit_sigmoid(
+    compute,
+    reward,
+    r0=None,
+    *,
+    mask=None,
+    a=None,
+    a_max: float = 1.0,
+    c_min: float | None = None,
+    n_iter: int = 20,
+) -> FitResult:
+    """Least-squares fit of R = r0 + (A - r0) / (1 + (C_mid / C) ** B), r0 < A <= a_max, B > 0.
+
+    Args:
+      compute, reward: [P] for one curve or [N, P] for many; `mask` [N, P] marks present points
+        of ragged curves. Concrete inputs are validated (`CurveDataError` names the bad point)
+        and tidied (sorted, repeated compute averaged, points below `c_min` dropped, with a
+        `CurveDataWarning`). Traced inputs (under `jax.grad`) are used as given.
+      r0: None to fit it, else a float or [N] held value (e.g. the measured step-0 pass rate).
+      a: None to fit A, else a held value (used for shared-A comparisons).
+      a_max: upper bound on A (1 for pass rates) and on rewards.
+
+    Returns:
+      FitResult with fields [] (one curve) or [N]; `converged` flags fits whose residual is
+      orthogonal to every parameter direction, `identifiable` those whose data also reach
+      the inflection point (C_mid <= max C).
+    """
+    from jaxrl_scale.fit.data import clean_curve
+
+    spec = FitSpec(a_max=float(a_max), fit_r0=r0 is None, fit_a=a is None, n_iter=n_iter)
+    single = np.ndim(compute) == 1
+    if _is_traced(compute, reward, r0, a, mask):
+        log_c = jnp.log(jnp.asarray(compute))
+        y = jnp.atleast_2d(jnp.asarray(reward))
+        w = jnp.ones_like(y) if mask is None else jnp.atleast_2d(jnp.asarray(mask, y.dtype))
+    else:
+        c2, r2 = np.atleast_2d(compute), np.atleast_2d(reward)
+        if c2.shape != r2.shape or c2.ndim != 2:
+            raise ValueError(
+                f"compute and reward must both be [P] or [N, P], got {c2.shape}, {r2.shape}"
+            )
+        m2 = np.ones(c2.shape, bool) if mask is None else np.atleast_2d(np.asarray(mask, bool))
+        if m2.shape != c2.shape:
+            raise ValueError(f"mask must be shaped like compute {c2.shape}, got {m2.shape}")
+        curves = [
+            clean_curve(
+                c2[i][m2[i]],
+                r2[i][m2[i]],
+                name=f"curve {i}" if not single else "curve",
+                a_max=a_max,
+                c_min=c_min,
+            )
+            for i in range(c2.shape[0])
+        ]
+        log_c, y, w = (jnp.asarray(v) for v in _padded(curves))
+        if single:
+            log_c = log_c[0]
+    n = y.shape[0]
+    result = fit_batch(log_c, y, w, _held(r0, n, "r0"), _held(a, n, "a"), spec=spec)
+    if single:
+        result = jax.tree.map(lambda v: v[0], result)
+    return result
+
+
+def influence(compute, reward, r0=None, *, target: str | float = "a", **fit_kwargs):
+    """d(target)/d(reward_i) for each point [P]: which evaluation points move the fit most.
+
+    `target` is a parameter name ("a", "b", "c_mid", "r0") or a compute value, for the
+    predicted reward there. Gradients come from implicit differentiation at the optimum.
+    """
+    from jaxrl_scale.fit.data import clean_curve
+
+    curve = clean_curve(compute, reward, a_max=fit_kwargs.get("a_max", 1.0))
+    compute = jnp.asarray(curve.compute, jnp.float32)
+
+    def value(y):
+        fit = fit_sigmoid(compute, y, r0, **fit_kwargs)
+        return getattr(fit, target) if isinstance(target, str) else fit.predict(target)
+
+    return jax.grad(value)(jnp.asarray(curve.reward, jnp.float32))
