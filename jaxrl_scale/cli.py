@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 from jaxrl_scale.config import ConfigError, load_config
+from jaxrl_scale.fit.data import CurveDataError
 
 DEFAULT_DEMO_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "demo.yaml"
 
@@ -19,7 +20,54 @@ def _parser() -> argparse.ArgumentParser:
     demo.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", dest="overrides")
     demo.add_argument("--out", type=Path, default=Path("runs/demo"))
     demo.add_argument("--steps", type=int, default=150)
+
+    fit = sub.add_parser("fit", help="fit scaling curves to CSV / JSONL files or run directories")
+    fit.add_argument("files", nargs="+", type=Path, metavar="FILE")
+    fit.add_argument("--x", default="compute_flops", help="compute column (default compute_flops)")
+    fit.add_argument("--y", default="eval_pass_rate", help="reward column (default eval_pass_rate)")
+    fit.add_argument("--r0", type=float, default=None, help="hold R0 at this value")
+    fit.add_argument("--c-min", type=float, default=None, help="drop points with compute below")
+    fit.add_argument(
+        "--fit-until",
+        type=float,
+        default=None,
+        metavar="F",
+        help="fit points up to F x the last compute (0 < F < 1), forecast the last point",
+    )
+    fit.add_argument("--predict-at", type=float, default=None, metavar="C")
+    fit.add_argument("--bootstrap", type=int, default=2000, metavar="N", help="resamples")
+    fit.add_argument("--a-max", type=float, default=1.0, help="upper bound on A and rewards")
+    fit.add_argument("--margin", type=float, default=0.02, help="A difference below which runs tie")
+    fit.add_argument("--plot", type=Path, default=None, metavar="PNG")
+    fit.add_argument("--json", action="store_true", help="print the report as JSON")
     return parser
+
+
+def _fit(args) -> None:
+    import json
+    import warnings
+
+    from jaxrl_scale.fit.report import fit_files, format_report
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        report = fit_files(
+            args.files,
+            x=args.x,
+            y=args.y,
+            r0=args.r0,
+            c_min=args.c_min,
+            fit_until=args.fit_until,
+            predict_at=args.predict_at,
+            n_boot=args.bootstrap,
+            a_max=args.a_max,
+            margin=args.margin,
+            plot=args.plot,
+        )
+    for w in caught:
+        if issubclass(w.category, UserWarning) and "JAXopt" not in str(w.message):
+            print(f"warning: {w.message}", file=sys.stderr)
+    print(json.dumps(report, indent=2) if args.json else format_report(report))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -33,8 +81,13 @@ def main(argv: list[str] | None = None) -> int:
                 config_path = DEFAULT_DEMO_CONFIG
             cfg = load_config(config_path, args.overrides)
             run_demo(cfg, args.out, steps=args.steps)
+        elif args.command == "fit":
+            _fit(args)
     except ConfigError as e:
         print(f"jaxrl-scale: config error: {e}", file=sys.stderr)
+        return 2
+    except (CurveDataError, ValueError) as e:
+        print(f"jaxrl-scale: {e}", file=sys.stderr)
         return 2
     return 0
 

@@ -24,11 +24,15 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxrl_scale.fit.curves import sigmoid
-from jaxrl_scale.fit.solver import implicit_solution, levenberg_marquardt, stationarity
+from jaxrl_scale.fit.solver import (
+    implicit_solution,
+    is_converged,
+    levenberg_marquardt,
+    stationarity,
+)
 
 BETA_GRID = np.geomspace(0.25, 24.0, 10)  # steepness in standardised log-compute units
 M_GRID = np.linspace(-2.5, 4.0, 19)  # midpoint; data sits in about [-1.7, 1.7]
-GTOL = 1e-3  # stationarity (residual-Jacobian cosine) below which a fit counts as converged
 
 
 @dataclasses.dataclass(frozen=True)
@@ -175,7 +179,7 @@ def _solve(theta_init, x, y, w, r0_fixed, a_fixed, spec: FitSpec):
 
 
 def _fit_standardised(x, y, w, r0_fixed, a_fixed, spec: FitSpec):
-    """One curve in standardised log-compute: (A, beta, m, r0, rmse, stationarity)."""
+    """One curve in standardised log-compute: (A, beta, m, r0, rmse, stationarity, converged)."""
     # Closures, not partials: custom_root would treat a partial's keywords as array arguments.
     solve = implicit_solution(
         lambda theta, *args: _solve(theta, *args, spec),
@@ -184,10 +188,9 @@ def _fit_standardised(x, y, w, r0_fixed, a_fixed, spec: FitSpec):
     theta = solve(jnp.zeros(4, x.dtype), x, y, w, r0_fixed, a_fixed)
     a, beta, m, r0 = _unpack(theta, r0_fixed, a_fixed, spec)
     r, j = _residual_and_jac(jax.lax.stop_gradient(theta), x, y, w, r0_fixed, a_fixed, spec)
-    finite = jnp.all(jnp.isfinite(theta))
     rmse = jnp.sqrt(jnp.sum(r * r) / jnp.sum(w))
-    cosine = jnp.where(finite, stationarity(r, j), jnp.inf)
-    return a, beta, m, jnp.asarray(r0, a.dtype), rmse, cosine
+    converged = jnp.all(jnp.isfinite(theta)) & is_converged(r, j)
+    return a, beta, m, jnp.asarray(r0, a.dtype), rmse, stationarity(r, j), converged
 
 
 @functools.partial(jax.jit, static_argnames="spec")
@@ -202,13 +205,12 @@ def fit_batch(log_c, y, w, r0_fixed, a_fixed, spec: FitSpec) -> FitResult:
     std = jnp.sqrt(var) + 1e-12
     x = jnp.where(present, (log_c - mean) / std, 0.0)
     y = jnp.where(w > 0, y, 0.0)
-    a, beta, m, r0, rmse, cosine = jax.vmap(
+    a, beta, m, r0, rmse, cosine, converged = jax.vmap(
         functools.partial(_fit_standardised, spec=spec), in_axes=(None if shared else 0, 0, 0, 0, 0)
     )(x, y, w, r0_fixed, a_fixed)
     mean, std = mean[..., 0], std[..., 0]
     c_mid = jnp.exp(mean + std * m)
     c_max = jnp.exp(jnp.max(jnp.where(w > 0, log_c, -jnp.inf), axis=-1))
-    converged = cosine < GTOL
     return FitResult(
         a=a,
         b=beta / std,

@@ -116,6 +116,17 @@ def stationarity(residual, jac):
     return jnp.max(jnp.where(live, cos, 0.0))
 
 
+GTOL = 1e-3  # stationarity below which a fit counts as converged
+RTOL = 1e-5  # root-mean-square residual below which a fit is exact (stationarity is noise there)
+
+
+def is_converged(residual, jac):
+    """Finite and stationary, or fitting the data to within float precision."""
+    rms = jnp.sqrt(jnp.mean(residual**2))
+    finite = jnp.all(jnp.isfinite(jac)) & jnp.isfinite(rms)
+    return finite & ((stationarity(residual, jac) < GTOL) | (rms < RTOL))
+
+
 def implicit_solution(solve, optimality):
     """`solve(theta_init, *args) -> theta` with gradients by implicit differentiation.
 

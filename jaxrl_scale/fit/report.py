@@ -1,0 +1,179 @@
+"""What `jaxrl-scale fit` computes and prints: fits with intervals, forecasts, comparison."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from jaxrl_scale.fit.bootstrap import bootstrap_sigmoid
+from jaxrl_scale.fit.comparison import shared_ceiling
+from jaxrl_scale.fit.data import Curve, load_curve
+from jaxrl_scale.fit.extrapolation import extrapolation_check
+
+
+def _run_entry(curve: Curve, boot, predict_at: float | None, extrapolation=None) -> dict[str, Any]:
+    fit = boot.fit
+    entry: dict[str, Any] = {
+        "run": curve.name,
+        "points": int(curve.compute.size),
+        "a": float(fit.a),
+        "a_ci": list(boot.ci["a"]),
+        "b": float(fit.b),
+        "b_ci": list(boot.ci["b"]),
+        "c_mid": float(fit.c_mid),
+        "c_mid_ci": list(boot.ci["c_mid"]),
+        "r0": float(fit.r0),
+        "rmse": float(fit.rmse),
+        "converged": bool(fit.converged),
+        "identifiable": bool(fit.identifiable),
+        "bootstrap_converged": boot.converged_fraction,
+    }
+    if predict_at is not None:
+        lo, mid, hi = (float(np.asarray(v)) for v in boot.predict_ci(predict_at))
+        entry.update(predict_at=predict_at, predicted=mid, predicted_ci=[lo, hi])
+    if extrapolation is not None:
+        entry["extrapolation"] = {
+            "c_cut": extrapolation.c_cut,
+            "points_fitted": extrapolation.n_fit,
+            "c_last": extrapolation.c_last,
+            "actual": extrapolation.actual,
+            "predicted": extrapolation.predicted,
+            "interval": [extrapolation.lo, extrapolation.hi],
+            "error": extrapolation.error,
+            "covered": extrapolation.covered,
+        }
+    return entry
+
+
+def fit_files(
+    paths: list[str | Path],
+    *,
+    x: str = "compute_flops",
+    y: str = "eval_pass_rate",
+    r0: float | None = None,
+    c_min: float | None = None,
+    fit_until: float | None = None,
+    predict_at: float | None = None,
+    n_boot: int = 2000,
+    a_max: float = 1.0,
+    margin: float = 0.02,
+    seed: int = 0,
+    plot: str | Path | None = None,
+) -> dict[str, Any]:
+    """Fit every file's curve and compare them; returns the JSON-ready report."""
+    curves = [load_curve(p, x=x, y=y, a_max=a_max, c_min=c_min) for p in paths]
+    names = [c.name for c in curves]
+    if len(set(names)) != len(names):  # two runs/metrics.jsonl: name them by their path
+        curves = [Curve(str(p), c.compute, c.reward) for p, c in zip(paths, curves, strict=True)]
+    runs, plotted, fitted = [], [], []
+    for curve in curves:
+        extrapolation, c_cut = None, None
+        if fit_until is not None:
+            extrapolation = extrapolation_check(
+                curve.compute,
+                curve.reward,
+                fit_until=fit_until,
+                n_boot=n_boot,
+                seed=seed,
+                r0=r0,
+                a_max=a_max,
+            )
+            boot, c_cut = extrapolation.boot, extrapolation.c_cut
+            keep = curve.compute <= c_cut
+            fitted.append(Curve(curve.name, curve.compute[keep], curve.reward[keep]))
+        else:
+            boot = bootstrap_sigmoid(
+                curve.compute, curve.reward, n=n_boot, seed=seed, r0=r0, a_max=a_max
+            )
+            fitted.append(curve)
+        runs.append(_run_entry(curve, boot, predict_at, extrapolation))
+        plotted.append((curve, boot, c_cut))
+    ranking = sorted(runs, key=lambda e: -e["a"])
+    shared = []
+    for i, first in enumerate(ranking):
+        for second in ranking[i + 1 :]:
+            if abs(first["a"] - second["a"]) < margin:
+                by_name = {c.name: c for c in fitted}
+                s = shared_ceiling(by_name[first["run"]], by_name[second["run"]], a_max=a_max)
+                shared.append(
+                    {
+                        "runs": list(s.runs),
+                        "a": s.a,
+                        "b": list(s.b),
+                        "c_mid": list(s.c_mid),
+                        "more_efficient": s.more_efficient,
+                    }
+                )
+    report = {
+        "x": x,
+        "y": y,
+        "runs": runs,
+        "ranking": [e["run"] for e in ranking],
+        "margin": margin,
+        "shared_ceiling": shared,
+    }
+    if plot is not None:
+        from jaxrl_scale.fit.plot import plot_fits
+
+        report["plot"] = str(plot_fits(plotted, plot, predict_at=predict_at, xlabel=x, ylabel=y))
+    return report
+
+
+def _fmt(v: float) -> str:
+    if not math.isfinite(v):
+        return "nan"
+    return f"{v:.4g}" if abs(v) >= 1e4 or abs(v) < 1e-3 else f"{v:.3f}"
+
+
+def format_report(report: dict[str, Any]) -> str:
+    """The human-readable table."""
+    header = ["run", "A [lo, hi]", "B", "C_mid", "R0"]
+    has_pred = any("predicted" in r for r in report["runs"])
+    has_extra = any("extrapolation" in r for r in report["runs"])
+    if has_pred:
+        header.append(f"R({_fmt(report['runs'][0]['predict_at'])}) [lo, hi]")
+    if has_extra:
+        header.append("last point: actual / predicted, covered")
+    header.append("converged")
+    rows = [header]
+    for r in report["runs"]:
+        row = [
+            r["run"],
+            f"{r['a']:.3f} [{r['a_ci'][0]:.3f}, {r['a_ci'][1]:.3f}]",
+            _fmt(r["b"]),
+            _fmt(r["c_mid"]),
+            _fmt(r["r0"]),
+        ]
+        if has_pred:
+            lo, hi = r["predicted_ci"]
+            row.append(f"{r['predicted']:.3f} [{lo:.3f}, {hi:.3f}]")
+        if has_extra:
+            e = r["extrapolation"]
+            row.append(
+                f"{e['actual']:.3f} / {e['predicted']:.3f}, {'yes' if e['covered'] else 'no'}"
+            )
+        row.append("yes" if r["converged"] else "NO")
+        rows.append(row)
+    widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
+    lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)) for row in rows]
+    for r in report["runs"]:
+        if not r["identifiable"]:
+            lines.append(
+                f"warning: {r['run']}: the data do not reach the curve's inflection "
+                f"(C_mid {_fmt(r['c_mid'])} beyond the last point or fit not converged); "
+                "A is not identified, read its interval, not its value"
+            )
+    if len(report["runs"]) > 1:
+        lines.append("ranking by A: " + " > ".join(report["ranking"]))
+    for s in report["shared_ceiling"]:
+        lines.append(
+            f"{s['runs'][0]} and {s['runs'][1]}: A within {report['margin']}; with a shared "
+            f"A = {s['a']:.3f}, B = {s['b'][0]:.3f} vs {s['b'][1]:.3f} -> "
+            f"{s['more_efficient']} is more compute-efficient"
+        )
+    if "plot" in report:
+        lines.append(f"plot: {report['plot']}")
+    return "\n".join(lines)
