@@ -11,7 +11,7 @@ from jaxrl_scale.fit.comparison import Comparison, SharedCeiling, compare_runs, 
 from jaxrl_scale.fit.curves import power_law, sigmoid
 from jaxrl_scale.fit.data import Curve, CurveDataError, CurveDataWarning, clean_curve, load_curve
 from jaxrl_scale.fit.extrapolation import ExtrapolationReport, extrapolation_check
-from jaxrl_scale.fit.power_law import PowerLawFit, fit_power_law
+from jaxrl_scale.fit.power_law_fit import PowerLawFit, fit_power_law
 from jaxrl_scale.fit.sigmoid_fit import FitResult, fit_sigmoid, influence
 
 __all__ = [

@@ -53,7 +53,7 @@ class BootstrapResult:
         uncertainty plus evaluation noise with the point fit's residual spread), which is what
         a forecast of an observed eval point must cover.
         """
-        c = jnp.asarray(c, jnp.float32)
+        c = jnp.asarray(c, float)
         keep = np.asarray(self.converged)
         params = [np.asarray(self.samples[k])[keep].reshape((-1,) + (1,) * c.ndim) for k in PARAMS]
         preds = sigmoid(c, *params)
@@ -67,7 +67,7 @@ class BootstrapResult:
 
 def _counts(idx_np, p: int):
     """[n, P] draw counts from [n, k] drawn indices."""
-    return jax.vmap(lambda i: jnp.bincount(i, length=p))(idx_np).astype(jnp.float32)
+    return jax.vmap(lambda i: jnp.bincount(i, length=p))(idx_np).astype(float)
 
 
 @functools.partial(jax.jit, static_argnames=("n", "method", "block"))
@@ -85,7 +85,7 @@ def _resample(key, y, fitted, *, n: int, method: str, block: int):
     residual = y - fitted  # residual bootstrap: refit the curve plus reshuffled residuals
     residual = residual - jnp.mean(residual)
     draws = residual[jax.random.randint(key, (n, p), 0, p)]
-    return fitted + draws, jnp.ones((n, p), jnp.float32)
+    return fitted + draws, jnp.ones((n, p), float)
 
 
 def bootstrap_sigmoid(
@@ -119,13 +119,13 @@ def bootstrap_sigmoid(
     if method == "block" and not 1 <= block <= p:
         raise ValueError(f"block must be in [1, {p}], got {block}")
     point = fit_sigmoid(curve.compute, curve.reward, r0, a_max=a_max, n_iter=n_iter)
-    y = jnp.asarray(curve.reward, jnp.float32)
-    log_c = jnp.log(jnp.asarray(curve.compute, jnp.float32))
-    fitted = point.predict(jnp.asarray(curve.compute, jnp.float32))
+    y = jnp.asarray(curve.reward, float)
+    log_c = jnp.log(jnp.asarray(curve.compute, float))
+    fitted = point.predict(jnp.asarray(curve.compute, float))
     ys, ws = _resample(jax.random.key(seed), y, fitted, n=n, method=method, block=block)
-    held_r0 = jnp.broadcast_to(jnp.asarray(0.0 if r0 is None else r0, jnp.float32), (n,))
+    held_r0 = jnp.broadcast_to(jnp.asarray(0.0 if r0 is None else r0, float), (n,))
     spec = FitSpec(a_max=float(a_max), fit_r0=r0 is None, n_iter=n_iter)
-    fits = fit_batch(log_c, ys, ws, held_r0, jnp.zeros((n,), jnp.float32), spec=spec)
+    fits = fit_batch(log_c, ys, ws, held_r0, jnp.zeros((n,), float), spec=spec)
     samples = {k: getattr(fits, k) for k in PARAMS}
     keep = np.asarray(fits.converged)
     tail = (1 - level) / 2

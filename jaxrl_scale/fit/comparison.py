@@ -54,8 +54,8 @@ def shared_ceiling(first: Curve, second: Curve, *, a_max: float = 1.0) -> Shared
             jnp.asarray(np.repeat(log_c, k, axis=0)),
             jnp.asarray(np.repeat(y, k, axis=0)),
             jnp.asarray(np.repeat(w, k, axis=0)),
-            jnp.zeros(2 * k, jnp.float32),
-            jnp.asarray(np.tile(grid, 2), jnp.float32),
+            jnp.zeros(2 * k, float),
+            jnp.asarray(np.tile(grid, 2), float),
             spec=spec,
         )
         sse = np.asarray(fits.rmse) ** 2 * np.repeat(w.sum(axis=1), k)

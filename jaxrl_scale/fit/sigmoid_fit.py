@@ -233,8 +233,8 @@ def _is_traced(*xs) -> bool:
 def _held(value, n: int, name: str):
     """A held parameter as [N] (None -> zeros, unused)."""
     if value is None:
-        return jnp.zeros((n,), jnp.float32)
-    arr = jnp.asarray(value, jnp.float32)
+        return jnp.zeros((n,), float)
+    arr = jnp.asarray(value, float)
     if arr.ndim == 0:
         return jnp.broadcast_to(arr, (n,))
     if arr.shape != (n,):
@@ -244,9 +244,9 @@ def _held(value, n: int, name: str):
 
 def _padded(curves) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     width = max(c.compute.size for c in curves)
-    log_c = np.zeros((len(curves), width), np.float32)
-    y = np.zeros((len(curves), width), np.float32)
-    w = np.zeros((len(curves), width), np.float32)
+    log_c = np.zeros((len(curves), width), np.float64)
+    y = np.zeros((len(curves), width), np.float64)
+    w = np.zeros((len(curves), width), np.float64)
     for i, c in enumerate(curves):
         p = c.compute.size
         log_c[i, :p], y[i, :p], w[i, :p] = np.log(c.compute), c.reward, 1.0
@@ -327,10 +327,10 @@ def influence(compute, reward, r0=None, *, target: str | float = "a", **fit_kwar
     from jaxrl_scale.fit.data import clean_curve
 
     curve = clean_curve(compute, reward, a_max=fit_kwargs.get("a_max", 1.0))
-    compute = jnp.asarray(curve.compute, jnp.float32)
+    compute = jnp.asarray(curve.compute, float)
 
     def value(y):
         fit = fit_sigmoid(compute, y, r0, **fit_kwargs)
         return getattr(fit, target) if isinstance(target, str) else fit.predict(target)
 
-    return jax.grad(value)(jnp.asarray(curve.reward, jnp.float32))
+    return jax.grad(value)(jnp.asarray(curve.reward, float))

@@ -77,5 +77,5 @@ def _fit(log_c, y, *, a_max: float, n_iter: int):
 def fit_power_law(compute, reward, *, a_max: float = 1.0, n_iter: int = 60) -> PowerLawFit:
     """Least-squares fit of R = A - D * C ** (-B) with A <= a_max, D > 0, B > 0 (one curve)."""
     curve = clean_curve(compute, reward, a_max=a_max)
-    log_c = jnp.log(jnp.asarray(curve.compute, jnp.float32))
-    return _fit(log_c, jnp.asarray(curve.reward, jnp.float32), a_max=float(a_max), n_iter=n_iter)
+    log_c = jnp.log(jnp.asarray(curve.compute, float))
+    return _fit(log_c, jnp.asarray(curve.reward, float), a_max=float(a_max), n_iter=n_iter)
