@@ -36,6 +36,7 @@ class BootstrapResult:
     ci: dict[str, tuple[float, float]]  # name -> (lo, hi)
     level: float
     method: str
+    c_max: float  # the largest compute in the data
 
     @property
     def converged_fraction(self) -> float:
@@ -43,7 +44,14 @@ class BootstrapResult:
 
     @property
     def identifiable(self) -> bool:
-        return bool(self.fit.identifiable)
+        """The data pin the curve down: the point fit is identifiable, at least 90% of the
+        resamples converge, and even the upper end of the C_mid interval lies inside the data
+        (the inflection is observed in the resamples too, not only in the point fit)."""
+        return (
+            bool(self.fit.identifiable)
+            and self.converged_fraction >= 0.9
+            and self.ci["c_mid"][1] <= self.c_max
+        )
 
     def predict_ci(self, c, *, observation_noise: bool = False, seed: int = 0):
         """(lo, mid, hi) predicted reward at compute `c`, each shaped like `c`: percentiles over
@@ -137,4 +145,5 @@ def bootstrap_sigmoid(
             if kept.size
             else (math.nan, math.nan)
         )
-    return BootstrapResult(point, samples, fits.converged, ci, level, method)
+    c_max = float(curve.compute[-1])
+    return BootstrapResult(point, samples, fits.converged, ci, level, method, c_max)

@@ -28,7 +28,7 @@ def _run_entry(curve: Curve, boot, predict_at: float | None, extrapolation=None)
         "r0": float(fit.r0),
         "rmse": float(fit.rmse),
         "converged": bool(fit.converged),
-        "identifiable": bool(fit.identifiable),
+        "identifiable": boot.identifiable,
         "bootstrap_converged": boot.converged_fraction,
     }
     if predict_at is not None:

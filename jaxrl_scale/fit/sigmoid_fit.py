@@ -281,7 +281,7 @@ def fit_sigmoid(
       orthogonal to every parameter direction, `identifiable` those whose data also reach
       the inflection point (C_mid <= max C).
     """
-    from jaxrl_scale.fit.data import clean_curve
+    from jaxrl_scale.fit.data import CurveDataError, clean_curve
 
     spec = FitSpec(a_max=float(a_max), fit_r0=r0 is None, fit_a=a is None, n_iter=n_iter)
     single = np.ndim(compute) == 1
@@ -292,12 +292,12 @@ def fit_sigmoid(
     else:
         c2, r2 = np.atleast_2d(compute), np.atleast_2d(reward)
         if c2.shape != r2.shape or c2.ndim != 2:
-            raise ValueError(
-                f"compute and reward must both be [P] or [N, P], got {c2.shape}, {r2.shape}"
+            raise CurveDataError(
+                f"compute and reward must have the same shape, [P] or [N, P], got {c2.shape}, {r2.shape}"
             )
         m2 = np.ones(c2.shape, bool) if mask is None else np.atleast_2d(np.asarray(mask, bool))
         if m2.shape != c2.shape:
-            raise ValueError(f"mask must be shaped like compute {c2.shape}, got {m2.shape}")
+            raise CurveDataError(f"mask must be shaped like compute {c2.shape}, got {m2.shape}")
         curves = [
             clean_curve(
                 c2[i][m2[i]],

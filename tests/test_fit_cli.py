@@ -1,0 +1,77 @@
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from jaxrl_scale.cli import main
+from jaxrl_scale.fit import sigmoid
+
+C = np.geomspace(300, 30000, 30)
+
+
+def _run_dir(tmp_path, name, a, b, seed):
+    run = tmp_path / name
+    run.mkdir()
+    rng = np.random.default_rng(seed)
+    with (run / "metrics.jsonl").open("w") as f:
+        for i, c in enumerate(C):
+            y = float(sigmoid(c, a, b, 2500.0, 0.3)) + 0.004 * rng.standard_normal()
+            f.write(json.dumps({"step": i, "compute_flops": c, "eval_pass_rate": y}) + "\n")
+    return run
+
+
+def test_fit_cli_json_table_and_plot(tmp_path, capsys):
+    runs = [_run_dir(tmp_path, "cispo", 0.61, 2.0, 0), _run_dir(tmp_path, "dapo", 0.61, 1.6, 1)]
+    png = tmp_path / "fit.png"
+    args = [*map(str, runs), "--predict-at", "1e5", "--bootstrap", "300", "--plot", str(png)]
+    assert main(["fit", *args, "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert [r["run"] for r in report["runs"]] == ["cispo", "dapo"]
+    for r in report["runs"]:
+        assert r["a_ci"][0] <= 0.61 <= r["a_ci"][1]
+        assert r["converged"] and r["identifiable"]
+        assert r["predicted_ci"][0] <= r["predicted"] <= r["predicted_ci"][1]
+    assert report["shared_ceiling"][0]["more_efficient"] == "cispo"
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+    assert main(["fit", *args, "--fit-until", "0.5"]) == 0
+    table = capsys.readouterr().out
+    assert table.splitlines()[0].split()[:2] == ["run", "A"]
+    assert "last point: actual / predicted" in table
+    assert "cispo is more compute-efficient" in table
+
+
+def test_fit_cli_bad_input_exits_2_with_message(tmp_path, capsys):
+    bad = tmp_path / "bad.csv"
+    bad.write_text("compute_flops,eval_pass_rate\n1,0.1\n2,0.2\n3,nan\n4,0.3\n5,0.3\n")
+    assert main(["fit", str(bad)]) == 2
+    assert "reward[2] is nan" in capsys.readouterr().err
+
+
+def test_fit_cli_warns_about_repairs(tmp_path, capsys):
+    f = tmp_path / "dupes.csv"
+    rows = [(c, float(sigmoid(c, 0.6, 2.0, 2500.0, 0.3))) for c in C] + [(C[3], 0.31)]
+    f.write_text("compute_flops,eval_pass_rate\n" + "".join(f"{c},{r}\n" for c, r in rows))
+    assert main(["fit", str(f), "--bootstrap", "200"]) == 0
+    err = capsys.readouterr().err
+    assert "not sorted" in err and "averaged" in err
+
+
+def test_importing_the_fitter_does_not_show_jaxopt_deprecation():
+    code = (
+        "import warnings\n"
+        "with warnings.catch_warnings(record=True) as w:\n"
+        "    warnings.simplefilter('always')\n"
+        "    import jaxrl_scale.fit\n"
+        "print(sum('JAXopt' in str(x.message) for x in w))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "0"
+
+
+@pytest.mark.parametrize("argv", [["fit"], ["fit", "x.csv", "--bootstrap", "ten"]])
+def test_fit_cli_usage_errors(argv):
+    with pytest.raises(SystemExit):
+        main(argv)
