@@ -14,7 +14,9 @@ TRUTHS = [
 
 
 def _noisy(truth, c, noise, seed):
-    y = np.asarray(sigmoid(c, **truth)) + noise * np.random.default_rng(seed).standard_normal(c.size)
+    y = np.asarray(sigmoid(c, **truth)) + noise * np.random.default_rng(seed).standard_normal(
+        c.size
+    )
     return np.clip(y, 0.0, 1.0)
 
 
@@ -89,9 +91,11 @@ def test_batched_fits_equal_one_at_a_time_including_ragged():
         one = fit_sigmoid(cs[i][mask[i]], ys[i][mask[i]])
         for field in ("a", "b", "c_mid", "r0"):
             np.testing.assert_allclose(getattr(batch, field)[i], getattr(one, field), rtol=1e-3)
-    np.testing.assert_allclose(batch.predict(5000.0), [
-        float(fit_sigmoid(cs[i][mask[i]], ys[i][mask[i]]).predict(5000.0)) for i in range(4)
-    ], rtol=1e-3)
+    np.testing.assert_allclose(
+        batch.predict(5000.0),
+        [float(fit_sigmoid(cs[i][mask[i]], ys[i][mask[i]]).predict(5000.0)) for i in range(4)],
+        rtol=1e-3,
+    )
 
 
 def test_converges_when_midpoint_is_in_the_last_third_of_the_data():
