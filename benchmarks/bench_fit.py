@@ -180,9 +180,8 @@ def main() -> None:
         ("grid(A, C_mid) + polyfit", rate_grid, 1.0, np.abs(a_grid - a_sp[: a_grid.size])),
     ]
     for name, r, c, d in rows:
-        print(
-            f"{name:<26}{r:>12,.0f}{r / rate_sp:>10.1f}{c:>11.2%}  {np.median(d):.1e} / {np.quantile(d, 0.99):.1e}"
-        )
+        spread = f"{np.median(d):.1e} / {np.quantile(d, 0.99):.1e}"
+        print(f"{name:<26}{r:>12,.0f}{r / rate_sp:>10.1f}{c:>11.2%}  {spread}")
     print(f"ours: compile {compile_s:.2f} s; A median {np.median(a_ours):.4f} (truth {TRUTH['a']})")
     print(f"ratio ours / scipy: {rate / rate_sp:.1f}x; ours / jaxopt LM: {rate / rate_lm:.1f}x")
     if args.trials:

@@ -41,7 +41,8 @@ def test_extrapolation_check_fits_early_points_and_scores_the_last():
     y = np.asarray(sigmoid(C, **truth)) + 0.005 * np.random.default_rng(7).standard_normal(C.size)
     report = extrapolation_check(C, y, fit_until=0.5, n_boot=500)
     assert report.c_cut == pytest.approx(0.5 * C[-1])
-    assert report.n_fit == int(np.sum(C <= 0.5 * C[-1]))
+    cut = 0.5 * C[-1]
+    assert report.n_fit == int(np.sum(cut >= C))
     assert report.actual == pytest.approx(y[-1])
     assert report.error == pytest.approx(report.predicted - y[-1])
     assert report.lo < report.predicted < report.hi

@@ -17,7 +17,7 @@ R = np.array([0.30, 0.35, 0.45, 0.55, 0.60])
         (np.array([100, np.inf, 300, 400, 500.0]), R, r"compute\[1\] is inf"),
         (np.array([0, 200, 400, 800, 1600.0]), R, r"compute\[0\] = 0.0 \(compute must be > 0\)"),
         (C, np.array([0.3, 0.35, 1.2, 0.5, 0.6]), r"reward\[2\] = 1.2 is outside \[0, 1.0\]"),
-        (C, R[:4], "one length|same shape"),
+        (C, R[:4], "one length|share one shape"),
     ],
 )
 def test_bad_input_is_named(compute, reward, match):

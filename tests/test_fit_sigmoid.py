@@ -77,7 +77,7 @@ def test_held_r0_is_respected_and_fits_the_rest():
 
 
 def test_batched_fits_equal_one_at_a_time_including_ragged():
-    rows, ys, cs = [], [], []
+    ys, cs = [], []
     for i, truth in enumerate(TRUTHS):
         c = np.geomspace(truth["c_mid"] / 8, truth["c_mid"] * 10, 30)
         cs.append(c)

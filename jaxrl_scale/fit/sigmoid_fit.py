@@ -293,7 +293,7 @@ def fit_sigmoid(
         c2, r2 = np.atleast_2d(compute), np.atleast_2d(reward)
         if c2.shape != r2.shape or c2.ndim != 2:
             raise CurveDataError(
-                f"compute and reward must have the same shape, [P] or [N, P], got {c2.shape}, {r2.shape}"
+                f"compute and reward must share one shape, [P] or [N, P]: {c2.shape}, {r2.shape}"
             )
         m2 = np.ones(c2.shape, bool) if mask is None else np.atleast_2d(np.asarray(mask, bool))
         if m2.shape != c2.shape:
