@@ -1,0 +1,200 @@
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxrl_scale import sharding
+from jaxrl_scale.config import MeshConfig
+from jaxrl_scale.losses import aggregate, policy_loss
+
+LN2, LN8 = math.log(2.0), math.log(8.0)
+
+# Two prompts x two samples, T = 3. Ratios rho = exp(logp - behaviour):
+#   row 0 (prompt 0): 2 tokens, rho = [1, 2], A = +1
+#   row 1 (prompt 0): 3 tokens, rho = [1, 1, 1], A = -1
+#   row 2 (prompt 1): 1 token,  rho = [8], A = +2
+#   row 3 (prompt 1): masked out entirely (a dropped row), A = 3
+LOGP = np.array(
+    [[-1.0, -2.0, -9.0], [-0.5, -0.5, -0.5], [-1.0, -9.0, -9.0], [-3.0, -3.0, -3.0]], np.float32
+)
+BEHAVIOUR = np.array(
+    [[-1.0, -2.0 - LN2, -9.0], [-0.5, -0.5, -0.5], [-1.0 - LN8, -9.0, -9.0], [-1.0, -1.0, -1.0]],
+    np.float32,
+)
+ADV = np.array([1.0, -1.0, 2.0, 3.0], np.float32)
+MASK = np.array([[1, 1, 0], [1, 1, 1], [1, 0, 0], [0, 0, 0]], np.float32)
+
+
+def _loss(kind, aggregation="token", logp=LOGP, **kw):
+    return policy_loss(
+        jnp.asarray(logp),
+        BEHAVIOUR,
+        ADV,
+        MASK,
+        group_size=2,
+        kind=kind,
+        aggregation=aggregation,
+        **kw,
+    )
+
+
+def _grad(kind, aggregation="token", **kw):
+    return np.asarray(jax.grad(lambda lp: _loss(kind, aggregation, logp=lp, **kw)[0])(LOGP))
+
+
+# --------------------------------------------------------------------------- values by hand
+
+
+def test_cispo_all_aggregations_by_hand():
+    # J = min(rho, 5) * A * logp:
+    #   row 0: 1 * 1 * -1 = -1,  2 * 1 * -2 = -4
+    #   row 1: 1 * -1 * -0.5 = 0.5 (three times)
+    #   row 2: min(8, 5) * 2 * -1 = -10
+    # token:  (-1 - 4 + 1.5 - 10) / 6 = -2.25
+    # sample: (-5 / 2 + 1.5 / 3 - 10 / 1) / 3 = (-2.5 + 0.5 - 10) / 3 = -4; row 3 has no tokens
+    # prompt: prompt 0 (-5 + 1.5) / 5 = -0.7, prompt 1 -10 / 1 = -10 -> mean -5.35
+    for aggregation, want in (("token", 2.25), ("sample", 4.0), ("prompt", 5.35)):
+        loss, _ = _loss("cispo", aggregation)
+        assert float(loss) == pytest.approx(want, abs=1e-5), aggregation
+
+
+def test_dapo_by_hand():
+    # J = min(rho * A, clip(rho, 0.8, 1.28) * A):
+    #   row 0: min(1, 1) = 1; min(2, 1.28) = 1.28        row 1: -1 three times
+    #   row 2: min(16, 2.56) = 2.56
+    # token: (1 + 1.28 - 3 + 2.56) / 6 = 1.84 / 6
+    loss, m = _loss("dapo")
+    assert float(loss) == pytest.approx(-1.84 / 6, abs=1e-6)
+    assert float(m["clip_fraction"]) == pytest.approx(2 / 6)  # row 0 token 1, row 2 token 0
+    assert float(m["kept_tokens"]) == 6
+    assert float(m["rho_max"]) == pytest.approx(8.0, rel=1e-5)
+    # mean rho (1 + 2 + 1 + 1 + 1 + 8) / 6 = 14 / 6; mean |log rho| (ln 2 + ln 8) / 6
+    assert float(m["rho_mean"]) == pytest.approx(14 / 6, rel=1e-5)
+    assert float(m["mismatch"]) == pytest.approx((LN2 + LN8) / 6, rel=1e-5)
+    # k3: rho - 1 - ln rho = (2 - 1 - ln 2) + (8 - 1 - ln 8) over 6 tokens
+    assert float(m["approx_kl"]) == pytest.approx((1 - LN2 + 7 - LN8) / 6, rel=1e-5)
+
+
+def test_gspo_sequence_ratio_by_hand():
+    # Row 0: mean log rho = (0 + ln 2) / 2 -> s = sqrt(2) = 1.41421; A = 1 -> min(1.41421, 1.0004)
+    # = 1.0004 on both tokens. Row 1: s = 1 -> -1 on 3 tokens. Row 2: s = 8, A = 2 -> 2.0008.
+    # sample: (1.0004 - 1 + 2.0008) / 3 = 2.0012 / 3
+    loss, m = _loss("gspo", "sample")
+    assert float(loss) == pytest.approx(-2.0012 / 3, abs=1e-6)
+    assert float(m["clip_fraction"]) == pytest.approx(3 / 6)  # rows 0 and 2 clipped
+
+
+def test_grpo_k3_kl_penalty_by_hand():
+    # Reference one nat above the policy on every token: delta = ln 2 -> k3 = 2 - ln 2 - 1.
+    ref = LOGP + LN2
+    plain, _ = _loss("grpo")
+    loss, m = _loss("grpo", ref_logp_bt=ref, kl_coef=0.04)
+    assert float(m["kl_ref"]) == pytest.approx(1 - LN2, rel=1e-5)
+    assert float(loss) == pytest.approx(float(plain) + 0.04 * (1 - LN2), rel=1e-5)
+    # GRPO's band is symmetric 0.2: row 0 token 1 -> min(2, 1.2) = 1.2; row 2 -> 2.4.
+    assert float(plain) == pytest.approx(-(1 + 1.2 - 3 + 2.4) / 6, abs=1e-6)
+
+
+def test_aggregate_weights_by_hand():
+    values = np.array([[1.0, 2.0, 3.0], [4.0, 0.0, 0.0]], np.float32)
+    mask = np.array([[1, 1, 1], [1, 0, 0]], np.float32)
+    assert float(aggregate(values, mask, 2, "token")) == pytest.approx(10 / 4)
+    assert float(aggregate(values, mask, 2, "sample")) == pytest.approx((2 + 4) / 2)
+    assert float(aggregate(values, mask, 2, "prompt")) == pytest.approx(10 / 4)
+    assert float(aggregate(values, mask, 1, "prompt")) == pytest.approx((2 + 4) / 2)
+
+
+# --------------------------------------------------------------------------- gradients
+
+
+def test_cispo_keeps_gradient_on_capped_tokens():
+    # Row 2's only token has rho 8 > 5: gradient of the loss there is -5 * A / count = -10 / 6.
+    g = _grad("cispo")
+    assert g[2, 0] == pytest.approx(-5 * 2 / 6, rel=1e-6)
+    assert g[0, 1] == pytest.approx(-2 * 1 / 6, rel=1e-6)  # rho 2 under the cap: weight 2
+    assert np.all(g[MASK == 0] == 0)
+
+
+def test_dapo_zero_gradient_outside_band_in_advantage_direction():
+    g = _grad("dapo")
+    assert g[0, 1] == 0.0 and g[2, 0] == 0.0  # A > 0 and rho > 1.28
+    assert g[0, 0] == pytest.approx(-1 / 6, rel=1e-6)  # inside: d(rho * A)/dlogp = rho * A
+    # A < 0 and rho < 0.8 gets no gradient either; rho < 0.8 with A > 0 does.
+    logp = LOGP.copy()
+    logp[1, 0] = -0.5 + math.log(0.5)  # row 1 (A = -1), token 0: rho = 0.5
+    g = np.asarray(jax.grad(lambda lp: _loss("dapo", logp=lp)[0])(logp))
+    assert g[1, 0] == 0.0
+    assert g[1, 1] == pytest.approx(1 / 6, rel=1e-6)
+
+
+def test_gspo_with_unit_ratios_is_sequence_mean_reinforce():
+    logp = jnp.asarray(BEHAVIOUR)  # all ratios 1
+
+    def reinforce(lp):  # -(1 / #rows with tokens) * sum_b A_b * mean_t logp_bt
+        n = MASK.sum(1)
+        per_row = jnp.where(n > 0, jnp.sum(lp * MASK, 1) / np.maximum(n, 1), 0.0)
+        return -jnp.sum(ADV * per_row) / 3
+
+    g = jax.grad(lambda lp: _loss("gspo", "sample", logp=lp)[0])(logp)
+    np.testing.assert_allclose(g, jax.grad(reinforce)(logp), atol=1e-6)
+
+
+@pytest.mark.parametrize("aggregation", ["prompt", "sample", "token"])
+def test_on_policy_gradients_of_cispo_dapo_grpo_coincide(aggregation):
+    on_policy = lambda kind: jax.grad(  # noqa: E731
+        lambda lp: policy_loss(lp, jax.lax.stop_gradient(lp), ADV, MASK, 2, kind, aggregation)[0]
+    )(jnp.asarray(LOGP))
+    cispo = on_policy("cispo")
+    np.testing.assert_allclose(cispo, on_policy("dapo"), atol=1e-6)
+    np.testing.assert_allclose(cispo, on_policy("grpo"), atol=1e-6)
+    assert np.abs(np.asarray(cispo)).sum() > 0
+
+
+def test_all_masked_batch_gives_zero_loss_and_gradient():
+    zero = np.zeros_like(MASK)
+    for kind in ("cispo", "dapo", "gspo", "grpo"):
+        for aggregation in ("prompt", "sample", "token"):
+            f = lambda lp: policy_loss(lp, BEHAVIOUR, ADV, zero, 2, kind, aggregation)[0]  # noqa: B023, E731
+            loss, g = jax.value_and_grad(f)(jnp.asarray(LOGP))
+            assert float(loss) == 0.0
+            assert np.all(np.asarray(g) == 0.0)
+
+
+# --------------------------------------------------------------------------- jit, sharding, errors
+
+
+def test_jit_and_sharded_match_eager():
+    rng = np.random.default_rng(0)
+    b, t = 16, 24
+    logp = rng.normal(-2, 0.5, (b, t)).astype(np.float32)
+    behaviour = (logp + rng.normal(0, 0.3, (b, t))).astype(np.float32)
+    adv = rng.normal(size=b).astype(np.float32)
+    mask = (rng.random((b, t)) < 0.7).astype(np.float32)
+
+    def fn(lp, bh, a, m):
+        return jax.value_and_grad(lambda x: policy_loss(x, bh, a, m, 4, "cispo", "prompt")[0])(lp)
+
+    eager = fn(logp, behaviour, adv, mask)
+    jitted = jax.jit(fn)(logp, behaviour, adv, mask)
+    mesh = sharding.make_mesh(MeshConfig(data=8))
+    placed = [
+        jax.device_put(x, sharding.batch_sharding(mesh, x.ndim))
+        for x in (logp, behaviour, adv, mask)
+    ]
+    sharded = jax.jit(fn)(*placed)
+    for other in (jitted, sharded):
+        np.testing.assert_allclose(other[0], eager[0], rtol=1e-5)
+        np.testing.assert_allclose(other[1], eager[1], rtol=1e-5, atol=1e-7)
+
+
+def test_bad_arguments_are_named():
+    with pytest.raises(ValueError, match="loss kind"):
+        _loss("ppo")
+    with pytest.raises(ValueError, match=r"unknown: \['eps_max'\]"):
+        _loss("dapo", eps_max=3.0)
+    with pytest.raises(ValueError, match="aggregation"):
+        _loss("cispo", "group")
+    with pytest.raises(ValueError, match="needs ref_logp_bt"):
+        _loss("grpo", kl_coef=0.1)
