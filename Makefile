@@ -28,6 +28,7 @@ test: $(VENV)/.installed-test
 bench: $(VENV)/.installed-test
 	$(BIN)/python benchmarks/bench_model.py
 	$(BIN)/python benchmarks/bench_fit.py
+	$(BIN)/python benchmarks/bench_losses.py
 
 lint: $(VENV)/.installed-test
 	$(BIN)/ruff check .
