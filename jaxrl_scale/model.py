@@ -7,6 +7,7 @@ F mlp, V vocab. Kernels are stored [in, out] in float32 and carry logical axis n
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import jax
@@ -106,7 +107,10 @@ class Attention(nnx.Module):
             self.q_norm = _ones((e,), ("norm",))
             self.k_norm = _ones((e,), ("norm",))
 
-    def __call__(self, x_btd, positions_bt, mask_bts, inv_freq_e2):
+    def __call__(self, x_btd, positions_bt, mask_bts, inv_freq_e2, kv=None, write_index=None):
+        """Self-attention. With `kv` = (keys, values) [B, S, K, E] of a cache, this call's keys
+        and values are written at slots write_index.. and attention runs over all S slots
+        (mask_bts is then [B, T, S]); returns (out, updated kv), kv None without a cache."""
         cfg = self.cfg
         dtype = x_btd.dtype
 
@@ -124,10 +128,17 @@ class Attention(nnx.Module):
             k_btke = rms_norm(k_btke, self.k_norm[...], cfg.rms_norm_eps, dtype)
         q_bthe = apply_rope(q_bthe, positions_bt, inv_freq_e2)
         k_btke = apply_rope(k_btke, positions_bt, inv_freq_e2)
+        if kv is not None:
+            start = (0, write_index, 0, 0)
+            kv = tuple(
+                jax.lax.dynamic_update_slice(cache, new.astype(cache.dtype), start)
+                for cache, new in zip(kv, (k_btke, v_btke), strict=True)
+            )
+            k_btke, v_btke = (c.astype(dtype) for c in kv)
         out_bthe = jax.nn.dot_product_attention(
             q_bthe, k_btke, v_btke, mask=mask_bts[:, None], scale=cfg.resolved_head_dim**-0.5
         )
-        return jnp.einsum("bthe,hed->btd", out_bthe, self.o_kernel[...].astype(dtype))
+        return jnp.einsum("bthe,hed->btd", out_bthe, self.o_kernel[...].astype(dtype)), kv
 
 
 class MLP(nnx.Module):
@@ -155,12 +166,13 @@ class Block(nnx.Module):
         self.mlp_norm = _ones((cfg.hidden_size,), ("norm",))
         self.mlp = MLP(cfg, rngs=rngs)
 
-    def __call__(self, x_btd, positions_bt, mask_bts, inv_freq_e2):
+    def __call__(self, x_btd, positions_bt, mask_bts, inv_freq_e2, kv=None, write_index=None):
         eps, dtype = self.cfg.rms_norm_eps, x_btd.dtype
         h = rms_norm(x_btd, self.attn_norm[...], eps, dtype)
-        x_btd = x_btd + self.attn(h, positions_bt, mask_bts, inv_freq_e2)
+        attn, kv = self.attn(h, positions_bt, mask_bts, inv_freq_e2, kv, write_index)
+        x_btd = x_btd + attn
         h = rms_norm(x_btd, self.mlp_norm[...], eps, dtype)
-        return x_btd + self.mlp(h)
+        return x_btd + self.mlp(h), kv
 
 
 class Policy(nnx.Module):
@@ -185,7 +197,6 @@ class Policy(nnx.Module):
 
     def hidden_states(self, tokens_bt, *, mask_bt=None, positions_bt=None):
         """Final-normed hidden states [B, T, D], in float32 when the head is float32."""
-        cfg = self.cfg
         if mask_bt is None:
             mask_bt = jnp.ones(tokens_bt.shape, jnp.bool_)
         mask_bt = mask_bt.astype(jnp.bool_)
@@ -194,12 +205,38 @@ class Policy(nnx.Module):
         t = tokens_bt.shape[1]
         causal_ts = jnp.tril(jnp.ones((t, t), jnp.bool_))
         mask_bts = causal_ts[None] & mask_bt[:, None, :]
-        inv_freq_e2 = rope_inv_freq(cfg.resolved_head_dim, cfg.rope_theta, cfg.rope_scaling)
+        h_btd, _ = self._run(tokens_bt, positions_bt, mask_bts)
+        return h_btd
 
+    def _run(self, tokens_bt, positions_bt, mask_bts, cache=None, write_index=None):
+        """Embedding, blocks (reading/writing `cache` if given), final norm."""
+        cfg = self.cfg
+        inv_freq_e2 = rope_inv_freq(cfg.resolved_head_dim, cfg.rope_theta, cfg.rope_scaling)
         x_btd = jnp.take(self.embedding[...], tokens_bt, axis=0).astype(self.compute_dtype)
-        for block in self.layers:
-            x_btd = block(x_btd, positions_bt, mask_bts, inv_freq_e2)
-        return rms_norm(x_btd, self.final_norm[...], cfg.rms_norm_eps, _DTYPES[cfg.lm_head_dtype])
+        new_k, new_v = [], []
+        for i, block in enumerate(self.layers):
+            kv = None if cache is None else (cache.k[i], cache.v[i])
+            x_btd, kv = block(x_btd, positions_bt, mask_bts, inv_freq_e2, kv, write_index)
+            if kv is not None:
+                new_k.append(kv[0])
+                new_v.append(kv[1])
+        h_btd = rms_norm(x_btd, self.final_norm[...], cfg.rms_norm_eps, _DTYPES[cfg.lm_head_dtype])
+        if cache is None:
+            return h_btd, None
+        return h_btd, (jnp.stack(new_k), jnp.stack(new_v))
+
+    def extend(self, cache: KVCache, tokens_bt, positions_bt, valid_bt, write_index):
+        """Run T new tokens against a KV cache: write them at slots write_index..+T and attend
+        over every valid slot up to each query's own. Returns (hidden [B, T, D], new cache)."""
+        t = tokens_bt.shape[1]
+        valid_bs = jax.lax.dynamic_update_slice(
+            cache.valid, valid_bt.astype(jnp.bool_), (0, write_index)
+        )
+        slots_s = jnp.arange(valid_bs.shape[1])
+        query_slots_t = write_index + jnp.arange(t)
+        mask_bts = valid_bs[:, None, :] & (slots_s[None, None, :] <= query_slots_t[None, :, None])
+        h_btd, (k, v) = self._run(tokens_bt, positions_bt, mask_bts, cache, write_index)
+        return h_btd, KVCache(k=k, v=v, valid=valid_bs)
 
     def head_kernel(self):
         """Vocabulary projection [D, V] (the transposed embedding when tied)."""
@@ -211,6 +248,26 @@ class Policy(nnx.Module):
     def __call__(self, tokens_bt, *, mask_bt=None, positions_bt=None):
         return self.logits(
             self.hidden_states(tokens_bt, mask_bt=mask_bt, positions_bt=positions_bt)
+        )
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class KVCache:
+    """Keys and values of every layer [L, B, S, K, E] and which slots hold real tokens [B, S]."""
+
+    k: jax.Array
+    v: jax.Array
+    valid: jax.Array
+
+    @classmethod
+    def empty(cls, cfg: ModelConfig, batch: int, slots: int) -> KVCache:
+        shape = (cfg.num_layers, batch, slots, cfg.num_kv_heads, cfg.resolved_head_dim)
+        dtype = _DTYPES[cfg.dtype]
+        return cls(
+            k=jnp.zeros(shape, dtype),
+            v=jnp.zeros(shape, dtype),
+            valid=jnp.zeros((batch, slots), jnp.bool_),
         )
 
 

@@ -1,0 +1,377 @@
+"""On-device generation: batched prefill + chunked decode with a KV cache -> Rollout.
+
+Shapes: B rows, L prompt slots (prompts left-padded), N new-token slots, S = L + N cache slots,
+V vocab, D model.
+
+The decode loop is one compiled `lax.while_loop` that runs up to `n` steps (a chunk). Between
+chunks the caller may swap in newer parameters and keep the cache (PipelineRL's in-flight
+update); every generated token records the policy version that sampled it and its log-prob
+under the distribution it was actually drawn from (after temperature / top-k / top-p), which is
+what the trainer's importance ratios need. Randomness is `fold_in(key, step)`, so chunking does
+not change what is sampled.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from jaxrl_scale.model import KVCache, Policy, head_logits
+from jaxrl_scale.sharding import LOGICAL_RULES, state_shardings
+
+FINISH_REASONS = ("eos", "length", "interrupted")
+EOS, LENGTH, INTERRUPTED = range(3)
+THINKING, FORCING, ANSWERING = range(3)
+
+
+@dataclasses.dataclass(frozen=True)
+class Sampling:
+    """How the next token is drawn (static under jit). temperature 0 means greedy."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+
+    def __post_init__(self):
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+
+
+@dataclasses.dataclass(frozen=True)
+class Interruption:
+    """ScaleRL's forced length interruption: after a thinking budget drawn uniformly from
+    [think_min, think_max] tokens without EOS, `token_ids` (e.g. "Okay, time is up. ...
+    </think>") are inserted and the row may answer for `answer_budget` more tokens."""
+
+    token_ids: tuple[int, ...]
+    think_min: int
+    think_max: int
+    answer_budget: int
+
+    def __post_init__(self):
+        if not self.token_ids:
+            raise ValueError("interruption needs at least one token id")
+        if not 1 <= self.think_min <= self.think_max:
+            raise ValueError(
+                f"need 1 <= think_min <= think_max, got {self.think_min}, {self.think_max}"
+            )
+        if self.answer_budget < 1:
+            raise ValueError(f"answer_budget must be >= 1, got {self.answer_budget}")
+
+    @property
+    def max_tokens(self) -> int:
+        return self.think_max + len(self.token_ids) + self.answer_budget
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Rollout:
+    """What generation produced. Completion arrays are [B, N]; `completion_mask` is 1 on tokens
+    the policy sampled (EOS included), 0 on inserted interruption tokens and padding."""
+
+    prompt_tokens: jax.Array  # [B, L] int32, left-padded
+    prompt_mask: jax.Array  # [B, L] bool
+    completion_tokens: jax.Array  # [B, N] int32 (pad after the row finished)
+    completion_mask: jax.Array  # [B, N] float32
+    behavior_logp: jax.Array  # [B, N] float32, 0 where the mask is 0
+    versions: jax.Array  # [B, N] int32 policy version per sampled token, -1 elsewhere
+    finish_reason: jax.Array  # [B] int32 index into FINISH_REASONS
+    lengths: jax.Array  # [B] int32 completion tokens emitted (interruption text included)
+
+    @property
+    def interrupted_rate(self) -> float:
+        return float(jnp.mean(self.finish_reason == INTERRUPTED))
+
+    def finish_names(self) -> list[str]:
+        return [FINISH_REASONS[int(r)] for r in np.asarray(self.finish_reason)]
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class DecodeState:
+    cache: KVCache
+    h_bd: jax.Array  # final hidden state of each row's latest token, [B, D]
+    tokens: jax.Array  # [B, N]
+    logp: jax.Array  # [B, N]
+    mask: jax.Array  # [B, N]
+    versions: jax.Array  # [B, N]
+    step: jax.Array  # [] next completion column
+    position: jax.Array  # [B] position of the next token
+    done: jax.Array  # [B]
+    finish: jax.Array  # [B]
+    phase: jax.Array  # [B] THINKING / FORCING / ANSWERING
+    counts: jax.Array  # [B, 3] tokens emitted in each phase
+    think_budget: jax.Array  # [B]
+    key: jax.Array
+
+
+# --------------------------------------------------------------------------- sampling
+
+
+def sample_token(logits_bv, key, sampling: Sampling):
+    """(token [B], log-prob [B]) from float32 logits under temperature, top-k and top-p.
+
+    The log-prob is of the distribution actually sampled from (renormalised after truncation);
+    greedy (temperature 0) takes the argmax and reports its temperature-1 log-prob.
+    """
+    if sampling.temperature == 0:
+        token_b = jnp.argmax(logits_bv, axis=-1)
+        logp_bv = jax.nn.log_softmax(logits_bv, axis=-1)
+    else:
+        logits_bv = logits_bv / sampling.temperature
+        if sampling.top_k:
+            kth_b1 = jax.lax.top_k(logits_bv, sampling.top_k)[0][:, -1:]
+            logits_bv = jnp.where(logits_bv < kth_b1, -jnp.inf, logits_bv)
+        if sampling.top_p < 1:
+            sorted_bv = -jnp.sort(-logits_bv, axis=-1)
+            probs_bv = jax.nn.softmax(sorted_bv, axis=-1)
+            before_bv = jnp.cumsum(probs_bv, axis=-1) - probs_bv  # mass strictly above
+            kept_bv = jnp.where(before_bv < sampling.top_p, sorted_bv, jnp.inf)
+            cutoff_b1 = jnp.min(kept_bv, axis=-1, keepdims=True)
+            logits_bv = jnp.where(logits_bv < cutoff_b1, -jnp.inf, logits_bv)
+        logp_bv = jax.nn.log_softmax(logits_bv, axis=-1)
+        token_b = jax.random.categorical(key, logits_bv, axis=-1)
+    logp_b = jnp.take_along_axis(logp_bv, token_b[:, None], axis=-1)[:, 0]
+    return token_b.astype(jnp.int32), logp_b
+
+
+# --------------------------------------------------------------------------- prefill / decode
+
+
+def _constrain_batch(x, mesh: Mesh | None, axis: int):
+    if mesh is None:
+        return x
+    spec = [None] * x.ndim
+    spec[axis] = LOGICAL_RULES["batch"]
+    return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, PartitionSpec(*spec)))
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "n_new", "interruption", "mesh"))
+def prefill(graphdef, params, prompt_tokens, prompt_mask, key, *, n_new, interruption, mesh):
+    """Run the prompts through the model into a fresh cache; returns the DecodeState."""
+    model = nnx.merge(graphdef, params)
+    b, length = prompt_tokens.shape
+    cache = KVCache.empty(model.cfg, b, length + n_new)
+    cache = KVCache(
+        *(_constrain_batch(x, mesh, a) for x, a in ((cache.k, 1), (cache.v, 1), (cache.valid, 0)))
+    )
+    positions = jnp.maximum(jnp.cumsum(prompt_mask, axis=1) - 1, 0)
+    h_btd, cache = model.extend(cache, prompt_tokens, positions, prompt_mask, 0)
+    key, budget_key = jax.random.split(key)
+    if interruption is None:
+        think_budget = jnp.full((b,), n_new + 1, jnp.int32)  # never reached
+    else:
+        think_budget = jax.random.randint(
+            budget_key, (b,), interruption.think_min, interruption.think_max + 1, jnp.int32
+        )
+    zeros = jnp.zeros((b, n_new))
+    return DecodeState(
+        cache=cache,
+        h_bd=h_btd[:, -1],
+        tokens=jnp.zeros((b, n_new), jnp.int32),
+        logp=zeros,
+        mask=zeros,
+        versions=jnp.full((b, n_new), -1, jnp.int32),
+        step=jnp.zeros((), jnp.int32),
+        position=jnp.sum(prompt_mask, axis=1).astype(jnp.int32),
+        done=jnp.zeros((b,), jnp.bool_),
+        finish=jnp.full((b,), LENGTH, jnp.int32),
+        phase=jnp.full((b,), THINKING, jnp.int32),
+        counts=jnp.zeros((b, 3), jnp.int32),
+        think_budget=think_budget,
+        key=key,
+    )
+
+
+def _decode_step(
+    model: Policy, s: DecodeState, version, *, sampling, eos_ids, pad_id, interruption, prompt_len
+):
+    n_new = s.tokens.shape[1]
+    logits_bv = head_logits(s.h_bd, model.head_kernel(), model.cfg.lm_head_dtype)
+    sampled_b, logp_b = sample_token(logits_bv, jax.random.fold_in(s.key, s.step), sampling)
+    active = ~s.done
+    forcing = active & (s.phase == FORCING)
+    if interruption is not None:
+        forced_ids = jnp.asarray(interruption.token_ids, jnp.int32)
+        forced_b = forced_ids[jnp.minimum(s.counts[:, FORCING], len(interruption.token_ids) - 1)]
+        token_b = jnp.where(forcing, forced_b, sampled_b)
+    else:
+        token_b = sampled_b
+    token_b = jnp.where(active, token_b, pad_id)
+    sampled = active & ~forcing
+    col = s.step
+    tokens = s.tokens.at[:, col].set(token_b)
+    logp = s.logp.at[:, col].set(jnp.where(sampled, logp_b, 0.0))
+    mask = s.mask.at[:, col].set(sampled.astype(jnp.float32))
+    versions = s.versions.at[:, col].set(jnp.where(sampled, version, -1))
+
+    counts = s.counts + (active[:, None] & (s.phase[:, None] == jnp.arange(3))).astype(jnp.int32)
+    is_eos = sampled & jnp.isin(token_b, jnp.asarray(eos_ids, jnp.int32))
+    phase = s.phase
+    if interruption is not None:
+        over_budget = (phase == THINKING) & (counts[:, THINKING] >= s.think_budget) & ~is_eos
+        forced_all = (phase == FORCING) & (counts[:, FORCING] >= len(interruption.token_ids))
+        phase = jnp.where(over_budget, FORCING, jnp.where(forced_all, ANSWERING, phase))
+        answered = (phase == ANSWERING) & (counts[:, ANSWERING] >= interruption.answer_budget)
+    else:
+        answered = jnp.zeros_like(is_eos)
+    full = col + 1 >= n_new
+    finishing = active & (is_eos | answered | full)
+    reason = jnp.where(phase != THINKING, INTERRUPTED, jnp.where(is_eos, EOS, LENGTH))
+    finish = jnp.where(finishing, reason, s.finish)
+
+    h_btd, cache = model.extend(
+        s.cache, token_b[:, None], s.position[:, None], active[:, None], prompt_len + col
+    )
+    return DecodeState(
+        cache=cache,
+        h_bd=h_btd[:, 0],
+        tokens=tokens,
+        logp=logp,
+        mask=mask,
+        versions=versions,
+        step=col + 1,
+        position=s.position + active.astype(jnp.int32),
+        done=s.done | finishing,
+        finish=finish,
+        phase=phase,
+        counts=counts,
+        think_budget=s.think_budget,
+        key=s.key,
+    )
+
+
+@functools.partial(
+    jax.jit,
+    static_argnames=("graphdef", "sampling", "eos_ids", "pad_id", "interruption", "prompt_len"),
+    donate_argnames=("state",),
+)
+def decode(
+    graphdef,
+    params,
+    state: DecodeState,
+    version,
+    max_steps,
+    *,
+    sampling,
+    eos_ids,
+    pad_id,
+    interruption,
+    prompt_len,
+):
+    """Up to `max_steps` decode steps (a chunk), stopping early when every row is done."""
+    model = nnx.merge(graphdef, params)
+    step_fn = functools.partial(
+        _decode_step,
+        model,
+        sampling=sampling,
+        eos_ids=eos_ids,
+        pad_id=pad_id,
+        interruption=interruption,
+        prompt_len=prompt_len,
+    )
+    limit = jnp.minimum(state.step + max_steps, state.tokens.shape[1])
+
+    def cond(s):
+        return (s.step < limit) & ~jnp.all(s.done)
+
+    return jax.lax.while_loop(cond, lambda s: step_fn(s, version), state)
+
+
+def to_rollout(prompt_tokens, prompt_mask, state: DecodeState) -> Rollout:
+    return Rollout(
+        prompt_tokens=prompt_tokens,
+        prompt_mask=prompt_mask,
+        completion_tokens=state.tokens,
+        completion_mask=state.mask,
+        behavior_logp=state.logp,
+        versions=state.versions,
+        finish_reason=state.finish,
+        lengths=jnp.sum(state.counts, axis=1),
+    )
+
+
+def pad_prompts(prompts: Sequence[Sequence[int]], pad_id: int, multiple: int = 8):
+    """Left-pad token-id lists to one length (rounded up to `multiple`): (tokens, mask) numpy."""
+    if not prompts or any(len(p) == 0 for p in prompts):
+        raise ValueError("every prompt needs at least one token")
+    length = -(-max(len(p) for p in prompts) // multiple) * multiple
+    tokens = np.full((len(prompts), length), pad_id, np.int32)
+    mask = np.zeros((len(prompts), length), bool)
+    for i, p in enumerate(prompts):
+        tokens[i, length - len(p) :] = p
+        mask[i, length - len(p) :] = True
+    return tokens, mask
+
+
+def generate(
+    model: Policy,
+    prompts: Sequence[Sequence[int]],
+    *,
+    max_new_tokens: int,
+    temperature: float = 1.0,
+    top_p: float = 1.0,
+    top_k: int = 0,
+    key=None,
+    eos_ids: Sequence[int] = (),
+    pad_id: int = 0,
+    chunk_size: int | None = None,
+    interruption: Interruption | None = None,
+    version: int = 0,
+    mesh: Mesh | None = None,
+) -> Rollout:
+    """Sample completions for `prompts` (lists of token ids).
+
+    `chunk_size` splits decoding into compiled chunks of that many steps (the same tokens as
+    one chunk); with `mesh`, parameters and the batch are placed on it first.
+    """
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    if interruption is not None and interruption.max_tokens > max_new_tokens:
+        raise ValueError(
+            f"max_new_tokens ({max_new_tokens}) is below the interruption's think_max + text + "
+            f"answer_budget ({interruption.max_tokens})"
+        )
+    sampling = Sampling(temperature, top_p, top_k)
+    key = jax.random.key(0) if key is None else key
+    tokens, mask = pad_prompts(prompts, pad_id)
+    graphdef, params = nnx.split(model)
+    if mesh is not None:
+        params = jax.device_put(params, state_shardings(params, mesh))
+        batch = NamedSharding(mesh, PartitionSpec(LOGICAL_RULES["batch"], None))
+        tokens, mask = jax.device_put((tokens, mask), batch)
+    tokens, mask = jnp.asarray(tokens), jnp.asarray(mask)
+    state = prefill(
+        graphdef,
+        params,
+        tokens,
+        mask,
+        key,
+        n_new=max_new_tokens,
+        interruption=interruption,
+        mesh=mesh,
+    )
+    chunk = chunk_size or max_new_tokens
+    static = dict(
+        sampling=sampling,
+        eos_ids=tuple(int(i) for i in eos_ids),
+        pad_id=pad_id,
+        interruption=interruption,
+        prompt_len=tokens.shape[1],
+    )
+    while True:
+        state = decode(graphdef, params, state, version, chunk, **static)
+        if bool(jnp.all(state.done)) or int(state.step) >= max_new_tokens:
+            break
+    return to_rollout(tokens, mask, state)
