@@ -29,6 +29,7 @@ bench: $(VENV)/.installed-test
 	$(BIN)/python benchmarks/bench_model.py
 	$(BIN)/python benchmarks/bench_fit.py
 	$(BIN)/python benchmarks/bench_losses.py
+	$(BIN)/python benchmarks/bench_sampler.py
 
 lint: $(VENV)/.installed-test
 	$(BIN)/ruff check .
