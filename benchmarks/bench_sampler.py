@@ -15,21 +15,11 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
+from bench_model import TINY  # the same tiny config as the model benchmark
 from flax import nnx
 
-from jaxrl_scale.config import ModelConfig
 from jaxrl_scale.model import init_policy
 from jaxrl_scale.sampler import generate
-
-TINY = ModelConfig(
-    vocab_size=4096,
-    hidden_size=256,
-    intermediate_size=768,
-    num_layers=4,
-    num_heads=8,
-    num_kv_heads=2,
-    qkv_bias=True,
-)
 
 
 def _prompts(batch: int, length: int = 16):
