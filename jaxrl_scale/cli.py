@@ -21,6 +21,14 @@ def _parser() -> argparse.ArgumentParser:
     demo.add_argument("--out", type=Path, default=Path("runs/demo"))
     demo.add_argument("--steps", type=int, default=150)
 
+    train = sub.add_parser("train", help="RL training from a YAML config")
+    train.add_argument("--config", type=Path, required=True)
+    train.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", dest="overrides")
+    train.add_argument("--out", type=Path, required=True, help="run directory")
+    train.add_argument(
+        "--no-resume", action="store_true", help="ignore checkpoints already in --out"
+    )
+
     fit = sub.add_parser("fit", help="fit scaling curves to CSV / JSONL files or run directories")
     fit.add_argument("files", nargs="+", type=Path, metavar="FILE")
     fit.add_argument("--x", default="compute_flops", help="compute column (default compute_flops)")
@@ -81,6 +89,16 @@ def main(argv: list[str] | None = None) -> int:
                 config_path = DEFAULT_DEMO_CONFIG
             cfg = load_config(config_path, args.overrides)
             run_demo(cfg, args.out, steps=args.steps)
+        elif args.command == "train":
+            from jaxrl_scale.train import train
+
+            rows = train(
+                load_config(args.config, args.overrides), args.out, resume=not args.no_resume
+            )
+            last = next((r for r in reversed(rows) if "eval_pass_rate" in r), None)
+            if last is not None:
+                print(f"step {last['step']}: held-out pass rate {last['eval_pass_rate']:.3f}")
+            print(f"run directory: {args.out} (metrics.jsonl, tensorboard/, checkpoints/)")
         elif args.command == "fit":
             _fit(args)
     except ConfigError as e:

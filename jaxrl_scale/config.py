@@ -136,10 +136,171 @@ class MeshConfig:
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
+class TaskConfig:
+    """The verifiable task (see jaxrl_scale/tasks)."""
+
+    name: str = "arithmetic"
+    max_digits: int = 2  # arithmetic: operands have 1..max_digits digits
+    ops: str = "+-"  # arithmetic: operators drawn from
+    num_train: int = 512  # prompts in the training pool
+    num_eval: int = 64  # held-out prompts
+
+    def __post_init__(self):
+        _require(self.max_digits >= 1, "task.max_digits", f"must be >= 1, got {self.max_digits}")
+        _require(
+            bool(self.ops) and set(self.ops) <= set("+-*"), "task.ops", "use characters of '+-*'"
+        )
+        _require(self.num_train >= 1, "task.num_train", "must be >= 1")
+        _require(self.num_eval >= 1, "task.num_eval", "must be >= 1")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class InterruptionConfig:
+    """ScaleRL's forced length interruption (see sampler.Interruption)."""
+
+    text: str
+    think_min: int
+    think_max: int
+    answer_budget: int
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SamplerConfig:
+    max_new_tokens: int = 8
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    chunk_size: int = 0  # decode steps between in-flight weight swaps; 0 = one chunk
+    interruption: InterruptionConfig | None = None
+
+    def __post_init__(self):
+        _require(self.max_new_tokens >= 1, "sampler.max_new_tokens", "must be >= 1")
+        _require(self.temperature > 0, "sampler.temperature", "must be > 0 for RL sampling")
+        _require(0 < self.top_p <= 1, "sampler.top_p", f"must be in (0, 1], got {self.top_p}")
+        _require(self.top_k >= 0, "sampler.top_k", "must be >= 0")
+        _require(self.chunk_size >= 0, "sampler.chunk_size", "must be >= 0")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class LossConfig:
+    """The policy-gradient objective; unset hyper-parameters take the kind's defaults."""
+
+    kind: Literal["cispo", "dapo", "gspo", "grpo"] = "cispo"
+    aggregation: Literal["prompt", "sample", "token"] = "prompt"
+    normalize: Literal["batch", "prompt", "none"] = "batch"
+    baseline: Literal["mean", "rloo"] = "mean"
+    eps_max: float | None = None  # cispo
+    eps_low: float | None = None  # dapo, gspo, grpo
+    eps_high: float | None = None
+    kl_coef: float | None = None  # grpo (needs a reference policy)
+
+    def hyper(self) -> dict[str, float]:
+        """The hyper-parameters set here, checked against what the loss kind takes."""
+        from jaxrl_scale.losses import KINDS
+
+        takes = dict(KINDS[self.kind].defaults)
+        given = {
+            k: v
+            for k in ("eps_max", "eps_low", "eps_high", "kl_coef")
+            if (v := getattr(self, k)) is not None
+        }
+        wrong = sorted(set(given) - set(takes))
+        _require(
+            not wrong,
+            f"loss.{wrong[0] if wrong else ''}",
+            f"is not a parameter of loss.kind={self.kind} (it takes {sorted(takes)})",
+        )
+        return given
+
+    def __post_init__(self):
+        self.hyper()
+        _require(not self.kl_coef, "loss.kl_coef", "a reference policy is not wired in yet; use 0")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class TrainConfig:
+    steps: int = 20
+    prompts_per_step: int = 8  # P
+    group_size: int = 8  # G samples per prompt
+    learning_rate: float = 3e-4
+    warmup_steps: int = 10  # linear warm-up, then constant (or cosine)
+    schedule: Literal["constant", "cosine"] = "constant"
+    weight_decay: float = 0.01
+    adam_eps: float = 1e-15
+    grad_clip: float = 1.0
+    micro_batches: int = 1  # gradient accumulation over this many slices of the batch
+    max_nonfinite: int = 5  # abort after this many skipped updates in a row
+    sft_steps: int = 0  # supervised warm start on task demonstrations before RL
+    sft_learning_rate: float = 3e-3
+    eval_every: int = 10
+    eval_samples: int = 4  # k in mean@k
+    eval_temperature: float = 1.0
+
+    def __post_init__(self):
+        for name in (
+            "steps",
+            "prompts_per_step",
+            "group_size",
+            "micro_batches",
+            "max_nonfinite",
+            "eval_samples",
+        ):
+            _require(getattr(self, name) >= 1, f"train.{name}", "must be >= 1")
+        for name in ("warmup_steps", "sft_steps", "eval_every"):
+            _require(getattr(self, name) >= 0, f"train.{name}", "must be >= 0")
+        _require(self.learning_rate > 0, "train.learning_rate", "must be > 0")
+        _require(
+            self.prompts_per_step % self.micro_batches == 0,
+            "train.micro_batches",
+            f"must divide prompts_per_step ({self.prompts_per_step})",
+        )
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class PipelineConfig:
+    mode: Literal["pipeline_rl", "ppo_off_policy", "sync"] = "pipeline_rl"
+    max_staleness: int = 8  # k
+
+    def __post_init__(self):
+        _require(self.max_staleness >= 0, "pipeline.max_staleness", "must be >= 0")
+        _require(
+            self.mode != "ppo_off_policy" or self.max_staleness >= 1,
+            "pipeline.max_staleness",
+            "ppo_off_policy needs k >= 1 (k minibatches per policy)",
+        )
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class CurriculumConfig:
+    no_positive_resampling: bool = True
+    retire_threshold: float = 0.9  # a prompt whose latest pass rate reaches this is retired
+
+    def __post_init__(self):
+        _require(0 < self.retire_threshold <= 1, "curriculum.retire_threshold", "must be in (0, 1]")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class CheckpointConfig:
+    every: int = 0  # steps between checkpoints; 0 = only at the end
+    keep: int = 3
+
+    def __post_init__(self):
+        _require(self.every >= 0, "checkpoint.every", "must be >= 0")
+        _require(self.keep >= 1, "checkpoint.keep", "must be >= 1")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class ExperimentConfig:
     seed: int = 0
     model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
     mesh: MeshConfig = dataclasses.field(default_factory=MeshConfig)
+    task: TaskConfig = dataclasses.field(default_factory=TaskConfig)
+    sampler: SamplerConfig = dataclasses.field(default_factory=SamplerConfig)
+    loss: LossConfig = dataclasses.field(default_factory=LossConfig)
+    train: TrainConfig = dataclasses.field(default_factory=TrainConfig)
+    pipeline: PipelineConfig = dataclasses.field(default_factory=PipelineConfig)
+    curriculum: CurriculumConfig = dataclasses.field(default_factory=CurriculumConfig)
+    checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
 
 
 # --------------------------------------------------------------------------- YAML plumbing

@@ -1,0 +1,80 @@
+"""Which prompts to train on next: epochs over a shuffled pool, with No-Positive-Resampling.
+
+A prompt whose latest group pass rate reaches the threshold (0.9 in ScaleRL) is retired and never
+sampled again. The state is plain numpy and JSON-serialisable, so checkpoints carry it exactly.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+class Curriculum:
+    def __init__(
+        self,
+        n_prompts: int,
+        *,
+        seed: int,
+        retire_threshold: float = 0.9,
+        no_positive_resampling: bool = True,
+    ):
+        self.n = n_prompts
+        self.seed = seed
+        self.threshold = retire_threshold
+        self.enabled = no_positive_resampling
+        self.epoch = 0
+        self.position = 0
+        self.order = self._shuffle(0)
+        self.pass_rate = np.full(n_prompts, np.nan)
+        self.retired = np.zeros(n_prompts, bool)
+
+    def _shuffle(self, epoch: int) -> np.ndarray:
+        return np.random.default_rng([self.seed, epoch]).permutation(self.n)
+
+    @property
+    def active(self) -> int:
+        return int(self.n - self.retired.sum())
+
+    def next_batch(self, k: int) -> np.ndarray:
+        """The next k prompt indices, skipping retired prompts, reshuffling at each epoch end."""
+        if self.active < k:
+            raise RuntimeError(
+                f"only {self.active} prompts remain unretired, fewer than a batch of {k}; "
+                "the task is solved at this threshold (raise curriculum.retire_threshold)"
+            )
+        picked: list[int] = []
+        while len(picked) < k:
+            if self.position >= self.n:
+                self.epoch += 1
+                self.position = 0
+                self.order = self._shuffle(self.epoch)
+            index = int(self.order[self.position])
+            self.position += 1
+            if not self.retired[index] and index not in picked:
+                picked.append(index)
+        return np.asarray(picked)
+
+    def update(self, indices, pass_rates) -> None:
+        """Record each prompt's latest group pass rate; retire those at the threshold."""
+        indices, pass_rates = np.asarray(indices), np.asarray(pass_rates, float)
+        self.pass_rate[indices] = pass_rates
+        if self.enabled:
+            self.retired[indices] |= pass_rates >= self.threshold
+
+    def state_dict(self) -> dict:
+        return {
+            "epoch": self.epoch,
+            "position": self.position,
+            "pass_rate": [None if np.isnan(p) else float(p) for p in self.pass_rate],
+            "retired": self.retired.tolist(),
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        if len(state["retired"]) != self.n:
+            raise ValueError(
+                f"curriculum state is for {len(state['retired'])} prompts, not {self.n}"
+            )
+        self.epoch, self.position = int(state["epoch"]), int(state["position"])
+        self.order = self._shuffle(self.epoch)
+        self.pass_rate = np.array([np.nan if p is None else p for p in state["pass_rate"]])
+        self.retired = np.array(state["retired"], bool)

@@ -1,0 +1,187 @@
+"""The train step: a pure function (state, batch) -> (state, metrics), compiled once.
+
+Shapes: B = P x G sequences, T = L prompt slots + N completion slots.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+
+from jaxrl_scale.config import LossConfig, TrainConfig
+from jaxrl_scale.losses import policy_loss
+from jaxrl_scale.model import token_logprobs
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class TrainState:
+    params: nnx.State
+    opt_state: optax.OptState
+    step: jax.Array  # optimizer steps taken (the policy version)
+    nonfinite: jax.Array  # consecutive skipped updates
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Batch:
+    """One RL batch: finished sequences with per-token behaviour log-probs and advantages."""
+
+    tokens: jax.Array  # [B, T] int32: left-padded prompt, then completion
+    attention_mask: jax.Array  # [B, T] bool: real tokens
+    loss_mask: jax.Array  # [B, T] float32: sampled completion tokens of kept rows
+    behavior_logp: jax.Array  # [B, T] float32
+    adv: jax.Array  # [B] float32
+
+    @classmethod
+    def from_rollout(cls, ro, adv_b, keep_b) -> Batch:
+        """Prompt and completion side by side; only sampled tokens of kept rows count."""
+        n = ro.completion_tokens.shape[1]
+        emitted = jnp.arange(n)[None, :] < ro.lengths[:, None]
+        zeros = jnp.zeros(ro.prompt_tokens.shape, jnp.float32)
+        return cls(
+            tokens=jnp.concatenate([ro.prompt_tokens, ro.completion_tokens], axis=1),
+            attention_mask=jnp.concatenate([ro.prompt_mask, emitted], axis=1),
+            loss_mask=jnp.concatenate(
+                [zeros, ro.completion_mask * jnp.asarray(keep_b, jnp.float32)[:, None]], axis=1
+            ),
+            behavior_logp=jnp.concatenate([zeros, ro.behavior_logp], axis=1),
+            adv=jnp.asarray(adv_b, jnp.float32),
+        )
+
+
+def make_optimizer(learning_rate: float, cfg: TrainConfig, *, total_steps: int | None = None):
+    """AdamW after global-norm clipping, linear warm-up then constant (or cosine) learning rate."""
+    warmup = optax.linear_schedule(0.0, learning_rate, max(cfg.warmup_steps, 1))
+    if cfg.schedule == "cosine":
+        decay = optax.cosine_decay_schedule(
+            learning_rate, max((total_steps or cfg.steps) - cfg.warmup_steps, 1)
+        )
+    else:
+        decay = optax.constant_schedule(learning_rate)
+    schedule = optax.join_schedules([warmup, decay], [cfg.warmup_steps])
+    return optax.chain(
+        optax.clip_by_global_norm(cfg.grad_clip),
+        optax.adamw(schedule, eps=cfg.adam_eps, weight_decay=cfg.weight_decay),
+    )
+
+
+def init_train_state(params: nnx.State, tx: optax.GradientTransformation) -> TrainState:
+    return TrainState(
+        params=params,
+        opt_state=tx.init(params),
+        step=jnp.zeros((), jnp.int32),
+        nonfinite=jnp.zeros((), jnp.int32),
+    )
+
+
+def _rl_loss(params, batch: Batch, *, graphdef, group_size, loss_cfg: LossConfig, temperature):
+    model = nnx.merge(graphdef, params)
+    logp = token_logprobs(
+        model, batch.tokens, mask_bt=batch.attention_mask, temperature=temperature
+    )
+    return policy_loss(
+        logp,
+        batch.behavior_logp,
+        batch.adv,
+        batch.loss_mask,
+        group_size,
+        kind=loss_cfg.kind,
+        aggregation=loss_cfg.aggregation,
+        **loss_cfg.hyper(),
+    )
+
+
+def _micro(batch: Batch, m: int) -> Batch:
+    """[B, ...] -> [m, B / m, ...]; slices hold whole prompt groups (B / m is a multiple of G)."""
+    return jax.tree.map(lambda x: x.reshape(m, x.shape[0] // m, *x.shape[1:]), batch)
+
+
+def train_step(
+    state: TrainState,
+    batch: Batch,
+    *,
+    graphdef,
+    tx,
+    group_size: int,
+    loss_cfg: LossConfig,
+    temperature: float,
+    micro_batches: int = 1,
+):
+    """One optimizer step on the RL loss. A non-finite loss or gradient leaves the parameters
+    and optimizer state unchanged and counts the skip (metrics["skipped"])."""
+    loss_fn = functools.partial(
+        _rl_loss,
+        graphdef=graphdef,
+        group_size=group_size,
+        loss_cfg=loss_cfg,
+        temperature=temperature,
+    )
+    grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
+    if micro_batches == 1:
+        (loss, metrics), grads = grad_fn(state.params, batch)
+    else:  # gradient accumulation: the mean of per-slice gradients
+
+        def accumulate(carry, micro):
+            (loss, metrics), grads = grad_fn(state.params, micro)
+            return jax.tree.map(jnp.add, carry, (loss, metrics, grads)), None
+
+        zeros = jax.eval_shape(
+            grad_fn, state.params, jax.tree.map(lambda x: x[0], _micro(batch, micro_batches))
+        )
+        zeros = jax.tree.map(
+            lambda s: jnp.zeros(s.shape, s.dtype), (zeros[0][0], zeros[0][1], zeros[1])
+        )
+        total, _ = jax.lax.scan(accumulate, zeros, _micro(batch, micro_batches))
+        loss, metrics, grads = jax.tree.map(lambda x: x / micro_batches, total)
+    grad_norm = optax.global_norm(grads)
+    finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+    updates, opt_state = tx.update(grads, state.opt_state, state.params)
+    params = optax.apply_updates(state.params, updates)
+    keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(finite, a, b), new, old)  # noqa: E731
+    new_state = TrainState(
+        params=keep(params, state.params),
+        opt_state=keep(opt_state, state.opt_state),
+        step=state.step + finite.astype(jnp.int32),
+        nonfinite=jnp.where(finite, 0, state.nonfinite + 1),
+    )
+    metrics = {
+        **metrics,
+        "loss": loss,
+        "grad_norm": grad_norm,
+        "skipped": 1 - finite.astype(jnp.int32),
+    }
+    return new_state, metrics
+
+
+def compile_train_step(graphdef, tx, *, group_size, loss_cfg, temperature, micro_batches=1):
+    """jit of `train_step` with the state donated (shardings follow the inputs' placement)."""
+    return jax.jit(
+        functools.partial(
+            train_step,
+            graphdef=graphdef,
+            tx=tx,
+            group_size=group_size,
+            loss_cfg=loss_cfg,
+            temperature=temperature,
+            micro_batches=micro_batches,
+        ),
+        donate_argnums=0,
+    )
+
+
+def sft_step(params, opt_state, tokens, attention_mask, target_mask, *, graphdef, tx):
+    """One supervised step: maximise the mean log-likelihood of the target tokens."""
+
+    def loss_fn(params):
+        logp = token_logprobs(nnx.merge(graphdef, params), tokens, mask_bt=attention_mask)
+        return -jnp.sum(logp * target_mask) / jnp.maximum(jnp.sum(target_mask), 1.0)
+
+    loss, grads = jax.value_and_grad(loss_fn)(params)
+    updates, opt_state = tx.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state, loss

@@ -1,0 +1,71 @@
+"""Integer arithmetic with graded difficulty: "37+8=" -> "45".
+
+Operands have 1..max_digits digits (drawn per problem, so short problems are easy and long ones
+hard: pass rates differ by prompt). The verifier is an exact match of the completion, stripped
+of surrounding whitespace, against the integer answer; score range {0.0, 1.0}. The training pool
+and the held-out split are fixed by the seed and never share a problem.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from jaxrl_scale.tokenizer import CharTokenizer
+
+ALPHABET = "0123456789+-*= "
+_APPLY = {"+": lambda a, b: a + b, "-": lambda a, b: a - b, "*": lambda a, b: a * b}
+
+
+class ArithmeticTask:
+    name = "arithmetic"
+
+    def __init__(
+        self,
+        *,
+        max_digits: int = 2,
+        ops: str = "+-",
+        num_train: int = 512,
+        num_eval: int = 64,
+        seed: int = 0,
+    ):
+        if not ops or set(ops) - set(_APPLY):
+            raise ValueError(f"ops must be characters of '+-*', got {ops!r}")
+        self.tokenizer = CharTokenizer(ALPHABET)
+        self.max_digits, self.ops = max_digits, ops
+        rng = np.random.default_rng(seed)
+        seen: set[str] = set()
+        pools: list[list[dict]] = [[], []]
+        attempts = 0
+        for pool, size in zip(pools, (num_eval, num_train), strict=True):
+            while len(pool) < size:
+                attempts += 1
+                if attempts > 100 * (num_train + num_eval):
+                    raise ValueError(
+                        f"cannot draw {num_train} + {num_eval} distinct problems with "
+                        f"max_digits={max_digits}, ops={ops!r}"
+                    )
+                example = self._draw(rng)
+                if example["prompt"] not in seen:
+                    seen.add(example["prompt"])
+                    pool.append(example)
+        self.eval_examples, self.train_examples = pools
+
+    def _draw(self, rng: np.random.Generator) -> dict:
+        digits = int(rng.integers(1, self.max_digits + 1))
+        a, b = (int(rng.integers(0, 10**digits)) for _ in range(2))
+        op = self.ops[int(rng.integers(len(self.ops)))]
+        return {"prompt": f"{a}{op}{b}=", "answer": _APPLY[op](a, b), "digits": digits}
+
+    def score(self, completion: str, example: dict) -> float:
+        """1.0 if the completion is exactly the answer (surrounding spaces ignored), else 0.0."""
+        text = completion.strip()
+        if not text or len(text) > 32:
+            return 0.0
+        body = text[1:] if text[0] == "-" else text
+        if not body.isascii() or not body.isdigit():
+            return 0.0
+        return 1.0 if int(text) == int(example["answer"]) else 0.0
+
+    def demonstration(self, example: dict) -> str:
+        """The reference completion (for the supervised warm start)."""
+        return str(example["answer"])

@@ -1,0 +1,465 @@
+"""The RL loop, readable top to bottom.
+
+prompts (curriculum) -> sampler (policy version v, in-flight swaps between decode chunks)
+-> rewards (task verifier) -> advantages -> buffer (tagged with versions) -> train step if the
+batch is at most k versions old -> new parameters published to the generator
+-> every N steps: held-out eval, metrics row, checkpoint.
+
+Modes: `sync` (k = 0: generate with the current policy, then train; deterministic for a seed),
+`ppo_off_policy` (generate k batches with one policy, then take k steps), `pipeline_rl`
+(a generator thread and the trainer run concurrently; the buffer holds at most k batches and
+the trainer refuses any batch more than k versions old).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import queue
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jaxrl_scale import sharding
+from jaxrl_scale.advantages import group_advantages
+from jaxrl_scale.checkpoint import Checkpointer, abstract_like
+from jaxrl_scale.compute import generate_flops, train_flops
+from jaxrl_scale.config import ConfigError, ExperimentConfig
+from jaxrl_scale.curriculum import Curriculum
+from jaxrl_scale.metrics import MetricsWriter
+from jaxrl_scale.model import Policy
+from jaxrl_scale.sampler import Interruption, Sampling, decode, pad_prompts, prefill, to_rollout
+from jaxrl_scale.step import Batch, compile_train_step, init_train_state, make_optimizer, sft_step
+from jaxrl_scale.tasks import get_task
+
+
+@dataclasses.dataclass
+class Rollouts:
+    """One scored generation round, ready for the trainer."""
+
+    batch: Batch
+    indices: np.ndarray  # [P] prompt indices
+    versions: np.ndarray  # [B, N] policy version per sampled token (-1 elsewhere)
+    stats: dict[str, float]
+
+
+class Trainer:
+    def __init__(self, cfg: ExperimentConfig, out: str | Path, *, resume: bool = True):
+        self.cfg, self.out = cfg, Path(out)
+        self.out.mkdir(parents=True, exist_ok=True)
+        # ------------------------------------------------------------------ task and model
+        self.task = get_task(
+            cfg.task.name,
+            max_digits=cfg.task.max_digits,
+            ops=cfg.task.ops,
+            num_train=cfg.task.num_train,
+            num_eval=cfg.task.num_eval,
+            seed=cfg.seed,
+        )
+        self.tok = self.task.tokenizer
+        if cfg.model.vocab_size < self.tok.vocab_size:
+            raise ConfigError(
+                f"model.vocab_size: {cfg.model.vocab_size} is below the task tokenizer's "
+                f"{self.tok.vocab_size}"
+            )
+        self.mesh = sharding.make_mesh(cfg.mesh)
+        model = sharding.init_sharded(
+            lambda: Policy(cfg.model, rngs=nnx.Rngs(params=cfg.seed)), self.mesh
+        )
+        self.graphdef, params = nnx.split(model)
+        self.sampling = Sampling(cfg.sampler.temperature, cfg.sampler.top_p, cfg.sampler.top_k)
+        self.interruption = None
+        if cfg.sampler.interruption is not None:
+            i = cfg.sampler.interruption
+            self.interruption = Interruption(
+                tuple(self.tok.encode(i.text)), i.think_min, i.think_max, i.answer_budget
+            )
+        # ------------------------------------------------------------------ optimisation
+        self.tx = make_optimizer(cfg.train.learning_rate, cfg.train)
+        self.state = init_train_state(params, self.tx)
+        self.train_step = compile_train_step(
+            self.graphdef,
+            self.tx,
+            group_size=cfg.train.group_size,
+            loss_cfg=cfg.loss,
+            temperature=cfg.sampler.temperature,
+            micro_batches=cfg.train.micro_batches,
+        )
+        self.curriculum = Curriculum(
+            len(self.task.train_examples),
+            seed=cfg.seed,
+            retire_threshold=cfg.curriculum.retire_threshold,
+            no_positive_resampling=cfg.curriculum.no_positive_resampling,
+        )
+        self.key = jax.random.key(cfg.seed)
+        self.totals = {
+            "compute_flops": 0.0,
+            "device_seconds": 0.0,
+            "tokens": 0,
+            "skipped_updates": 0,
+        }
+        # ------------------------------------------------------------------ resume
+        self.checkpointer = Checkpointer(self.out, keep=cfg.checkpoint.keep)
+        self.start_step = 0
+        restored = self.checkpointer.restore_latest(abstract_like(self.state)) if resume else None
+        if restored is not None:  # the resume order of checkpoint.py
+            step, self.state, extra = restored
+            self.curriculum.load_state_dict(extra["curriculum"])
+            self.key = jax.random.wrap_key_data(jnp.asarray(extra["key"], jnp.uint32))
+            self.totals = extra["totals"]
+            self.start_step = step
+        self.metrics = MetricsWriter(self.out, resume_step=self.start_step if restored else None)
+
+    # ---------------------------------------------------------------------- generation
+
+    def _encode(self, examples) -> list[list[int]]:
+        return [self.tok.encode(e["prompt"]) for e in examples]
+
+    def _generate(self, params_source, prompts: list[list[int]], key, *, sampling, n_new):
+        """Sample with in-flight parameter swaps: `params_source()` -> (version, params) is read
+        before prefill and again between decode chunks."""
+        tokens, mask = (jnp.asarray(x) for x in pad_prompts(prompts, self.tok.pad_id))
+        version, params = params_source()
+        state = prefill(
+            self.graphdef,
+            params,
+            tokens,
+            mask,
+            key,
+            n_new=n_new,
+            interruption=self.interruption,
+            mesh=None,
+        )
+        static = dict(
+            sampling=sampling,
+            eos_ids=self.tok.eos_ids,
+            pad_id=self.tok.pad_id,
+            interruption=self.interruption,
+            prompt_len=tokens.shape[1],
+        )
+        chunk = self.cfg.sampler.chunk_size or n_new
+        while True:
+            state = decode(self.graphdef, params, state, version, chunk, **static)
+            if bool(jnp.all(state.done)) or int(state.step) >= n_new:
+                return to_rollout(tokens, mask, state)
+            version, params = params_source()
+
+    def _completions(self, ro) -> list[str]:
+        tokens, lengths = np.asarray(ro.completion_tokens), np.asarray(ro.lengths)
+        return [self.tok.decode(t[:n]) for t, n in zip(tokens, lengths, strict=True)]
+
+    def rollouts(self, params_source, key) -> Rollouts:
+        """Draw a batch of prompts, sample G completions each, score, compute advantages."""
+        cfg, g = self.cfg, self.cfg.train.group_size
+        start = time.perf_counter()
+        indices = self.curriculum.next_batch(cfg.train.prompts_per_step)
+        examples = [self.task.train_examples[i] for i in indices]
+        prompts = [p for p in self._encode(examples) for _ in range(g)]
+        ro = self._generate(
+            params_source, prompts, key, sampling=self.sampling, n_new=cfg.sampler.max_new_tokens
+        )
+        texts = self._completions(ro)
+        rewards = np.array([self.task.score(t, examples[i // g]) for i, t in enumerate(texts)])
+        pass_rates = rewards.reshape(-1, g).mean(axis=1)
+        self.curriculum.update(indices, pass_rates)
+        adv, keep = group_advantages(
+            rewards, g, normalize=cfg.loss.normalize, baseline=cfg.loss.baseline
+        )
+        batch = Batch.from_rollout(ro, adv, keep)
+        lengths = np.asarray(ro.lengths)
+        seq_lens = np.asarray(ro.prompt_mask).sum(axis=1) + lengths
+        stats = {
+            "reward_mean": float(rewards.mean()),
+            "pass_rate": float((pass_rates).mean()),
+            "gen_length_mean": float(lengths.mean()),
+            "interrupted_rate": ro.interrupted_rate,
+            "kept_fraction": float(np.asarray(keep).mean()),
+            "retired": int(self.curriculum.retired.sum()),
+            "gen_tokens": int(lengths.sum()),
+            "gen_flops": float(sum(generate_flops(cfg.model, int(n)) for n in seq_lens)),
+            "train_flops": float(sum(train_flops(cfg.model, int(n)) for n in seq_lens)),
+            "gen_seconds": time.perf_counter() - start,
+        }
+        return Rollouts(batch, indices, np.asarray(ro.versions), stats)
+
+    def evaluate(self, params, key) -> float:
+        """mean@k pass rate on the held-out split."""
+        k = self.cfg.train.eval_samples
+        examples = self.task.eval_examples
+        prompts = [p for p in self._encode(examples) for _ in range(k)]
+        sampling = Sampling(self.cfg.train.eval_temperature)
+        ro = self._generate(
+            lambda: (-1, params),
+            prompts,
+            key,
+            sampling=sampling,
+            n_new=self.cfg.sampler.max_new_tokens,
+        )
+        texts = self._completions(ro)
+        return float(np.mean([self.task.score(t, examples[i // k]) for i, t in enumerate(texts)]))
+
+    # ---------------------------------------------------------------------- warm start
+
+    def supervised_warm_start(self) -> list[float]:
+        """`train.sft_steps` steps of maximum likelihood on the task's demonstrations."""
+        cfg = self.cfg.train
+        if cfg.sft_steps == 0 or self.start_step > 0:
+            return []
+        tx = make_optimizer(cfg.sft_learning_rate, dataclasses.replace(cfg, warmup_steps=0))
+        step = jax.jit(lambda p, o, t, a, m: sft_step(p, o, t, a, m, graphdef=self.graphdef, tx=tx))
+        params, opt_state = self.state.params, tx.init(self.state.params)
+        rng = np.random.default_rng(self.cfg.seed)
+        losses = []
+        n = cfg.prompts_per_step * cfg.group_size
+        eos = self.tok.eos_ids[0]
+        for _ in range(cfg.sft_steps):
+            pick = rng.integers(0, len(self.task.train_examples), n)
+            examples = [self.task.train_examples[i] for i in pick]
+            seqs = [
+                self.tok.encode(e["prompt"]) + self.tok.encode(self.task.demonstration(e)) + [eos]
+                for e in examples
+            ]
+            width = max(map(len, seqs))
+            tokens = np.full((n, width), self.tok.pad_id, np.int32)
+            attn = np.zeros((n, width), bool)
+            target = np.zeros((n, width), np.float32)
+            for i, (e, s) in enumerate(zip(examples, seqs, strict=True)):
+                tokens[i, : len(s)], attn[i, : len(s)] = s, True
+                target[i, len(self.tok.encode(e["prompt"])) : len(s)] = 1.0
+            params, opt_state, loss = step(params, opt_state, tokens, attn, target)
+            losses.append(float(loss))
+        self.state = init_train_state(params, self.tx)
+        return losses
+
+    # ---------------------------------------------------------------------- the loop
+
+    def _log_step(
+        self, step: int, metrics, ro: Rollouts, *, staleness, idle, wall_start, eval_rate
+    ):
+        t = self.totals
+        stats = ro.stats
+        t["compute_flops"] += stats["gen_flops"] + stats["train_flops"]
+        t["tokens"] += stats["gen_tokens"]
+        t["skipped_updates"] += int(metrics["skipped"])
+        t["device_seconds"] = t.get("device_seconds_base", 0.0) + (
+            time.perf_counter() - wall_start
+        ) * len(self.mesh.devices.flat)
+        row = {
+            "step": step,
+            "policy_version": int(self.state.step),
+            "compute_flops": t["compute_flops"],
+            "device_seconds": t["device_seconds"],
+            "tokens": t["tokens"],
+            **{
+                k: v
+                for k, v in stats.items()
+                if k not in ("gen_flops", "train_flops", "gen_tokens")
+            },
+            **{k: float(v) for k, v in metrics.items()},
+            "staleness_mean": staleness[0],
+            "staleness_max": staleness[1],
+            "trainer_idle_fraction": idle,
+            "skipped_updates": t["skipped_updates"],
+        }
+        if eval_rate is not None:
+            row["eval_pass_rate"] = eval_rate
+        self.metrics.write(row)
+        return row
+
+    def _staleness(self, versions: np.ndarray) -> tuple[float, int]:
+        sampled = versions[versions >= 0]
+        if sampled.size == 0:
+            return 0.0, 0
+        lag = int(self.state.step) - sampled
+        return float(lag.mean()), int(lag.max())
+
+    def _save(self, step: int) -> None:
+        extra = {
+            "curriculum": self.curriculum.state_dict(),
+            "key": np.asarray(jax.random.key_data(self.key)).tolist(),
+            "totals": self.totals,
+        }
+        self.checkpointer.save(step, self.state, extra)
+
+    def train(self) -> list[dict[str, Any]]:
+        cfg = self.cfg
+        k = 0 if cfg.pipeline.mode == "sync" else cfg.pipeline.max_staleness
+        rows: list[dict[str, Any]] = []
+        wall_start = time.perf_counter()
+        self.totals["device_seconds_base"] = self.totals.get("device_seconds", 0.0)
+        if self.start_step == 0:
+            self.supervised_warm_start()
+            rows.append(self._initial_eval())
+        source = self._make_source()
+        feeder = self._feeder(source, k)
+        try:
+            for step in range(self.start_step + 1, cfg.train.steps + 1):
+                wait_start = time.perf_counter()
+                ro = feeder.next()
+                waited = time.perf_counter() - wait_start
+                step_start = time.perf_counter()
+                staleness = self._staleness(ro.versions)
+                if staleness[1] > k:
+                    raise RuntimeError(
+                        f"internal: batch {staleness[1]} versions old exceeds k = {k}"
+                    )
+                self.state, metrics = self.train_step(self.state, ro.batch)
+                metrics = jax.device_get(metrics)
+                if int(self.state.nonfinite) >= cfg.train.max_nonfinite:
+                    raise FloatingPointError(
+                        f"{int(self.state.nonfinite)} non-finite losses/gradients in a row at step "
+                        f"{step}: lower train.learning_rate or check the model's dtype"
+                    )
+                source.publish(int(self.state.step), self.state.params)
+                idle = waited / max(waited + time.perf_counter() - step_start, 1e-9)
+                eval_rate = None
+                if (
+                    cfg.train.eval_every
+                    and step % cfg.train.eval_every == 0
+                    or step == cfg.train.steps
+                ):
+                    eval_rate = self.evaluate(
+                        self.state.params, jax.random.fold_in(self.key, 10**9 + step)
+                    )
+                rows.append(
+                    self._log_step(
+                        step,
+                        metrics,
+                        ro,
+                        staleness=staleness,
+                        idle=idle,
+                        wall_start=wall_start,
+                        eval_rate=eval_rate,
+                    )
+                )
+                if cfg.checkpoint.every and step % cfg.checkpoint.every == 0:
+                    self._save(step)
+            self._save(cfg.train.steps)
+        finally:
+            feeder.stop()
+            self.checkpointer.close()
+            self.metrics.close()
+        return rows
+
+    def _initial_eval(self) -> dict[str, Any]:
+        row = {
+            "step": 0,
+            "policy_version": 0,
+            "compute_flops": 0.0,
+            "device_seconds": 0.0,
+            "tokens": 0,
+            "staleness_max": 0,
+            "eval_pass_rate": self.evaluate(self.state.params, jax.random.fold_in(self.key, 10**9)),
+        }
+        self.metrics.write(row)
+        return row
+
+    # ---------------------------------------------------------------------- feeding modes
+
+    def _make_source(self) -> _ParamsSource:
+        return _ParamsSource(
+            int(self.state.step), self.state.params, copy=self.cfg.pipeline.mode == "pipeline_rl"
+        )
+
+    def _feeder(self, source, k: int):
+        mode = self.cfg.pipeline.mode
+        if mode == "pipeline_rl":
+            return _PipelineFeeder(self, source, k)
+        return _SyncFeeder(self, source, per_policy=1 if mode == "sync" else k)
+
+
+class _ParamsSource:
+    """The newest published parameters and their version, read by the generator."""
+
+    def __init__(self, version: int, params, *, copy: bool):
+        self._lock = threading.Lock()
+        self._copy = copy
+        self.publish(version, params)
+
+    def publish(self, version: int, params) -> None:
+        # The train step donates its state; a generator running concurrently needs its own copy.
+        params = jax.tree.map(jnp.copy, params) if self._copy else params
+        with self._lock:
+            self._latest = (version, params)
+
+    def __call__(self):
+        with self._lock:
+            return self._latest
+
+
+class _SyncFeeder:
+    """sync: one batch per policy version; ppo_off_policy: `per_policy` batches per version."""
+
+    def __init__(self, trainer: Trainer, source: _ParamsSource, per_policy: int):
+        self.trainer, self.source, self.per_policy = trainer, source, per_policy
+        self.pending: list[Rollouts] = []
+        self.round = int(trainer.state.step)
+
+    def next(self) -> Rollouts:
+        if not self.pending:
+            version, params = self.source()
+            frozen = lambda: (version, params)  # noqa: E731
+            for i in range(self.per_policy):
+                key = jax.random.fold_in(self.trainer.key, self.round * self.per_policy + i)
+                self.pending.append(self.trainer.rollouts(frozen, key))
+            self.round += 1
+        return self.pending.pop(0)
+
+    def stop(self) -> None:
+        pass
+
+
+class _PipelineFeeder:
+    """pipeline_rl: a generator thread fills a buffer of at most k batches; parameters reach it
+    between decode chunks. The trainer never gets a batch older than k versions: the bounded
+    buffer keeps the generator at most k batches ahead, and stale batches are dropped."""
+
+    def __init__(self, trainer: Trainer, source: _ParamsSource, k: int):
+        self.trainer, self.source, self.k = trainer, source, k
+        self.buffer: queue.Queue[Rollouts | BaseException] = queue.Queue(maxsize=max(k, 1))
+        self.halt = threading.Event()
+        self.dropped = 0
+        self.thread = threading.Thread(target=self._run, name="generator", daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        n = 0
+        try:
+            while not self.halt.is_set():
+                ro = self.trainer.rollouts(
+                    self.source, jax.random.fold_in(self.trainer.key, 2**20 + n)
+                )
+                n += 1
+                while not self.halt.is_set():
+                    try:
+                        self.buffer.put(ro, timeout=0.1)
+                        break
+                    except queue.Full:
+                        continue
+        except BaseException as e:  # surfaced in the trainer thread
+            self.buffer.put(e)
+
+    def next(self) -> Rollouts:
+        while True:
+            item = self.buffer.get(timeout=600)
+            if isinstance(item, BaseException):
+                raise RuntimeError("the generator thread failed") from item
+            version = int(self.trainer.state.step)
+            sampled = item.versions[item.versions >= 0]
+            if sampled.size == 0 or version - int(sampled.min()) <= self.k:
+                return item
+            self.dropped += 1
+
+    def stop(self) -> None:
+        self.halt.set()
+        self.thread.join(timeout=60)
+
+
+def train(cfg: ExperimentConfig, out: str | Path, *, resume: bool = True) -> list[dict[str, Any]]:
+    """Train with RL per `cfg`, writing metrics, TensorBoard logs and checkpoints under `out`."""
+    return Trainer(cfg, out, resume=resume).train()
