@@ -31,7 +31,9 @@ LOGICAL_RULES: dict[str, str | tuple[str, ...] | None] = {
 
 
 def make_mesh(cfg: MeshConfig, devices: Sequence[jax.Device] | None = None) -> Mesh:
-    """A (data, fsdp, tensor) mesh over `devices` (default: all), with Auto axis types."""
+    """A (data, fsdp, tensor) mesh with Auto axis types over `devices` (default: all). With -1
+    on an axis the mesh spans every device; a fully specified shape that asks for fewer devices
+    than there are takes the first ones (e.g. one device for a small run)."""
     devices = list(jax.devices() if devices is None else devices)
     shape = [cfg.data, cfg.fsdp, cfg.tensor]
     if -1 in shape:
@@ -39,6 +41,8 @@ def make_mesh(cfg: MeshConfig, devices: Sequence[jax.Device] | None = None) -> M
         if len(devices) % known:
             raise ConfigError(f"mesh: {len(devices)} devices do not divide into axes {shape}")
         shape[shape.index(-1)] = len(devices) // known
+    if math.prod(shape) < len(devices):
+        devices = devices[: math.prod(shape)]
     if math.prod(shape) != len(devices):
         raise ConfigError(
             f"mesh: shape data={shape[0]} fsdp={shape[1]} tensor={shape[2]} needs "

@@ -139,7 +139,7 @@ def train_step(
         )
         total, _ = jax.lax.scan(accumulate, zeros, _micro(batch, micro_batches))
         loss, metrics, grads = jax.tree.map(lambda x: x / micro_batches, total)
-    grad_norm = optax.global_norm(grads)
+    grad_norm = optax.tree.norm(grads)
     finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
     updates, opt_state = tx.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)

@@ -1,0 +1,186 @@
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import jax
+import numpy as np
+import pytest
+from conftest import ROOT
+
+from jaxrl_scale.config import ConfigError, load_config
+from jaxrl_scale.metrics import read_metrics
+from jaxrl_scale.train import Trainer, train
+
+TINY = ROOT / "configs" / "tiny_arithmetic.yaml"
+# A tinier variant of the real config: the same switches, seconds per run.
+FAST = [
+    "model.hidden_size=32",
+    "model.intermediate_size=64",
+    "model.num_layers=1",
+    "task.max_digits=1",
+    "task.num_train=64",
+    "task.num_eval=8",
+    "train.prompts_per_step=4",
+    "train.group_size=4",
+    "train.steps=3",
+    "train.eval_every=2",
+    "train.eval_samples=2",
+    "train.sft_steps=2",
+    "sampler.max_new_tokens=4",
+    "checkpoint.every=0",
+    "mesh.data=1",
+]
+TIMING = {"device_seconds", "gen_seconds", "trainer_idle_fraction", "tokens_per_s"}
+
+
+def _cfg(*extra):
+    return load_config(TINY, [*FAST, *extra])
+
+
+def _params(run_dir, *extra):
+    trainer = Trainer(_cfg(*extra), run_dir)  # resumes from the run's last checkpoint
+    return [np.asarray(x) for x in jax.tree.leaves(trainer.state.params)]
+
+
+@pytest.mark.parametrize("kind", ["cispo", "dapo", "gspo", "grpo"])
+def test_every_loss_kind_trains_in_sync_mode(kind, tmp_path):
+    rows = train(_cfg(f"loss.kind={kind}", "pipeline.mode=sync"), tmp_path)
+    assert [r["step"] for r in rows] == [0, 1, 2, 3]
+    for r in rows[1:]:
+        assert np.isfinite(r["loss"]) and r["skipped"] == 0
+        assert r["staleness_max"] == 0
+        assert r["compute_flops"] > 0
+    assert (
+        "eval_pass_rate" in rows[0] and "eval_pass_rate" in rows[2] and "eval_pass_rate" in rows[3]
+    )
+    assert rows[3]["compute_flops"] > rows[1]["compute_flops"]
+    assert len(read_metrics(tmp_path)) == 4
+    assert any(p.name.startswith("events") for p in (tmp_path / "tensorboard").iterdir())
+
+
+@pytest.mark.parametrize("mode", ["pipeline_rl", "ppo_off_policy"])
+def test_off_policy_modes_respect_the_staleness_bound(mode, tmp_path):
+    rows = train(
+        _cfg(f"pipeline.mode={mode}", "pipeline.max_staleness=2", "train.steps=5"), tmp_path
+    )
+    assert [r["step"] for r in rows] == list(range(6))
+    assert max(r["staleness_max"] for r in rows) <= 2
+    if mode == "ppo_off_policy":  # two batches per policy: staleness 0, 1, 0, 1, ...
+        assert [r["staleness_max"] for r in rows[1:]] == [0, 1, 0, 1, 0]
+
+
+def test_sync_runs_with_one_seed_are_identical(tmp_path):
+    a = train(_cfg("pipeline.mode=sync"), tmp_path / "a")
+    b = train(_cfg("pipeline.mode=sync"), tmp_path / "b")
+    strip = lambda rows: [{k: v for k, v in r.items() if k not in TIMING} for r in rows]  # noqa: E731
+    assert strip(a) == strip(b)
+    for x, y in zip(_params(tmp_path / "a"), _params(tmp_path / "b"), strict=True):
+        np.testing.assert_array_equal(x, y)
+
+
+@pytest.mark.parametrize("slow", ["trainer", "generator"])
+def test_pipeline_with_a_slow_side_stays_within_k_and_finishes(slow, tmp_path, monkeypatch):
+    if slow == "generator":
+        original = Trainer.rollouts
+
+        def slow_rollouts(self, *args, **kwargs):
+            time.sleep(0.2)
+            return original(self, *args, **kwargs)
+
+        monkeypatch.setattr(Trainer, "rollouts", slow_rollouts)
+    trainer = Trainer(
+        _cfg("pipeline.mode=pipeline_rl", "pipeline.max_staleness=2", "train.steps=6"), tmp_path
+    )
+    if slow == "trainer":
+        step = trainer.train_step
+
+        def slow_step(state, batch):
+            time.sleep(0.2)
+            return step(state, batch)
+
+        trainer.train_step = slow_step
+    result = {}
+    worker = threading.Thread(target=lambda: result.setdefault("rows", trainer.train()))
+    worker.start()
+    worker.join(timeout=300)
+    assert not worker.is_alive(), "pipeline deadlocked"
+    rows = result["rows"]
+    assert [r["step"] for r in rows] == list(range(7))
+    assert max(r["staleness_max"] for r in rows) <= 2
+
+
+def test_in_flight_update_gives_one_completion_two_versions(tmp_path):
+    trainer = Trainer(_cfg("sampler.chunk_size=2"), tmp_path)
+    params = trainer.state.params
+    versions = iter(range(100))
+    source = lambda: (next(versions), params)  # noqa: E731  a new version at every chunk
+    ro = trainer._generate(
+        source, [[2, 3, 4]] * 2, jax.random.key(0), sampling=trainer.sampling, n_new=4
+    )
+    v = np.asarray(ro.versions)
+    assert len(set(v[0][v[0] >= 0].tolist())) >= 2  # one completion, two policy versions
+    from jaxrl_scale.step import Batch
+
+    batch = Batch.from_rollout(ro, np.ones(2), np.ones(2, bool))
+    # The loss sees each token's own behaviour log-prob, whichever version sampled it.
+    np.testing.assert_array_equal(batch.behavior_logp[:, -4:], ro.behavior_logp)
+
+
+def test_resume_after_sigkill_matches_an_uninterrupted_run(tmp_path):
+    overrides = ["pipeline.mode=sync", "train.steps=24", "checkpoint.every=2", "train.eval_every=4"]
+    cmd = [sys.executable, "-m", "jaxrl_scale.cli", "train", "--config", str(TINY)]
+    for o in [*FAST, *overrides]:
+        cmd += ["--set", o]
+    env = {**os.environ, "XLA_FLAGS": ""}
+    killed = tmp_path / "killed"
+    proc = subprocess.Popen(
+        [*cmd, "--out", str(killed)], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
+    deadline = time.time() + 240
+    while time.time() < deadline and not (killed / "checkpoints" / "4").exists():
+        if proc.poll() is not None:
+            break
+        time.sleep(0.02)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(timeout=30)
+    assert proc.returncode == -signal.SIGKILL, "the run finished before it could be killed"
+    steps_before = [r["step"] for r in read_metrics(killed)]
+    assert steps_before[-1] < 24
+    subprocess.run(
+        [*cmd, "--out", str(killed)], env=env, check=True, capture_output=True, timeout=300
+    )
+    whole = tmp_path / "whole"
+    subprocess.run(
+        [*cmd, "--out", str(whole)], env=env, check=True, capture_output=True, timeout=300
+    )
+    rows_killed, rows_whole = read_metrics(killed), read_metrics(whole)
+    assert [r["step"] for r in rows_killed] == list(range(25))  # nothing lost or duplicated
+    strip = lambda r: {k: v for k, v in r.items() if k not in TIMING}  # noqa: E731
+    assert [strip(r) for r in rows_killed] == [strip(r) for r in rows_whole]
+    for x, y in zip(_params(killed, *overrides), _params(whole, *overrides), strict=True):
+        np.testing.assert_array_equal(x, y)
+
+
+def test_config_errors_are_named(tmp_path):
+    with pytest.raises(ConfigError, match="model.vocab_size"):
+        Trainer(_cfg("model.vocab_size=8"), tmp_path)
+    with pytest.raises(ConfigError, match="loss.eps_max"):
+        _cfg("loss.kind=dapo", "loss.eps_max=4")
+
+
+def test_train_cli_prints_the_run(tmp_path, capsys):
+    from jaxrl_scale.cli import main
+
+    args = ["train", "--config", str(TINY), "--out", str(tmp_path), "--set", "pipeline.mode=sync"]
+    for o in FAST:
+        args += ["--set", o]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert "held-out pass rate" in out and str(tmp_path) in out
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    for key in ("step", "compute_flops", "device_seconds", "staleness_max"):
+        assert all(key in r for r in rows)
