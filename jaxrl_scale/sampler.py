@@ -164,7 +164,9 @@ def prefill(graphdef, params, prompt_tokens, prompt_mask, key, *, n_new, interru
     b, length = prompt_tokens.shape
     cache = KVCache.empty(model.cfg, b, length + n_new)
     cache = KVCache(
-        *(_constrain_batch(x, mesh, a) for x, a in ((cache.k, 1), (cache.v, 1), (cache.valid, 0)))
+        k=tuple(_constrain_batch(x, mesh, 0) for x in cache.k),
+        v=tuple(_constrain_batch(x, mesh, 0) for x in cache.v),
+        valid=_constrain_batch(cache.valid, mesh, 0),
     )
     positions = jnp.maximum(jnp.cumsum(prompt_mask, axis=1) - 1, 0)
     h_btd, cache = model.extend(cache, prompt_tokens, positions, prompt_mask, 0)
