@@ -76,11 +76,17 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScalingConfig | None
     return jnp.where(is_medium, blended, scaled)
 
 
-def apply_rope(x_bthe, positions_bt, inv_freq_e2):
-    """Rotate-half RoPE on the last axis; angles in float32."""
+def rope_tables(positions_bt, inv_freq_e2):
+    """(cos, sin) [B, T, 1, E] of the rotary angles, float32; computed once per forward pass and
+    shared by every layer."""
     angles_bte = positions_bt[..., None].astype(jnp.float32) * inv_freq_e2
     angles_bte = jnp.concatenate([angles_bte, angles_bte], axis=-1)[:, :, None, :]
-    cos, sin = jnp.cos(angles_bte).astype(x_bthe.dtype), jnp.sin(angles_bte).astype(x_bthe.dtype)
+    return jnp.cos(angles_bte), jnp.sin(angles_bte)
+
+
+def apply_rope(x_bthe, rope):
+    """Rotate-half RoPE on the last axis with precomputed (cos, sin) tables."""
+    cos, sin = (t.astype(x_bthe.dtype) for t in rope)
     half = x_bthe.shape[-1] // 2
     rotated = jnp.concatenate([-x_bthe[..., half:], x_bthe[..., :half]], axis=-1)
     return x_bthe * cos + rotated * sin
@@ -123,7 +129,7 @@ class Attention(nnx.Module):
             self.q_norm = _ones((e,), ("norm",))
             self.k_norm = _ones((e,), ("norm",))
 
-    def __call__(self, x_btd, positions_bt, mask_bts, inv_freq_e2, kv=None, write_index=None):
+    def __call__(self, x_btd, rope, mask_bts, kv=None, write_index=None):
         """Self-attention. With `kv` = (keys, values) [B, S, K, E] of a cache, this call's keys
         and values are written at slots write_index.. and attention runs over all S slots
         (mask_bts is then [B, T, S]); returns (out, updated kv), kv None without a cache."""
@@ -142,8 +148,8 @@ class Attention(nnx.Module):
         if cfg.qk_norm:
             q_bthe = rms_norm(q_bthe, self.q_norm[...], cfg.rms_norm_eps, dtype)
             k_btke = rms_norm(k_btke, self.k_norm[...], cfg.rms_norm_eps, dtype)
-        q_bthe = apply_rope(q_bthe, positions_bt, inv_freq_e2)
-        k_btke = apply_rope(k_btke, positions_bt, inv_freq_e2)
+        q_bthe = apply_rope(q_bthe, rope)
+        k_btke = apply_rope(k_btke, rope)
         if kv is not None:
             start = (0, write_index, 0, 0)
             kv = tuple(
@@ -181,10 +187,10 @@ class Block(nnx.Module):
         self.mlp_norm = _ones((cfg.hidden_size,), ("norm",))
         self.mlp = MLP(cfg, rngs=rngs)
 
-    def __call__(self, x_btd, positions_bt, mask_bts, inv_freq_e2, kv=None, write_index=None):
+    def __call__(self, x_btd, rope, mask_bts, kv=None, write_index=None):
         eps, dtype = self.cfg.rms_norm_eps, x_btd.dtype
         h = rms_norm(x_btd, self.attn_norm[...], eps, dtype)
-        attn, kv = self.attn(h, positions_bt, mask_bts, inv_freq_e2, kv, write_index)
+        attn, kv = self.attn(h, rope, mask_bts, kv, write_index)
         x_btd = x_btd + attn
         h = rms_norm(x_btd, self.mlp_norm[...], eps, dtype)
         return x_btd + self.mlp(h), kv
@@ -227,11 +233,12 @@ class Policy(nnx.Module):
         """Embedding, blocks (reading/writing `cache` if given), final norm."""
         cfg = self.cfg
         inv_freq_e2 = rope_inv_freq(cfg.resolved_head_dim, cfg.rope_theta, cfg.rope_scaling)
+        rope = rope_tables(positions_bt, inv_freq_e2)
         x_btd = jnp.take(self.embedding[...], tokens_bt, axis=0).astype(self.compute_dtype)
         new_k, new_v = [], []
         for i, block in enumerate(self.layers):
             kv = None if cache is None else (cache.k[i], cache.v[i])
-            x_btd, kv = block(x_btd, positions_bt, mask_bts, inv_freq_e2, kv, write_index)
+            x_btd, kv = block(x_btd, rope, mask_bts, kv, write_index)
             if kv is not None:
                 new_k.append(kv[0])
                 new_v.append(kv[1])

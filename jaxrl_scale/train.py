@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import queue
+import sys
 import threading
 import time
 from pathlib import Path
@@ -318,11 +319,8 @@ class Trainer:
                 source.publish(int(self.state.step), self.state.params)
                 idle = waited / max(waited + time.perf_counter() - step_start, 1e-9)
                 eval_rate = None
-                if (
-                    cfg.train.eval_every
-                    and step % cfg.train.eval_every == 0
-                    or step == cfg.train.steps
-                ):
+                on_schedule = bool(cfg.train.eval_every) and step % cfg.train.eval_every == 0
+                if on_schedule or step == cfg.train.steps:
                     eval_rate = self.evaluate(
                         self.state.params, jax.random.fold_in(self.key, 10**9 + step)
                     )
@@ -337,6 +335,7 @@ class Trainer:
                         eval_rate=eval_rate,
                     )
                 )
+                _progress(rows[-1], cfg.train.steps)
                 if cfg.checkpoint.every and step % cfg.checkpoint.every == 0:
                     self._save(step)
             self._save(cfg.train.steps)
@@ -458,6 +457,20 @@ class _PipelineFeeder:
     def stop(self) -> None:
         self.halt.set()
         self.thread.join(timeout=60)
+
+
+def _progress(row: dict[str, Any], total: int) -> None:
+    """A one-line status: redrawn in place on a terminal, printed on eval steps otherwise."""
+    line = (
+        f"step {row['step']}/{total}  reward {row.get('reward_mean', 0):.3f}  "
+        f"loss {row.get('loss', 0):+.4f}  staleness {row.get('staleness_max', 0)}"
+    )
+    if "eval_pass_rate" in row:
+        line += f"  eval {row['eval_pass_rate']:.3f}"
+    if sys.stdout.isatty():
+        print("\r" + line.ljust(100), end="\n" if "eval_pass_rate" in row else "", flush=True)
+    elif "eval_pass_rate" in row:
+        print(line, flush=True)
 
 
 def train(cfg: ExperimentConfig, out: str | Path, *, resume: bool = True) -> list[dict[str, Any]]:
