@@ -12,7 +12,7 @@ import numpy as np
 
 from jaxrl_scale.fit.bootstrap import BootstrapResult, bootstrap_sigmoid
 from jaxrl_scale.fit.data import Curve
-from jaxrl_scale.fit.sigmoid_fit import FitSpec, _padded, fit_batch
+from jaxrl_scale.fit.sigmoid_fit import FitSpec, pad_curves, fit_batch
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,7 +43,7 @@ def shared_ceiling(first: Curve, second: Curve, *, a_max: float = 1.0) -> Shared
     Profiles the joint sum of squares over A: a coarse grid, then a fine grid around the best
     value, each grid evaluated as one batched fit with A held.
     """
-    log_c, y, w = _padded([first, second])
+    log_c, y, w = pad_curves([first, second])
     spec = FitSpec(a_max=a_max, fit_a=False)
     lo = max(float(first.reward.max()), float(second.reward.max())) - 0.2
     lo, hi = max(lo, 1e-3), a_max

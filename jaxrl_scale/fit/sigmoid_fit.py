@@ -242,7 +242,8 @@ def _held(value, n: int, name: str):
     return arr
 
 
-def _padded(curves) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def pad_curves(curves) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Curves of different lengths as [N, P] (ln C, reward, weight) with weight 0 padding."""
     width = max(c.compute.size for c in curves)
     log_c = np.zeros((len(curves), width), np.float64)
     y = np.zeros((len(curves), width), np.float64)
@@ -308,7 +309,7 @@ def fit_sigmoid(
             )
             for i in range(c2.shape[0])
         ]
-        log_c, y, w = (jnp.asarray(v) for v in _padded(curves))
+        log_c, y, w = (jnp.asarray(v) for v in pad_curves(curves))
         if single:
             log_c = log_c[0]
     n = y.shape[0]
