@@ -12,7 +12,7 @@ import numpy as np
 
 from jaxrl_scale.fit.bootstrap import BootstrapResult, bootstrap_sigmoid
 from jaxrl_scale.fit.data import Curve
-from jaxrl_scale.fit.sigmoid_fit import FitSpec, pad_curves, fit_batch
+from jaxrl_scale.fit.sigmoid_fit import FitSpec, fit_batch, pad_curves
 
 
 @dataclasses.dataclass(frozen=True)
