@@ -232,6 +232,7 @@ class TrainConfig:
     max_nonfinite: int = 5  # abort after this many skipped updates in a row
     sft_steps: int = 0  # supervised warm start on task demonstrations before RL
     sft_learning_rate: float = 3e-3
+    sft_batch_size: int = 128
     eval_every: int = 10
     eval_samples: int = 4  # k in mean@k
     eval_temperature: float = 1.0

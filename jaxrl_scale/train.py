@@ -216,7 +216,7 @@ class Trainer:
         params, opt_state = self.state.params, tx.init(self.state.params)
         rng = np.random.default_rng(self.cfg.seed)
         losses = []
-        n = cfg.prompts_per_step * cfg.group_size
+        n = cfg.sft_batch_size
         eos = self.tok.eos_ids[0]
         for _ in range(cfg.sft_steps):
             pick = rng.integers(0, len(self.task.train_examples), n)
