@@ -245,6 +245,7 @@ class TrainConfig:
             "micro_batches",
             "max_nonfinite",
             "eval_samples",
+            "sft_batch_size",
         ):
             _require(getattr(self, name) >= 1, f"train.{name}", "must be >= 1")
         for name in ("warmup_steps", "sft_steps", "eval_every"):
