@@ -77,7 +77,8 @@ def main() -> None:
     results = {mode: run(mode, args.steps) for mode in ("sync", "pipeline_rl")}
     print("workload: Qwen3-shaped 0.54M params, 64 prompts x 16 samples, 16 new tokens, CISPO")
     print(
-        f"{'mode':<13}{'samples/s':>11}{'s/step':>9}{'trainer idle':>14}{'gen len':>9}{'max stale':>11}"
+        f"{'mode':<13}{'samples/s':>11}{'s/step':>9}{'trainer idle':>14}"
+        f"{'gen len':>9}{'max stale':>11}"
     )
     for mode, r in results.items():
         print(

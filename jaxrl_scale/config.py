@@ -192,7 +192,7 @@ class LossConfig:
     eps_max: float | None = None  # cispo
     eps_low: float | None = None  # dapo, gspo, grpo
     eps_high: float | None = None
-    kl_coef: float | None = None  # grpo (needs a reference policy)
+    kl_coef: float | None = None  # grpo: k3 KL to the policy at the start of RL
 
     def hyper(self) -> dict[str, float]:
         """The hyper-parameters set here, checked against what the loss kind takes."""
@@ -214,7 +214,7 @@ class LossConfig:
 
     def __post_init__(self):
         self.hyper()
-        _require(not self.kl_coef, "loss.kl_coef", "a reference policy is not wired in yet; use 0")
+        _require(self.kl_coef is None or self.kl_coef >= 0, "loss.kl_coef", "must be >= 0")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -262,9 +262,13 @@ class TrainConfig:
 class PipelineConfig:
     mode: Literal["pipeline_rl", "ppo_off_policy", "sync"] = "pipeline_rl"
     max_staleness: int = 8  # k
+    # Devices (the last ones) that only generate; the trainer's mesh spans the others. 0: both
+    # share every device. New parameters reach the generator by a resharding device_put.
+    generator_devices: int = 0
 
     def __post_init__(self):
         _require(self.max_staleness >= 0, "pipeline.max_staleness", "must be >= 0")
+        _require(self.generator_devices >= 0, "pipeline.generator_devices", "must be >= 0")
         _require(
             self.mode != "ppo_off_policy" or self.max_staleness >= 1,
             "pipeline.max_staleness",

@@ -25,6 +25,7 @@ class TrainState:
     opt_state: optax.OptState
     step: jax.Array  # optimizer steps taken (the policy version)
     nonfinite: jax.Array  # consecutive skipped updates
+    ref_params: nnx.State | None = None  # frozen reference policy for a KL penalty (grpo)
 
 
 @jax.tree_util.register_dataclass
@@ -71,28 +72,40 @@ def make_optimizer(learning_rate: float, cfg: TrainConfig, *, total_steps: int |
     )
 
 
-def init_train_state(params: nnx.State, tx: optax.GradientTransformation) -> TrainState:
+def init_train_state(
+    params: nnx.State, tx: optax.GradientTransformation, *, reference: bool = False
+) -> TrainState:
+    """A fresh state at version 0; `reference` keeps a frozen copy of `params` for a KL term."""
     return TrainState(
         params=params,
         opt_state=tx.init(params),
         step=jnp.zeros((), jnp.int32),
         nonfinite=jnp.zeros((), jnp.int32),
+        ref_params=jax.tree.map(jnp.copy, params) if reference else None,
     )
 
 
-def _rl_loss(params, batch: Batch, *, graphdef, group_size, loss_cfg: LossConfig, temperature):
-    model = nnx.merge(graphdef, params)
-    logp = token_logprobs(
-        model, batch.tokens, mask_bt=batch.attention_mask, temperature=temperature
-    )
+def _rl_loss(
+    params, ref_params, batch: Batch, *, graphdef, group_size, loss_cfg: LossConfig, temperature
+):
+    def logprobs(p):
+        return token_logprobs(
+            nnx.merge(graphdef, p),
+            batch.tokens,
+            mask_bt=batch.attention_mask,
+            temperature=temperature,
+        )
+
+    ref_logp = None if ref_params is None else jax.lax.stop_gradient(logprobs(ref_params))
     return policy_loss(
-        logp,
+        logprobs(params),
         batch.behavior_logp,
         batch.adv,
         batch.loss_mask,
         group_size,
         kind=loss_cfg.kind,
         aggregation=loss_cfg.aggregation,
+        ref_logp_bt=ref_logp,
         **loss_cfg.hyper(),
     )
 
@@ -124,15 +137,18 @@ def train_step(
     )
     grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
     if micro_batches == 1:
-        (loss, metrics), grads = grad_fn(state.params, batch)
+        (loss, metrics), grads = grad_fn(state.params, state.ref_params, batch)
     else:  # gradient accumulation: the mean of per-slice gradients
 
         def accumulate(carry, micro):
-            (loss, metrics), grads = grad_fn(state.params, micro)
+            (loss, metrics), grads = grad_fn(state.params, state.ref_params, micro)
             return jax.tree.map(jnp.add, carry, (loss, metrics, grads)), None
 
         zeros = jax.eval_shape(
-            grad_fn, state.params, jax.tree.map(lambda x: x[0], _micro(batch, micro_batches))
+            grad_fn,
+            state.params,
+            state.ref_params,
+            jax.tree.map(lambda x: x[0], _micro(batch, micro_batches)),
         )
         zeros = jax.tree.map(
             lambda s: jnp.zeros(s.shape, s.dtype), (zeros[0][0], zeros[0][1], zeros[1])
@@ -149,6 +165,7 @@ def train_step(
         opt_state=keep(opt_state, state.opt_state),
         step=state.step + finite.astype(jnp.int32),
         nonfinite=jnp.where(finite, 0, state.nonfinite + 1),
+        ref_params=state.ref_params,
     )
     metrics = {
         **metrics,
@@ -159,18 +176,38 @@ def train_step(
     return new_state, metrics
 
 
-def compile_train_step(graphdef, tx, *, group_size, loss_cfg, temperature, micro_batches=1):
-    """jit of `train_step` with the state donated (shardings follow the inputs' placement)."""
+def compile_train_step(
+    graphdef,
+    tx,
+    *,
+    group_size,
+    loss_cfg,
+    temperature,
+    micro_batches=1,
+    state_sharding=None,
+    batch_sharding=None,
+):
+    """jit of `train_step` with the state donated. With `state_sharding` (a TrainState of
+    shardings) and `batch_sharding` (a Batch of shardings) the layout is explicit: the state
+    comes out where it went in and metrics come out replicated; without them, shardings follow
+    the inputs' placement."""
+    step = functools.partial(
+        train_step,
+        graphdef=graphdef,
+        tx=tx,
+        group_size=group_size,
+        loss_cfg=loss_cfg,
+        temperature=temperature,
+        micro_batches=micro_batches,
+    )
+    if state_sharding is None:
+        return jax.jit(step, donate_argnums=0)
+    mesh = jax.tree.leaves(batch_sharding)[0].mesh
+    replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
     return jax.jit(
-        functools.partial(
-            train_step,
-            graphdef=graphdef,
-            tx=tx,
-            group_size=group_size,
-            loss_cfg=loss_cfg,
-            temperature=temperature,
-            micro_batches=micro_batches,
-        ),
+        step,
+        in_shardings=(state_sharding, batch_sharding),
+        out_shardings=(state_sharding, replicated),
         donate_argnums=0,
     )
 

@@ -30,7 +30,7 @@ from jaxrl_scale import sharding
 from jaxrl_scale.advantages import group_advantages
 from jaxrl_scale.checkpoint import Checkpointer, abstract_like
 from jaxrl_scale.compute import generate_flops, train_flops
-from jaxrl_scale.config import ConfigError, ExperimentConfig
+from jaxrl_scale.config import ConfigError, ExperimentConfig, MeshConfig
 from jaxrl_scale.curriculum import Curriculum
 from jaxrl_scale.metrics import MetricsWriter
 from jaxrl_scale.model import Policy
@@ -68,7 +68,8 @@ class Trainer:
                 f"model.vocab_size: {cfg.model.vocab_size} is below the task tokenizer's "
                 f"{self.tok.vocab_size}"
             )
-        self.mesh = sharding.make_mesh(cfg.mesh)
+        self.mesh, self.gen_mesh = _meshes(cfg)
+        _check_divisible(cfg, self.mesh, self.gen_mesh)
         model = sharding.init_sharded(
             lambda: Policy(cfg.model, rngs=nnx.Rngs(params=cfg.seed)), self.mesh
         )
@@ -82,7 +83,12 @@ class Trainer:
             )
         # ------------------------------------------------------------------ optimisation
         self.tx = make_optimizer(cfg.train.learning_rate, cfg.train)
-        self.state = init_train_state(params, self.tx)
+        # GRPO's KL penalty pulls towards the policy RL starts from (after the warm start).
+        self.reference = bool(cfg.loss.kl_coef)
+        self.state_sharding = _state_sharding(
+            init_train_state(params, self.tx, reference=self.reference), self.mesh
+        )
+        self.state = self._place_state(params)
         self.train_step = compile_train_step(
             self.graphdef,
             self.tx,
@@ -90,6 +96,8 @@ class Trainer:
             loss_cfg=cfg.loss,
             temperature=cfg.sampler.temperature,
             micro_batches=cfg.train.micro_batches,
+            state_sharding=self.state_sharding,
+            batch_sharding=self._batch_sharding(),
         )
         self.curriculum = Curriculum(
             len(self.task.train_examples),
@@ -116,6 +124,28 @@ class Trainer:
             self.start_step = step
         self.metrics = MetricsWriter(self.out, resume_step=self.start_step if restored else None)
 
+    # ---------------------------------------------------------------------- placement
+
+    def _place_state(self, params):
+        """A fresh train state (version 0) from `params`, laid out as the train step expects."""
+        state = init_train_state(params, self.tx, reference=self.reference)
+        return jax.device_put(state, self.state_sharding)
+
+    def _batch_sharding(self) -> Batch:
+        """Every batch array split over the trainer mesh's batch axes."""
+        two, one = (sharding.batch_sharding(self.mesh, n) for n in (2, 1))
+        return Batch(tokens=two, attention_mask=two, loss_mask=two, behavior_logp=two, adv=one)
+
+    def _to_trainer(self, batch: Batch) -> Batch:
+        """The batch moved to the trainer's layout (from wherever the generator made it)."""
+        return jax.device_put(batch, self._batch_sharding())
+
+    def _to_generator(self, params):
+        """Parameters resharded onto the generator's devices (a copy), when it has its own."""
+        if self.gen_mesh is None:
+            return params
+        return jax.device_put(params, sharding.state_shardings(params, self.gen_mesh))
+
     # ---------------------------------------------------------------------- generation
 
     def _encode(self, examples) -> list[list[int]]:
@@ -124,7 +154,10 @@ class Trainer:
     def _generate(self, params_source, prompts: list[list[int]], key, *, sampling, n_new):
         """Sample with in-flight parameter swaps: `params_source()` -> (version, params) is read
         before prefill and again between decode chunks."""
-        tokens, mask = (jnp.asarray(x) for x in pad_prompts(prompts, self.tok.pad_id))
+        tokens, mask = pad_prompts(prompts, self.tok.pad_id)
+        if self.gen_mesh is not None:
+            tokens, mask = jax.device_put((tokens, mask), sharding.batch_sharding(self.gen_mesh))
+        tokens, mask = jnp.asarray(tokens), jnp.asarray(mask)
         version, params = params_source()
         state = prefill(
             self.graphdef,
@@ -134,7 +167,7 @@ class Trainer:
             key,
             n_new=n_new,
             interruption=self.interruption,
-            mesh=None,
+            mesh=self.gen_mesh,
         )
         static = dict(
             sampling=sampling,
@@ -171,7 +204,7 @@ class Trainer:
         adv, keep = group_advantages(
             rewards, g, normalize=cfg.loss.normalize, baseline=cfg.loss.baseline
         )
-        batch = Batch.from_rollout(ro, adv, keep)
+        batch = self._to_trainer(Batch.from_rollout(ro, adv, keep))
         lengths = np.asarray(ro.lengths)
         seq_lens = np.asarray(ro.prompt_mask).sum(axis=1) + lengths
         stats = {
@@ -194,6 +227,7 @@ class Trainer:
         examples = self.task.eval_examples
         prompts = [p for p in self._encode(examples) for _ in range(k)]
         sampling = Sampling(self.cfg.train.eval_temperature)
+        params = self._to_generator(params)
         ro = self._generate(
             lambda: (-1, params),
             prompts,
@@ -234,7 +268,7 @@ class Trainer:
                 target[i, len(self.tok.encode(e["prompt"])) : len(s)] = 1.0
             params, opt_state, loss = step(params, opt_state, tokens, attn, target)
             losses.append(float(loss))
-        self.state = init_train_state(params, self.tx)
+        self.state = self._place_state(params)
         return losses
 
     # ---------------------------------------------------------------------- the loop
@@ -361,9 +395,14 @@ class Trainer:
     # ---------------------------------------------------------------------- feeding modes
 
     def _make_source(self) -> _ParamsSource:
-        return _ParamsSource(
-            int(self.state.step), self.state.params, copy=self.cfg.pipeline.mode == "pipeline_rl"
-        )
+        if self.gen_mesh is not None:
+            place = self._to_generator
+        elif self.cfg.pipeline.mode == "pipeline_rl":
+            # The train step donates its state; a concurrent generator needs its own copy.
+            place = lambda params: jax.tree.map(jnp.copy, params)  # noqa: E731
+        else:
+            place = lambda params: params  # noqa: E731
+        return _ParamsSource(int(self.state.step), self.state.params, place=place)
 
     def _feeder(self, source, k: int):
         mode = self.cfg.pipeline.mode
@@ -375,14 +414,13 @@ class Trainer:
 class _ParamsSource:
     """The newest published parameters and their version, read by the generator."""
 
-    def __init__(self, version: int, params, *, copy: bool):
+    def __init__(self, version: int, params, *, place):
         self._lock = threading.Lock()
-        self._copy = copy
+        self._place = place
         self.publish(version, params)
 
     def publish(self, version: int, params) -> None:
-        # The train step donates its state; a generator running concurrently needs its own copy.
-        params = jax.tree.map(jnp.copy, params) if self._copy else params
+        params = self._place(params)
         with self._lock:
             self._latest = (version, params)
 
@@ -457,6 +495,62 @@ class _PipelineFeeder:
     def stop(self) -> None:
         self.halt.set()
         self.thread.join(timeout=60)
+
+
+def _meshes(cfg: ExperimentConfig):
+    """(trainer mesh, generator mesh or None): `pipeline.generator_devices` takes the last
+    devices for generation (batch-parallel, with the trainer's tensor axis) and leaves the rest,
+    shaped by `mesh`, to the trainer."""
+    g = cfg.pipeline.generator_devices
+    if g == 0:
+        return sharding.make_mesh(cfg.mesh), None
+    devices = jax.devices()
+    if g >= len(devices):
+        raise ConfigError(
+            f"pipeline.generator_devices: {g} leaves no device for training "
+            f"(there are {len(devices)})"
+        )
+    tensor = cfg.mesh.tensor if cfg.mesh.tensor > 0 else 1
+    if g % tensor:
+        raise ConfigError(
+            f"pipeline.generator_devices: {g} is not a multiple of mesh.tensor={tensor}"
+        )
+    gen_mesh = sharding.make_mesh(MeshConfig(data=g // tensor, fsdp=1, tensor=tensor), devices[-g:])
+    return sharding.make_mesh(cfg.mesh, devices[:-g]), gen_mesh
+
+
+def _state_sharding(state, mesh):
+    """The train state's layout: parameters (and the optimizer moments that mirror them) where
+    their logical axes put them on `mesh`; everything else (counters, scalars) replicated."""
+    replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+
+    def one(x):
+        s = getattr(x, "sharding", None)
+        return s if isinstance(s, jax.sharding.NamedSharding) and s.mesh == mesh else replicated
+
+    return jax.tree.map(one, state)
+
+
+def _check_divisible(cfg: ExperimentConfig, mesh, gen_mesh) -> None:
+    """Batches split evenly over the batch axes of the meshes they live on."""
+    batch = cfg.train.prompts_per_step * cfg.train.group_size
+    checks = [("train.prompts_per_step x train.group_size", batch, mesh, "mesh")]
+    if gen_mesh is not None:
+        checks += [
+            ("train.prompts_per_step x train.group_size", batch, gen_mesh, "generator"),
+            (
+                "task.num_eval x train.eval_samples",
+                cfg.task.num_eval * cfg.train.eval_samples,
+                gen_mesh,
+                "generator",
+            ),
+        ]
+    for name, size, m, where in checks:
+        ways = m.shape["data"] * m.shape["fsdp"]
+        if size % ways:
+            raise ConfigError(
+                f"{name}: {size} does not split over the {where}'s {ways} batch shards"
+            )
 
 
 def _progress(row: dict[str, Any], total: int) -> None:

@@ -1,0 +1,77 @@
+"""Does RL learn? Held-out pass rate before and after RL on the built-in arithmetic task.
+
+    python benchmarks/bench_learning.py [--mode sync|pipeline_rl|ppo_off_policy ...] [--seed 0]
+
+Runs `configs/tiny_arithmetic.yaml` as shipped (a 0.4M-parameter model, 1-2 digit add/sub, a
+pool of 16,384 training problems and 256 held-out ones): a brief supervised warm start, then 150
+CISPO steps of 64 prompts x 16 samples. Prints, per mode, the held-out mean@4 pass rate after
+the warm start and at the end, the gain, and the seconds spent in each phase.
+"""
+
+from __future__ import annotations
+
+import argparse
+import tempfile
+import time
+from pathlib import Path
+
+from jaxrl_scale.config import load_config
+from jaxrl_scale.train import Trainer
+
+CONFIG = Path(__file__).resolve().parent.parent / "configs" / "tiny_arithmetic.yaml"
+
+
+def run(mode: str, seed: int) -> dict[str, float]:
+    cfg = load_config(CONFIG, [f"pipeline.mode={mode}", f"seed={seed}", "checkpoint.every=0"])
+    with tempfile.TemporaryDirectory() as out:
+        trainer = Trainer(cfg, out, resume=False)
+        warm = trainer.supervised_warm_start
+        phases: dict[str, float] = {}
+
+        def timed_warm_start():
+            start = time.perf_counter()
+            losses = warm()
+            phases["warm_s"] = time.perf_counter() - start
+            return losses
+
+        trainer.supervised_warm_start = timed_warm_start
+        start = time.perf_counter()
+        rows = trainer.train()
+        total = time.perf_counter() - start
+    evals = [r for r in rows if "eval_pass_rate" in r]
+    return {
+        "start": evals[0]["eval_pass_rate"],
+        "end": evals[-1]["eval_pass_rate"],
+        "best": max(r["eval_pass_rate"] for r in evals),
+        "warm_s": phases["warm_s"],
+        "rl_s": total - phases["warm_s"],
+        "steps": cfg.train.steps,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument(
+        "--mode",
+        nargs="+",
+        default=["sync", "pipeline_rl"],
+        choices=["sync", "pipeline_rl", "ppo_off_policy"],
+    )
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+    print("task: arithmetic (1-2 digit +-), 16,384 train / 256 held-out; model 0.4M params")
+    print(
+        f"{'mode':<16}{'warm-start eval':>16}{'final eval':>12}{'gain':>8}"
+        f"{'warm s':>8}{'RL s':>7}{'RL steps':>10}"
+    )
+    for mode in args.mode:
+        r = run(mode, args.seed)
+        print(
+            f"{mode:<16}{r['start']:>16.3f}{r['end']:>12.3f}{r['end'] - r['start']:>+8.3f}"
+            f"{r['warm_s']:>8.0f}{r['rl_s']:>7.0f}{r['steps']:>10}",
+            flush=True,
+        )
+
+
+if __name__ == "__main__":
+    main()

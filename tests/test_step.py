@@ -1,0 +1,125 @@
+"""The train step on hand-built batches: accumulation, skipped updates, the KL reference."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+from jaxrl_scale.config import LossConfig, ModelConfig
+from jaxrl_scale.model import Policy, token_logprobs
+from jaxrl_scale.step import Batch, compile_train_step, init_train_state
+
+CFG = ModelConfig(
+    architecture="qwen2",
+    vocab_size=16,
+    hidden_size=32,
+    intermediate_size=64,
+    num_layers=1,
+    num_heads=2,
+    num_kv_heads=1,
+)
+G = 4  # samples per prompt; 2 prompts per batch
+
+
+def _setup():
+    graphdef, params = nnx.split(Policy(CFG, rngs=nnx.Rngs(params=0)))
+    rng = np.random.default_rng(0)
+    b, t = 8, 6
+    tokens = jnp.asarray(rng.integers(1, CFG.vocab_size, (b, t)), jnp.int32)
+    attention = jnp.ones((b, t), bool)
+    loss_mask = np.zeros((b, t), np.float32)
+    loss_mask[:, 3:] = 1.0
+    loss_mask[1, 5] = 0.0  # rows of unequal length
+    logp = token_logprobs(nnx.merge(graphdef, params), tokens, mask_bt=attention)
+    behavior = logp + jnp.asarray(rng.normal(0, 0.1, (b, t)), jnp.float32)  # rho != 1
+    adv = jnp.asarray([1.0, -1.0, 0.5, -0.5, 2.0, -1.0, -0.5, -0.5], jnp.float32)
+    batch = Batch(tokens, attention, jnp.asarray(loss_mask), behavior, adv)
+    return graphdef, params, batch
+
+
+def _step(graphdef, tx, loss, **kw):
+    return compile_train_step(graphdef, tx, group_size=G, loss_cfg=loss, temperature=1.0, **kw)
+
+
+def _copy(tree):
+    return jax.tree.map(lambda x: np.array(x), tree)
+
+
+def test_gradient_accumulation_matches_the_whole_batch():
+    graphdef, params, batch = _setup()
+    tx = optax.sgd(0.1)
+    loss = LossConfig(kind="cispo", aggregation="prompt")
+    whole, m1 = _step(graphdef, tx, loss)(init_train_state(_copy(params), tx), batch)
+    split, m2 = _step(graphdef, tx, loss, micro_batches=2)(
+        init_train_state(_copy(params), tx), batch
+    )
+    # Prompt aggregation: the mean of two one-prompt slices is the mean over both prompts.
+    np.testing.assert_allclose(m1["loss"], m2["loss"], rtol=1e-5)
+    for a, b in zip(jax.tree.leaves(whole.params), jax.tree.leaves(split.params), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
+    moved = [
+        np.abs(np.asarray(a) - np.asarray(p)).max()
+        for a, p in zip(jax.tree.leaves(whole.params), jax.tree.leaves(params), strict=True)
+    ]
+    assert max(moved) > 1e-4  # the step did something
+
+
+def test_a_non_finite_loss_skips_the_update_and_counts():
+    graphdef, params, batch = _setup()
+    tx = optax.adamw(1e-3)
+    step = _step(graphdef, tx, LossConfig())
+    before = _copy(params)
+    poisoned = dataclasses.replace(batch, adv=batch.adv.at[0].set(jnp.nan))
+    state, metrics = step(init_train_state(_copy(params), tx), poisoned)
+    assert int(metrics["skipped"]) == 1 and int(state.nonfinite) == 1 and int(state.step) == 0
+    for a, b in zip(jax.tree.leaves(state.params), jax.tree.leaves(before), strict=True):
+        np.testing.assert_array_equal(a, b)
+    state, _ = step(state, poisoned)
+    assert int(state.nonfinite) == 2
+    state, metrics = step(state, batch)
+    assert int(metrics["skipped"]) == 0 and int(state.nonfinite) == 0 and int(state.step) == 1
+
+
+def test_grpo_kl_penalty_is_measured_against_the_frozen_reference():
+    graphdef, params, batch = _setup()
+    tx = optax.sgd(0.5)
+    coef = 0.3
+    step = _step(graphdef, tx, LossConfig(kind="grpo", kl_coef=coef))
+    no_kl = _step(graphdef, tx, LossConfig(kind="grpo"))
+    state = init_train_state(_copy(params), tx, reference=True)
+    reference = _copy(params)
+
+    # Step 1: the policy is the reference, so the penalty is exactly zero.
+    _, plain = no_kl(init_train_state(_copy(params), tx), batch)
+    state, m = step(state, batch)
+    assert float(m["kl_ref"]) == 0.0
+    np.testing.assert_allclose(m["loss"], plain["loss"], rtol=1e-6)
+
+    # Step 2: k3 = exp(ref - logp) - (ref - logp) - 1 per token, averaged per prompt (the
+    # default prompt aggregation: token mean within each prompt's tokens, then prompt mean).
+    logp = np.asarray(token_logprobs(nnx.merge(graphdef, state.params), batch.tokens))
+    ref = np.asarray(token_logprobs(nnx.merge(graphdef, reference), batch.tokens))
+    d = ref - logp
+    k3 = np.exp(d) - d - 1.0
+    mask = np.asarray(batch.loss_mask)
+    per_prompt = [
+        (k3[p * G : (p + 1) * G] * mask[p * G : (p + 1) * G]).sum()
+        / mask[p * G : (p + 1) * G].sum()
+        for p in range(2)
+    ]
+    state, m = step(state, batch)
+    assert float(m["kl_ref"]) > 0
+    np.testing.assert_allclose(float(m["kl_ref"]), np.mean(per_prompt), rtol=1e-4)
+    for a, b in zip(jax.tree.leaves(state.ref_params), jax.tree.leaves(reference), strict=True):
+        np.testing.assert_array_equal(a, b)  # the reference never moves
+
+
+def test_kl_coef_must_be_non_negative():
+    from jaxrl_scale.config import ConfigError
+
+    with pytest.raises(ConfigError, match="loss.kl_coef"):
+        LossConfig(kind="grpo", kl_coef=-0.1)
