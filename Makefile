@@ -31,6 +31,7 @@ bench: $(VENV)/.installed-test
 	$(BIN)/python benchmarks/bench_losses.py
 	$(BIN)/python benchmarks/bench_sampler.py
 	$(BIN)/python benchmarks/bench_pipeline.py
+	$(BIN)/python benchmarks/bench_learning.py
 
 lint: $(VENV)/.installed-test
 	$(BIN)/ruff check .

@@ -1,11 +1,12 @@
 """Does RL learn? Held-out pass rate before and after RL on the built-in arithmetic task.
 
-    python benchmarks/bench_learning.py [--mode sync|pipeline_rl|ppo_off_policy ...] [--seed 0]
+    python benchmarks/bench_learning.py [--mode sync pipeline_rl ...] [--seeds 0 1 2]
 
 Runs `configs/tiny_arithmetic.yaml` as shipped (a 0.4M-parameter model, 1-2 digit add/sub, a
 pool of 16,384 training problems and 256 held-out ones): a brief supervised warm start, then 150
-CISPO steps of 64 prompts x 16 samples. Prints, per mode, the held-out mean@4 pass rate after
-the warm start and at the end, the gain, and the seconds spent in each phase.
+CISPO steps of 64 prompts x 16 samples. Prints, per mode and seed, the held-out mean@4 pass rate
+after the warm start and at the end, the gain, and the seconds spent in each phase; then the
+mean gain per mode. Each run takes about 2.5 minutes on 2 CPU cores.
 """
 
 from __future__ import annotations
@@ -54,23 +55,27 @@ def main() -> None:
     parser.add_argument(
         "--mode",
         nargs="+",
-        default=["sync", "pipeline_rl"],
+        default=["sync"],
         choices=["sync", "pipeline_rl", "ppo_off_policy"],
     )
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     args = parser.parse_args()
     print("task: arithmetic (1-2 digit +-), 16,384 train / 256 held-out; model 0.4M params")
     print(
-        f"{'mode':<16}{'warm-start eval':>16}{'final eval':>12}{'gain':>8}"
+        f"{'mode':<16}{'seed':>5}{'warm-start eval':>16}{'final eval':>12}{'gain':>8}"
         f"{'warm s':>8}{'RL s':>7}{'RL steps':>10}"
     )
     for mode in args.mode:
-        r = run(mode, args.seed)
-        print(
-            f"{mode:<16}{r['start']:>16.3f}{r['end']:>12.3f}{r['end'] - r['start']:>+8.3f}"
-            f"{r['warm_s']:>8.0f}{r['rl_s']:>7.0f}{r['steps']:>10}",
-            flush=True,
-        )
+        gains = []
+        for seed in args.seeds:
+            r = run(mode, seed)
+            gains.append(r["end"] - r["start"])
+            print(
+                f"{mode:<16}{seed:>5}{r['start']:>16.3f}{r['end']:>12.3f}{gains[-1]:>+8.3f}"
+                f"{r['warm_s']:>8.0f}{r['rl_s']:>7.0f}{r['steps']:>10}",
+                flush=True,
+            )
+        print(f"{mode}: mean held-out gain {sum(gains) / len(gains):+.3f} over {len(gains)} seeds")
 
 
 if __name__ == "__main__":

@@ -144,6 +144,9 @@ class TaskConfig:
     ops: str = "+-"  # arithmetic: operators drawn from
     num_train: int = 512  # prompts in the training pool
     num_eval: int = 64  # held-out prompts
+    # Probability that a warm-start demonstration is wrong (arithmetic: its last digit off by
+    # one), so the warm-started policy knows the answer but is unsure of it: what RL fixes.
+    demo_noise: float = 0.0
 
     def __post_init__(self):
         _require(self.max_digits >= 1, "task.max_digits", f"must be >= 1, got {self.max_digits}")
@@ -152,6 +155,7 @@ class TaskConfig:
         )
         _require(self.num_train >= 1, "task.num_train", "must be >= 1")
         _require(self.num_eval >= 1, "task.num_eval", "must be >= 1")
+        _require(0 <= self.demo_noise <= 1, "task.demo_noise", "must be in [0, 1]")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

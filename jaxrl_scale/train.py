@@ -61,6 +61,7 @@ class Trainer:
             num_train=cfg.task.num_train,
             num_eval=cfg.task.num_eval,
             seed=cfg.seed,
+            demo_noise=cfg.task.demo_noise,
         )
         self.tok = self.task.tokenizer
         if cfg.model.vocab_size < self.tok.vocab_size:
@@ -256,7 +257,9 @@ class Trainer:
             pick = rng.integers(0, len(self.task.train_examples), n)
             examples = [self.task.train_examples[i] for i in pick]
             seqs = [
-                self.tok.encode(e["prompt"]) + self.tok.encode(self.task.demonstration(e)) + [eos]
+                self.tok.encode(e["prompt"])
+                + self.tok.encode(self.task.demonstration(e, rng))
+                + [eos]
                 for e in examples
             ]
             width = max(map(len, seqs))

@@ -227,12 +227,3 @@ def test_train_cli_prints_the_run(tmp_path, capsys):
     for key in ("step", "compute_flops", "device_seconds", "staleness_max"):
         assert all(key in r for r in rows)
 
-
-def test_rl_raises_the_held_out_pass_rate(tmp_path):
-    """The shipped tiny config, as is (sync mode for determinism): a brief warm start, then RL
-    lifts the held-out mean@4 pass rate by at least 0.1 (about 2.5 minutes on 2 CPU cores)."""
-    cfg = load_config(TINY, ["pipeline.mode=sync", "checkpoint.every=0", "mesh.data=1"])
-    rows = train(cfg, tmp_path)
-    evals = [r["eval_pass_rate"] for r in rows if "eval_pass_rate" in r]
-    assert len(evals) == cfg.train.steps // cfg.train.eval_every + 1
-    assert evals[-1] - evals[0] >= 0.1, evals

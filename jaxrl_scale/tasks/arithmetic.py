@@ -27,11 +27,13 @@ class ArithmeticTask:
         num_train: int = 512,
         num_eval: int = 64,
         seed: int = 0,
+        demo_noise: float = 0.0,
     ):
         if not ops or set(ops) - set(_APPLY):
             raise ValueError(f"ops must be characters of '+-*', got {ops!r}")
         self.tokenizer = CharTokenizer(ALPHABET)
         self.max_digits, self.ops = max_digits, ops
+        self.demo_noise = demo_noise
         rng = np.random.default_rng(seed)
         seen: set[str] = set()
         pools: list[list[dict]] = [[], []]
@@ -66,6 +68,12 @@ class ArithmeticTask:
             return 0.0
         return 1.0 if int(text) == int(example["answer"]) else 0.0
 
-    def demonstration(self, example: dict) -> str:
-        """The reference completion (for the supervised warm start)."""
-        return str(example["answer"])
+    def demonstration(self, example: dict, rng: np.random.Generator | None = None) -> str:
+        """A completion to imitate in the supervised warm start: the answer, except that with
+        probability `demo_noise` (drawn from `rng`) its last digit is one more or one less
+        (mod 10): imperfect data whose majority is still right."""
+        text = str(example["answer"])
+        if rng is None or not self.demo_noise or rng.random() >= self.demo_noise:
+            return text
+        last = (int(text[-1]) + int(rng.choice([-1, 1]))) % 10
+        return text[:-1] + str(last)

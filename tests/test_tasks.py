@@ -1,0 +1,81 @@
+"""The built-in arithmetic task: split, answers, verifier, demonstrations."""
+
+import re
+
+import numpy as np
+import pytest
+
+from jaxrl_scale.tasks import ArithmeticTask, get_task
+
+
+def _solve(prompt: str) -> int:
+    a, op, b = re.fullmatch(r"(\d+)([+\-*])(\d+)=", prompt).groups()
+    return {"+": int(a) + int(b), "-": int(a) - int(b), "*": int(a) * int(b)}[op]
+
+
+def test_split_is_fixed_by_the_seed_and_held_out_is_disjoint():
+    a = ArithmeticTask(max_digits=2, num_train=300, num_eval=50, seed=3)
+    b = ArithmeticTask(max_digits=2, num_train=300, num_eval=50, seed=3)
+    c = ArithmeticTask(max_digits=2, num_train=300, num_eval=50, seed=4)
+    prompts = lambda t: [e["prompt"] for e in t.train_examples + t.eval_examples]  # noqa: E731
+    assert prompts(a) == prompts(b) and prompts(a) != prompts(c)
+    train = {e["prompt"] for e in a.train_examples}
+    held_out = {e["prompt"] for e in a.eval_examples}
+    assert len(train) == 300 and len(held_out) == 50 and not train & held_out
+
+
+def test_answers_are_right_and_difficulty_is_graded():
+    task = ArithmeticTask(max_digits=3, ops="+-*", num_train=500, num_eval=20, seed=0)
+    for e in task.train_examples:
+        assert e["answer"] == _solve(e["prompt"])
+        assert e["prompt"].count("=") == 1
+    digits = [e["digits"] for e in task.train_examples]
+    assert set(digits) == {1, 2, 3}  # easy and hard problems in one pool
+    assert {e["prompt"][-1] for e in task.train_examples} == {"="}
+
+
+def test_verifier_is_an_exact_integer_match():
+    task = ArithmeticTask(num_train=4, num_eval=1)
+    ex = {"prompt": "50-95=", "answer": -45}
+    assert task.score("-45", ex) == 1.0
+    assert task.score("  -45 ", ex) == 1.0
+    for wrong in [
+        "45",
+        "-46",
+        "",
+        " ",
+        "-",
+        "-45.0",
+        "-4.5e1",
+        "-45abc",
+        "- 45",
+        "--45",
+        "-٤٥",
+        "-45" + "0" * 40,
+        "0x2d",
+    ]:
+        assert task.score(wrong, ex) == 0.0, wrong
+
+
+def test_bad_arguments_are_named():
+    with pytest.raises(ValueError, match="ops"):
+        ArithmeticTask(ops="/")
+    with pytest.raises(ValueError, match="distinct problems"):
+        ArithmeticTask(max_digits=1, ops="+", num_train=200, num_eval=10)  # only 100 exist
+    with pytest.raises(ValueError, match="known tasks: arithmetic"):
+        get_task("chess")
+
+
+def test_noisy_demonstrations_are_off_by_one_in_the_last_digit():
+    task = ArithmeticTask(num_train=400, num_eval=10, seed=0, demo_noise=0.5)
+    rng = np.random.default_rng(0)
+    wrong = 0
+    for e in task.train_examples:
+        demo, answer = task.demonstration(e, rng), str(e["answer"])
+        if demo != answer:
+            wrong += 1
+            assert demo[:-1] == answer[:-1]
+            assert (int(demo[-1]) - int(answer[-1])) % 10 in (1, 9)
+    assert 160 <= wrong <= 240  # binomial(400, 0.5): mean 200, sd 10
+    clean = ArithmeticTask(num_train=400, num_eval=10, seed=0)
+    assert all(clean.demonstration(e, rng) == str(e["answer"]) for e in clean.train_examples)
