@@ -284,9 +284,12 @@ class Trainer:
         t["compute_flops"] += stats["gen_flops"] + stats["train_flops"]
         t["tokens"] += stats["gen_tokens"]
         t["skipped_updates"] += int(metrics["skipped"])
-        t["device_seconds"] = t.get("device_seconds_base", 0.0) + (
-            time.perf_counter() - wall_start
-        ) * len(self.mesh.devices.flat)
+        now = time.perf_counter()
+        t["device_seconds"] = t.get("device_seconds_base", 0.0) + (now - wall_start) * len(
+            self.mesh.devices.flat
+        )
+        tokens_per_s = stats["gen_tokens"] / max(now - self._last_log, 1e-9)
+        self._last_log = now
         row = {
             "step": step,
             "policy_version": int(self.state.step),
@@ -302,6 +305,7 @@ class Trainer:
             "staleness_mean": staleness[0],
             "staleness_max": staleness[1],
             "trainer_idle_fraction": idle,
+            "tokens_per_s": tokens_per_s,
             "skipped_updates": t["skipped_updates"],
         }
         if eval_rate is not None:
@@ -333,6 +337,7 @@ class Trainer:
         if self.start_step == 0:
             self.supervised_warm_start()
             rows.append(self._initial_eval())
+        self._last_log = time.perf_counter()
         source = self._make_source()
         feeder = self._feeder(source, k)
         try:
