@@ -244,7 +244,6 @@ def test_train_cli_prints_the_run(tmp_path, capsys):
         assert all(key in r for r in rows)
 
 
-
 def test_rl_raises_the_reward_on_its_training_prompts(tmp_path):
     """A guard on the sign of the whole loop (advantages, loss, optimizer): from a weak warm
     start on 1-digit sums, RL lifts the reward on the prompts it trains on."""
