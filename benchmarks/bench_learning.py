@@ -33,6 +33,7 @@ def run(mode: str, seed: int) -> dict[str, float]:
             start = time.perf_counter()
             losses = warm()
             phases["warm_s"] = time.perf_counter() - start
+            phases["warm_steps"] = len(losses)
             return losses
 
         trainer.supervised_warm_start = timed_warm_start
@@ -45,6 +46,7 @@ def run(mode: str, seed: int) -> dict[str, float]:
         "end": evals[-1]["eval_pass_rate"],
         "best": max(r["eval_pass_rate"] for r in evals),
         "warm_s": phases["warm_s"],
+        "warm_steps": phases["warm_steps"],
         "rl_s": total - phases["warm_s"],
         "steps": cfg.train.steps,
     }
@@ -63,7 +65,7 @@ def main() -> None:
     print("task: arithmetic (1-2 digit +-), 16,384 train / 256 held-out; model 0.4M params")
     print(
         f"{'mode':<16}{'seed':>5}{'warm-start eval':>16}{'final eval':>12}{'gain':>8}"
-        f"{'warm s':>8}{'RL s':>7}{'RL steps':>10}"
+        f"{'warm steps':>11}{'warm s':>8}{'RL s':>7}{'RL steps':>10}"
     )
     for mode in args.mode:
         gains = []
@@ -72,7 +74,7 @@ def main() -> None:
             gains.append(r["end"] - r["start"])
             print(
                 f"{mode:<16}{seed:>5}{r['start']:>16.3f}{r['end']:>12.3f}{gains[-1]:>+8.3f}"
-                f"{r['warm_s']:>8.0f}{r['rl_s']:>7.0f}{r['steps']:>10}",
+                f"{r['warm_steps']:>11}{r['warm_s']:>8.0f}{r['rl_s']:>7.0f}{r['steps']:>10}",
                 flush=True,
             )
         print(f"{mode}: mean held-out gain {sum(gains) / len(gains):+.3f} over {len(gains)} seeds")

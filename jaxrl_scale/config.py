@@ -237,6 +237,10 @@ class TrainConfig:
     sft_steps: int = 0  # supervised warm start on task demonstrations before RL
     sft_learning_rate: float = 3e-3
     sft_batch_size: int = 128
+    # Stop the warm start early once the mean demonstration loss of the last 50 steps is below
+    # this (0: run all sft_steps). A target loss lands every seed at a similar skill, where a
+    # fixed step count lands each at a different point of a steep learning curve.
+    sft_target_loss: float = 0.0
     eval_every: int = 10
     eval_samples: int = 4  # k in mean@k
     eval_temperature: float = 1.0
@@ -252,7 +256,7 @@ class TrainConfig:
             "sft_batch_size",
         ):
             _require(getattr(self, name) >= 1, f"train.{name}", "must be >= 1")
-        for name in ("warmup_steps", "sft_steps", "eval_every"):
+        for name in ("warmup_steps", "sft_steps", "eval_every", "sft_target_loss"):
             _require(getattr(self, name) >= 0, f"train.{name}", "must be >= 0")
         _require(self.learning_rate > 0, "train.learning_rate", "must be > 0")
         _require(

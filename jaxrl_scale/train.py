@@ -242,7 +242,8 @@ class Trainer:
     # ---------------------------------------------------------------------- warm start
 
     def supervised_warm_start(self) -> list[float]:
-        """`train.sft_steps` steps of maximum likelihood on the task's demonstrations."""
+        """Up to `train.sft_steps` steps of maximum likelihood on the task's demonstrations,
+        fewer when the mean loss of the last 50 steps reaches `train.sft_target_loss`."""
         cfg = self.cfg.train
         if cfg.sft_steps == 0 or self.start_step > 0:
             return []
@@ -271,6 +272,8 @@ class Trainer:
                 target[i, len(self.tok.encode(e["prompt"])) : len(s)] = 1.0
             params, opt_state, loss = step(params, opt_state, tokens, attn, target)
             losses.append(float(loss))
+            if len(losses) >= 50 and np.mean(losses[-50:]) < cfg.sft_target_loss:
+                break
         self.state = self._place_state(params)
         return losses
 

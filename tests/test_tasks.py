@@ -79,3 +79,14 @@ def test_noisy_demonstrations_are_off_by_one_in_the_last_digit():
     assert 160 <= wrong <= 240  # binomial(400, 0.5): mean 200, sd 10
     clean = ArithmeticTask(num_train=400, num_eval=10, seed=0)
     assert all(clean.demonstration(e, rng) == str(e["answer"]) for e in clean.train_examples)
+
+
+def test_held_out_follows_the_training_distribution():
+    # 2,500 distinct sums of 1-2 digit numbers: the 100 one-digit problems run out early in the
+    # drawing, so a split by drawing order would put most of them in the first (held-out) part.
+    task = ArithmeticTask(max_digits=2, ops="+", num_train=2000, num_eval=500, seed=0)
+    short = lambda examples: sum(e["digits"] == 1 for e in examples)  # noqa: E731
+    total = short(task.train_examples) + short(task.eval_examples)
+    assert 90 <= total <= 100  # nearly all of them are drawn
+    # A random split: hypergeometric, mean 100 * 500 / 2500 = 20, sd about 3.6.
+    assert 8 <= short(task.eval_examples) <= 32

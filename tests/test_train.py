@@ -221,6 +221,16 @@ def test_repeated_non_finite_updates_abort_with_a_clear_error(tmp_path):
     assert skipped == [1]  # the first skip is logged, the second aborts
 
 
+def test_warm_start_stops_at_its_target_loss(tmp_path):
+    run = lambda target: Trainer(  # noqa: E731
+        _cfg("train.sft_steps=60", f"train.sft_target_loss={target}"), tmp_path / str(target)
+    ).supervised_warm_start()
+    assert len(run(0)) == 60  # no target: every step
+    stopped = run(1.7)  # the 50-step mean passes 1.7 between steps 55 and 60 (measured)
+    assert 50 < len(stopped) < 60 and np.mean(stopped[-50:]) < 1.7
+    assert np.mean(stopped[-51:-1]) >= 1.7  # it stopped at the first step below the target
+
+
 def test_config_errors_are_named(tmp_path):
     with pytest.raises(ConfigError, match="model.vocab_size"):
         Trainer(_cfg("model.vocab_size=8"), tmp_path)

@@ -1,9 +1,10 @@
-"""Integer arithmetic with graded difficulty: "37+8=" -> "45".
+"""Integer arithmetic with graded difficulty: "37+48=" -> "85".
 
 Operands have 1..max_digits digits (drawn per problem, so short problems are easy and long ones
 hard: pass rates differ by prompt). The verifier is an exact match of the completion, stripped
 of surrounding whitespace, against the integer answer; score range {0.0, 1.0}. The training pool
-and the held-out split are fixed by the seed and never share a problem.
+and the held-out split are fixed by the seed, are random parts of one set of distinct problems
+(so held-out problems follow the training distribution) and never share a problem.
 """
 
 from __future__ import annotations
@@ -35,22 +36,25 @@ class ArithmeticTask:
         self.max_digits, self.ops = max_digits, ops
         self.demo_noise = demo_noise
         rng = np.random.default_rng(seed)
+        # One pool of distinct problems, then a random split: held-out problems are an i.i.d.
+        # sample of the same distribution as the training ones, never one of them.
         seen: set[str] = set()
-        pools: list[list[dict]] = [[], []]
-        attempts = 0
-        for pool, size in zip(pools, (num_eval, num_train), strict=True):
-            while len(pool) < size:
-                attempts += 1
-                if attempts > 100 * (num_train + num_eval):
-                    raise ValueError(
-                        f"cannot draw {num_train} + {num_eval} distinct problems with "
-                        f"max_digits={max_digits}, ops={ops!r}"
-                    )
-                example = self._draw(rng)
-                if example["prompt"] not in seen:
-                    seen.add(example["prompt"])
-                    pool.append(example)
-        self.eval_examples, self.train_examples = pools
+        pool: list[dict] = []
+        total, attempts = num_train + num_eval, 0
+        while len(pool) < total:
+            attempts += 1
+            if attempts > 100 * total:
+                raise ValueError(
+                    f"cannot draw {num_train} + {num_eval} distinct problems with "
+                    f"max_digits={max_digits}, ops={ops!r}"
+                )
+            example = self._draw(rng)
+            if example["prompt"] not in seen:
+                seen.add(example["prompt"])
+                pool.append(example)
+        order = rng.permutation(total)
+        self.eval_examples = [pool[i] for i in order[:num_eval]]
+        self.train_examples = [pool[i] for i in order[num_eval:]]
 
     def _draw(self, rng: np.random.Generator) -> dict:
         digits = int(rng.integers(1, self.max_digits + 1))
