@@ -8,15 +8,14 @@ batch is at most k versions old -> new parameters published to the generator
 Modes: `sync` (k = 0: generate with the current policy, then train; deterministic for a seed),
 `ppo_off_policy` (generate k batches with one policy, then take k steps), `pipeline_rl`
 (a generator thread and the trainer run concurrently; the buffer holds at most k batches and
-the trainer refuses any batch more than k versions old).
+the trainer refuses any batch more than k versions old); the feeders are in pipeline.py, the
+staleness-bounded buffer in buffer.py.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import queue
 import sys
-import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -34,6 +33,7 @@ from jaxrl_scale.config import ConfigError, ExperimentConfig, MeshConfig
 from jaxrl_scale.curriculum import Curriculum
 from jaxrl_scale.metrics import MetricsWriter
 from jaxrl_scale.model import Policy
+from jaxrl_scale.pipeline import ParamsSource, PipelineFeeder, SyncFeeder
 from jaxrl_scale.sampler import Interruption, Sampling, decode, pad_prompts, prefill, to_rollout
 from jaxrl_scale.step import Batch, compile_train_step, init_train_state, make_optimizer, sft_step
 from jaxrl_scale.tasks import get_task
@@ -405,7 +405,7 @@ class Trainer:
 
     # ---------------------------------------------------------------------- feeding modes
 
-    def _make_source(self) -> _ParamsSource:
+    def _make_source(self) -> ParamsSource:
         if self.gen_mesh is not None:
             place = self._to_generator
         elif self.cfg.pipeline.mode == "pipeline_rl":
@@ -413,99 +413,18 @@ class Trainer:
             place = lambda params: jax.tree.map(jnp.copy, params)  # noqa: E731
         else:
             place = lambda params: params  # noqa: E731
-        return _ParamsSource(int(self.state.step), self.state.params, place=place)
+        return ParamsSource(int(self.state.step), self.state.params, place=place)
 
     def _feeder(self, source, k: int):
         mode = self.cfg.pipeline.mode
         if mode == "pipeline_rl":
-            return _PipelineFeeder(self, source, k)
-        return _SyncFeeder(self, source, per_policy=1 if mode == "sync" else k)
-
-
-class _ParamsSource:
-    """The newest published parameters and their version, read by the generator."""
-
-    def __init__(self, version: int, params, *, place):
-        self._lock = threading.Lock()
-        self._place = place
-        self.publish(version, params)
-
-    def publish(self, version: int, params) -> None:
-        params = self._place(params)
-        with self._lock:
-            self._latest = (version, params)
-
-    def __call__(self):
-        with self._lock:
-            return self._latest
-
-
-class _SyncFeeder:
-    """sync: one batch per policy version; ppo_off_policy: `per_policy` batches per version."""
-
-    def __init__(self, trainer: Trainer, source: _ParamsSource, per_policy: int):
-        self.trainer, self.source, self.per_policy = trainer, source, per_policy
-        self.pending: list[Rollouts] = []
-        self.round = int(trainer.state.step)
-
-    def next(self) -> Rollouts:
-        if not self.pending:
-            version, params = self.source()
-            frozen = lambda: (version, params)  # noqa: E731
-            for i in range(self.per_policy):
-                key = jax.random.fold_in(self.trainer.key, self.round * self.per_policy + i)
-                self.pending.append(self.trainer.rollouts(frozen, key))
-            self.round += 1
-        return self.pending.pop(0)
-
-    def stop(self) -> None:
-        pass
-
-
-class _PipelineFeeder:
-    """pipeline_rl: a generator thread fills a buffer of at most k batches; parameters reach it
-    between decode chunks. The trainer never gets a batch older than k versions: the bounded
-    buffer keeps the generator at most k batches ahead, and stale batches are dropped."""
-
-    def __init__(self, trainer: Trainer, source: _ParamsSource, k: int):
-        self.trainer, self.source, self.k = trainer, source, k
-        self.buffer: queue.Queue[Rollouts | BaseException] = queue.Queue(maxsize=max(k, 1))
-        self.halt = threading.Event()
-        self.dropped = 0
-        self.thread = threading.Thread(target=self._run, name="generator", daemon=True)
-        self.thread.start()
-
-    def _run(self) -> None:
-        n = 0
-        try:
-            while not self.halt.is_set():
-                ro = self.trainer.rollouts(
-                    self.source, jax.random.fold_in(self.trainer.key, 2**20 + n)
-                )
-                n += 1
-                while not self.halt.is_set():
-                    try:
-                        self.buffer.put(ro, timeout=0.1)
-                        break
-                    except queue.Full:
-                        continue
-        except BaseException as e:  # surfaced in the trainer thread
-            self.buffer.put(e)
-
-    def next(self) -> Rollouts:
-        while True:
-            item = self.buffer.get(timeout=600)
-            if isinstance(item, BaseException):
-                raise RuntimeError("the generator thread failed") from item
-            version = int(self.trainer.state.step)
-            sampled = item.versions[item.versions >= 0]
-            if sampled.size == 0 or version - int(sampled.min()) <= self.k:
-                return item
-            self.dropped += 1
-
-    def stop(self) -> None:
-        self.halt.set()
-        self.thread.join(timeout=60)
+            return PipelineFeeder(
+                self.rollouts, source, self.key, k=k, version=lambda: int(self.state.step)
+            )
+        per_policy = 1 if mode == "sync" else k
+        return SyncFeeder(
+            self.rollouts, source, self.key, per_policy=per_policy, round_=int(self.state.step)
+        )
 
 
 def _meshes(cfg: ExperimentConfig):

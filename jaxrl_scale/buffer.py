@@ -1,0 +1,57 @@
+"""A staleness-bounded rollout buffer: at most `capacity` batches, none handed out stale.
+
+Each batch carries the policy version of every sampled token (-1 where nothing was sampled).
+The consumer asks with its current version v; a batch whose oldest sampled token is older than
+v - k is dropped (and counted) instead of returned. `put` blocks while the buffer is full, which
+is what keeps a fast generator from running more than `capacity` batches ahead.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from typing import Any
+
+import numpy as np
+
+
+def oldest_version(versions) -> int | None:
+    """The oldest policy version among sampled tokens (entries >= 0), None when there are none."""
+    sampled = np.asarray(versions)
+    sampled = sampled[sampled >= 0]
+    return int(sampled.min()) if sampled.size else None
+
+
+class RolloutBuffer:
+    def __init__(self, max_staleness: int, capacity: int | None = None):
+        if max_staleness < 0:
+            raise ValueError(f"max_staleness must be >= 0, got {max_staleness}")
+        self.k = max_staleness
+        self._queue: queue.Queue = queue.Queue(maxsize=capacity or max(max_staleness, 1))
+        self.dropped = 0
+
+    def put(self, item: Any, versions, *, halt: threading.Event | None = None) -> bool:
+        """Add a batch tagged with its per-token `versions`, waiting while the buffer is full.
+        Returns False, without adding, if `halt` is set while waiting."""
+        while halt is None or not halt.is_set():
+            try:
+                self._queue.put((item, oldest_version(versions)), timeout=0.1)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    def put_error(self, error: BaseException) -> None:
+        """Hand a producer's failure to the consumer (raised by its next `get`)."""
+        self._queue.put((error, None))
+
+    def get(self, current_version: int, *, timeout: float = 600.0) -> Any:
+        """The oldest batch no more than k versions behind `current_version`; staler batches
+        are dropped. Raises queue.Empty after `timeout` seconds without one."""
+        while True:
+            item, oldest = self._queue.get(timeout=timeout)
+            if isinstance(item, BaseException):
+                raise RuntimeError("the rollout producer failed") from item
+            if oldest is None or current_version - oldest <= self.k:
+                return item
+            self.dropped += 1
