@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import queue
 import threading
+import time
 from typing import Any
 
 import numpy as np
@@ -28,6 +29,7 @@ class RolloutBuffer:
             raise ValueError(f"max_staleness must be >= 0, got {max_staleness}")
         self.k = max_staleness
         self._queue: queue.Queue = queue.Queue(maxsize=capacity or max(max_staleness, 1))
+        self._error: BaseException | None = None
         self.dropped = 0
 
     def put(self, item: Any, versions, *, halt: threading.Event | None = None) -> bool:
@@ -42,16 +44,24 @@ class RolloutBuffer:
         return False
 
     def put_error(self, error: BaseException) -> None:
-        """Hand a producer's failure to the consumer (raised by its next `get`)."""
-        self._queue.put((error, None))
+        """Hand a producer's failure to the consumer: its next `get` raises it. Never blocks,
+        even on a full buffer."""
+        self._error = error
 
     def get(self, current_version: int, *, timeout: float = 600.0) -> Any:
         """The oldest batch no more than k versions behind `current_version`; staler batches
         are dropped. Raises queue.Empty after `timeout` seconds without one."""
+        deadline = time.monotonic() + timeout
         while True:
-            item, oldest = self._queue.get(timeout=timeout)
-            if isinstance(item, BaseException):
-                raise RuntimeError("the rollout producer failed") from item
+            if self._error is not None:
+                raise RuntimeError("the rollout producer failed") from self._error
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise queue.Empty
+            try:
+                item, oldest = self._queue.get(timeout=min(left, 0.1))
+            except queue.Empty:
+                continue
             if oldest is None or current_version - oldest <= self.k:
                 return item
             self.dropped += 1

@@ -86,10 +86,13 @@ class Trainer:
         self.tx = make_optimizer(cfg.train.learning_rate, cfg.train)
         # GRPO's KL penalty pulls towards the policy RL starts from (after the warm start).
         self.reference = bool(cfg.loss.kl_coef)
-        self.state_sharding = _state_sharding(
-            init_train_state(params, self.tx, reference=self.reference), self.mesh
+        state = init_train_state(params, self.tx, reference=self.reference)
+        self.state_sharding = _state_sharding(state, self.mesh)
+        self.state = jax.device_put(state, self.state_sharding)
+        two, one = (sharding.batch_sharding(self.mesh, n) for n in (2, 1))
+        self.batch_sharding = Batch(
+            tokens=two, attention_mask=two, loss_mask=two, behavior_logp=two, adv=one
         )
-        self.state = self._place_state(params)
         self.train_step = compile_train_step(
             self.graphdef,
             self.tx,
@@ -98,7 +101,7 @@ class Trainer:
             temperature=cfg.sampler.temperature,
             micro_batches=cfg.train.micro_batches,
             state_sharding=self.state_sharding,
-            batch_sharding=self._batch_sharding(),
+            batch_sharding=self.batch_sharding,
         )
         self.curriculum = Curriculum(
             len(self.task.train_examples),
@@ -132,14 +135,10 @@ class Trainer:
         state = init_train_state(params, self.tx, reference=self.reference)
         return jax.device_put(state, self.state_sharding)
 
-    def _batch_sharding(self) -> Batch:
-        """Every batch array split over the trainer mesh's batch axes."""
-        two, one = (sharding.batch_sharding(self.mesh, n) for n in (2, 1))
-        return Batch(tokens=two, attention_mask=two, loss_mask=two, behavior_logp=two, adv=one)
-
     def _to_trainer(self, batch: Batch) -> Batch:
-        """The batch moved to the trainer's layout (from wherever the generator made it)."""
-        return jax.device_put(batch, self._batch_sharding())
+        """The batch moved to the trainer's layout (split over the mesh's batch axes), from
+        wherever the generator made it."""
+        return jax.device_put(batch, self.batch_sharding)
 
     def _to_generator(self, params):
         """Parameters resharded onto the generator's devices (a copy), when it has its own."""
@@ -271,11 +270,14 @@ class Trainer:
                 tokens[i, : len(s)], attn[i, : len(s)] = s, True
                 target[i, len(self.tok.encode(e["prompt"])) : len(s)] = 1.0
             params, opt_state, loss = step(params, opt_state, tokens, attn, target)
+            if not cfg.sft_target_loss:  # no host sync per step: dispatch runs ahead
+                losses.append(loss)
+                continue
             losses.append(float(loss))
             if len(losses) >= 50 and np.mean(losses[-50:]) < cfg.sft_target_loss:
                 break
         self.state = self._place_state(params)
-        return losses
+        return [float(x) for x in jax.device_get(losses)]
 
     # ---------------------------------------------------------------------- the loop
 
@@ -406,14 +408,13 @@ class Trainer:
     # ---------------------------------------------------------------------- feeding modes
 
     def _make_source(self) -> ParamsSource:
+        version, params = int(self.state.step), self.state.params
         if self.gen_mesh is not None:
-            place = self._to_generator
-        elif self.cfg.pipeline.mode == "pipeline_rl":
+            return ParamsSource(version, params, place=self._to_generator)
+        if self.cfg.pipeline.mode == "pipeline_rl":
             # The train step donates its state; a concurrent generator needs its own copy.
-            place = lambda params: jax.tree.map(jnp.copy, params)  # noqa: E731
-        else:
-            place = lambda params: params  # noqa: E731
-        return ParamsSource(int(self.state.step), self.state.params, place=place)
+            return ParamsSource(version, params, place=lambda p: jax.tree.map(jnp.copy, p))
+        return ParamsSource(version, params)
 
     def _feeder(self, source, k: int):
         mode = self.cfg.pipeline.mode

@@ -238,6 +238,8 @@ def test_config_errors_are_named(tmp_path):
         _cfg("loss.kind=dapo", "loss.eps_max=4")
     with pytest.raises(ConfigError, match="pipeline.generator_devices"):
         Trainer(_cfg("pipeline.generator_devices=8"), tmp_path)
+    with pytest.raises(ConfigError, match="task.num_eval x train.eval_samples: 6 does not split"):
+        Trainer(_cfg("pipeline.generator_devices=4", "task.num_eval=3"), tmp_path)
 
 
 def test_train_cli_prints_the_run(tmp_path, capsys):
