@@ -32,6 +32,7 @@ bench: $(VENV)/.installed-test
 	$(BIN)/python benchmarks/bench_sampler.py
 	$(BIN)/python benchmarks/bench_pipeline.py
 	$(BIN)/python benchmarks/bench_learning.py
+	$(BIN)/python benchmarks/bench_demo.py
 
 lint: $(VENV)/.installed-test
 	$(BIN)/ruff check .

@@ -15,11 +15,17 @@ DEFAULT_DEMO_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "demo
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="jaxrl-scale", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
-    demo = sub.add_parser("demo", help="short CPU run of the policy end to end")
+    demo = sub.add_parser(
+        "demo", help="a few minutes of RL on a CPU, then the run's fitted curve with intervals"
+    )
     demo.add_argument("--config", type=Path, default=None, help="YAML config (default: demo)")
     demo.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", dest="overrides")
     demo.add_argument("--out", type=Path, default=Path("runs/demo"))
-    demo.add_argument("--steps", type=int, default=150)
+    demo.add_argument(
+        "--from-scratch",
+        action="store_true",
+        help="warm-start the policy here (about 6 more minutes) instead of loading the shipped one",
+    )
 
     train = sub.add_parser("train", help="RL training from a YAML config")
     train.add_argument("--config", type=Path, required=True)
@@ -27,6 +33,12 @@ def _parser() -> argparse.ArgumentParser:
     train.add_argument("--out", type=Path, required=True, help="run directory")
     train.add_argument(
         "--no-resume", action="store_true", help="ignore checkpoints already in --out"
+    )
+    train.add_argument(
+        "--init-from",
+        default=None,
+        metavar="HF_DIR",
+        help="start from this Hugging Face folder (sets model.init_from)",
     )
 
     fit = sub.add_parser("fit", help="fit scaling curves to CSV / JSONL files or run directories")
@@ -88,13 +100,14 @@ def main(argv: list[str] | None = None) -> int:
             if config_path is None and DEFAULT_DEMO_CONFIG.exists():
                 config_path = DEFAULT_DEMO_CONFIG
             cfg = load_config(config_path, args.overrides)
-            run_demo(cfg, args.out, steps=args.steps)
+            run_demo(cfg, args.out, from_scratch=args.from_scratch)
         elif args.command == "train":
             from jaxrl_scale.train import train
 
-            rows = train(
-                load_config(args.config, args.overrides), args.out, resume=not args.no_resume
-            )
+            overrides = list(args.overrides)
+            if args.init_from:
+                overrides.append(f"model.init_from={args.init_from}")
+            rows = train(load_config(args.config, overrides), args.out, resume=not args.no_resume)
             last = next((r for r in reversed(rows) if "eval_pass_rate" in r), None)
             if last is not None:
                 print(f"step {last['step']}: held-out pass rate {last['eval_pass_rate']:.3f}")
@@ -104,7 +117,7 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"jaxrl-scale: config error: {e}", file=sys.stderr)
         return 2
-    except (CurveDataError, ValueError) as e:
+    except (CurveDataError, ValueError, FileNotFoundError) as e:
         print(f"jaxrl-scale: {e}", file=sys.stderr)
         return 2
     return 0

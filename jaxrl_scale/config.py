@@ -1,9 +1,10 @@
 """Typed experiment configuration: frozen dataclasses per concern, filled from YAML.
 
-`load_config("configs/demo.yaml", overrides=["model.num_layers=4"])` reads the YAML file, applies
-dotted `key=value` overrides (values parsed as YAML scalars), and builds the dataclasses with
-dacite. An unknown key (with the closest valid key), a wrong type or an out-of-range value is a
-`ConfigError` naming the dotted key.
+`load_config("configs/demo.yaml", overrides=["model.num_layers=4"])` reads the YAML file (and
+the file its top-level `base:` names, which it overrides), applies dotted `key=value` overrides
+(values parsed as YAML scalars), and builds the dataclasses with dacite. An unknown key (with
+the closest valid key), a wrong type or an out-of-range value is a `ConfigError` naming the
+dotted key.
 """
 
 from __future__ import annotations
@@ -84,6 +85,10 @@ class ModelConfig:
     dtype: DType = "float32"
     lm_head_dtype: DType = "float32"
     logits_chunk_size: int = 256  # tokens per chunk when computing per-token log-probs
+    # A Hugging Face folder (config.json, *.safetensors, tokenizer.json) to start from. Its
+    # config.json fixes the architecture fields above; dtype, lm_head_dtype and
+    # logits_chunk_size still come from here.
+    init_from: str | None = None
 
     def __post_init__(self):
         for name in (
@@ -137,25 +142,47 @@ class MeshConfig:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class TaskConfig:
-    """The verifiable task (see jaxrl_scale/tasks)."""
+    """The verifiable task (see jaxrl_scale/tasks); fields name the task they apply to."""
 
-    name: str = "arithmetic"
-    max_digits: int = 2  # arithmetic: operands have 1..max_digits digits
-    ops: str = "+-"  # arithmetic: operators drawn from
-    num_train: int = 512  # prompts in the training pool
+    name: Literal["arithmetic", "countdown", "math"] = "arithmetic"
+    num_train: int = 512  # prompts in the training pool (math: 0 = every row)
     num_eval: int = 64  # held-out prompts
+    # arithmetic
+    max_digits: int = 2  # operands have 1..max_digits digits
+    ops: str = "+-"  # operators drawn from
     # Probability that a warm-start demonstration is wrong (arithmetic: its last digit off by
     # one), so the warm-started policy knows the answer but is unsure of it: what RL fixes.
     demo_noise: float = 0.0
+    # countdown
+    numbers: int = 3  # given numbers per problem
+    max_number: int = 20  # each in 1..max_number
+    max_target: int = 100  # targets in 1..max_target
+    # math
+    data: str | None = (
+        None  # .jsonl / .parquet file, or a Hugging Face dataset name[:config[:split]]
+    )
+    eval_data: str | None = None  # held-out file or dataset; None: num_eval rows of `data`
+    question_key: str = "problem"
+    answer_key: str = "answer"
+    template: str = (
+        "{question}\nPlease reason step by step, and put your final answer within \\boxed{{}}."
+    )
+    verify_timeout: float = 5.0  # seconds per math-verify call before the answer scores 0
 
     def __post_init__(self):
         _require(self.max_digits >= 1, "task.max_digits", f"must be >= 1, got {self.max_digits}")
         _require(
             bool(self.ops) and set(self.ops) <= set("+-*"), "task.ops", "use characters of '+-*'"
         )
-        _require(self.num_train >= 1, "task.num_train", "must be >= 1")
+        _require(self.num_train >= 0, "task.num_train", "must be >= 0")
+        _require(self.num_train >= 1 or self.name == "math", "task.num_train", "must be >= 1")
         _require(self.num_eval >= 1, "task.num_eval", "must be >= 1")
         _require(0 <= self.demo_noise <= 1, "task.demo_noise", "must be in [0, 1]")
+        _require(2 <= self.numbers <= 6, "task.numbers", f"must be in [2, 6], got {self.numbers}")
+        _require(self.max_number >= 2, "task.max_number", "must be >= 2")
+        _require(self.max_target >= 1, "task.max_target", "must be >= 1")
+        _require("{question}" in self.template, "task.template", "must contain '{question}'")
+        _require(self.verify_timeout > 0, "task.verify_timeout", "must be > 0")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -304,6 +331,30 @@ class CheckpointConfig:
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
+class ForecastConfig:
+    """The online forecast: refit the sigmoid to the eval curve while training (forecast.py)."""
+
+    every: int = 1  # refit after every M-th held-out evaluation; 0 = off
+    x: Literal["compute_flops", "device_seconds"] = "compute_flops"
+    budget: float = 0.0  # compute to predict the pass rate at; 0 = the run's projected end
+    bootstrap: int = 1000  # resamples for the intervals
+    level: float = 0.95
+    method: Literal["pairs", "block", "residual"] = "pairs"
+    min_points: int = 4  # evaluations after step 0 before the first fit
+    # Stop the run once the upper bound of the gain still to come (ceiling A minus the fitted
+    # pass rate now) is below this; 0 = never stop early.
+    stop_when_gain_below: float = 0.0
+
+    def __post_init__(self):
+        _require(self.every >= 0, "forecast.every", "must be >= 0")
+        _require(self.budget >= 0, "forecast.budget", "must be >= 0")
+        _require(self.bootstrap >= 10, "forecast.bootstrap", "must be >= 10")
+        _require(0 < self.level < 1, "forecast.level", f"must be in (0, 1), got {self.level}")
+        _require(self.min_points >= 4, "forecast.min_points", "must be >= 4 (the curve has 4)")
+        _require(self.stop_when_gain_below >= 0, "forecast.stop_when_gain_below", "must be >= 0")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class ExperimentConfig:
     seed: int = 0
     model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
@@ -315,6 +366,7 @@ class ExperimentConfig:
     pipeline: PipelineConfig = dataclasses.field(default_factory=PipelineConfig)
     curriculum: CurriculumConfig = dataclasses.field(default_factory=CurriculumConfig)
     checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
+    forecast: ForecastConfig = dataclasses.field(default_factory=ForecastConfig)
 
 
 # --------------------------------------------------------------------------- YAML plumbing
@@ -402,17 +454,43 @@ def apply_overrides(data: dict[str, Any], overrides: Sequence[str]) -> dict[str,
     return data
 
 
+def _merge(base: dict[str, Any], over: Mapping[str, Any]) -> dict[str, Any]:
+    """`over` on top of `base`, section by section."""
+    out = dict(base)
+    for key, value in over.items():
+        if isinstance(value, Mapping) and isinstance(out.get(key), Mapping):
+            out[key] = _merge(out[key], value)
+        else:
+            out[key] = value
+    return out
+
+
+def _read_yaml(path: Path, chain: tuple[Path, ...] = ()) -> dict[str, Any]:
+    """One YAML file as a dict; a top-level `base: other.yaml` (relative to this file) is read
+    first and this file's keys override it, so an ablation arm states only what it changes."""
+    path = path.resolve()
+    if path in chain:
+        raise ConfigError(f"{path}: 'base' files include each other: {[str(p) for p in chain]}")
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: no such config file") from None
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{path}: not valid YAML: {e}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: top level must be a mapping of sections")
+    base = data.pop("base", None)
+    if base is None:
+        return data
+    if not isinstance(base, str):
+        raise ConfigError(f"{path}: base: expected a path to a YAML file, got {base!r}")
+    return _merge(_read_yaml(path.parent / base, (*chain, path)), data)
+
+
 def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -> ExperimentConfig:
-    """Read YAML `path` (or start from defaults) and apply dotted overrides."""
-    data: dict[str, Any] = {}
-    if path is not None:
-        text = Path(path).read_text()
-        try:
-            data = yaml.safe_load(text) or {}
-        except yaml.YAMLError as e:
-            raise ConfigError(f"{path}: not valid YAML: {e}") from None
-        if not isinstance(data, dict):
-            raise ConfigError(f"{path}: top level must be a mapping of sections")
+    """Read YAML `path` (or start from defaults), following `base:` files, and apply dotted
+    overrides."""
+    data = _read_yaml(Path(path)) if path is not None else {}
     return from_dict(ExperimentConfig, apply_overrides(data, overrides))
 
 

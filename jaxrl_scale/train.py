@@ -31,12 +31,14 @@ from jaxrl_scale.checkpoint import Checkpointer, abstract_like
 from jaxrl_scale.compute import generate_flops, train_flops
 from jaxrl_scale.config import ConfigError, ExperimentConfig, MeshConfig
 from jaxrl_scale.curriculum import Curriculum
-from jaxrl_scale.metrics import MetricsWriter
+from jaxrl_scale.forecast import OnlineForecast
+from jaxrl_scale.hf import load_pretrained
+from jaxrl_scale.metrics import MetricsWriter, read_metrics
 from jaxrl_scale.model import Policy
 from jaxrl_scale.pipeline import ParamsSource, PipelineFeeder, SyncFeeder
 from jaxrl_scale.sampler import Interruption, Sampling, decode, pad_prompts, prefill, to_rollout
 from jaxrl_scale.step import Batch, compile_train_step, init_train_state, make_optimizer, sft_step
-from jaxrl_scale.tasks import get_task
+from jaxrl_scale.tasks import make_task
 
 
 @dataclasses.dataclass
@@ -51,29 +53,34 @@ class Rollouts:
 
 class Trainer:
     def __init__(self, cfg: ExperimentConfig, out: str | Path, *, resume: bool = True):
-        self.cfg, self.out = cfg, Path(out)
+        self.out = Path(out)
         self.out.mkdir(parents=True, exist_ok=True)
-        # ------------------------------------------------------------------ task and model
-        self.task = get_task(
-            cfg.task.name,
-            max_digits=cfg.task.max_digits,
-            ops=cfg.task.ops,
-            num_train=cfg.task.num_train,
-            num_eval=cfg.task.num_eval,
-            seed=cfg.seed,
-            demo_noise=cfg.task.demo_noise,
-        )
+        mesh, self.gen_mesh = _meshes(cfg)
+        # ------------------------------------------------------------------ model and task
+        loaded_tok = None
+        if cfg.model.init_from:
+            model, loaded_tok = load_pretrained(
+                cfg.model.init_from,
+                mesh=mesh,
+                dtype=cfg.model.dtype,
+                lm_head_dtype=cfg.model.lm_head_dtype,
+                logits_chunk_size=cfg.model.logits_chunk_size,
+            )
+            model_cfg = dataclasses.replace(model.cfg, init_from=cfg.model.init_from)
+            cfg = dataclasses.replace(cfg, model=model_cfg)
+        else:
+            model = sharding.init_sharded(
+                lambda: Policy(cfg.model, rngs=nnx.Rngs(params=cfg.seed)), mesh
+            )
+        self.cfg, self.mesh = cfg, mesh
+        self.task = make_task(cfg.task, seed=cfg.seed, tokenizer=loaded_tok)
         self.tok = self.task.tokenizer
         if cfg.model.vocab_size < self.tok.vocab_size:
             raise ConfigError(
                 f"model.vocab_size: {cfg.model.vocab_size} is below the task tokenizer's "
                 f"{self.tok.vocab_size}"
             )
-        self.mesh, self.gen_mesh = _meshes(cfg)
         _check_divisible(cfg, self.mesh, self.gen_mesh)
-        model = sharding.init_sharded(
-            lambda: Policy(cfg.model, rngs=nnx.Rngs(params=cfg.seed)), self.mesh
-        )
         self.graphdef, params = nnx.split(model)
         self.sampling = Sampling(cfg.sampler.temperature, cfg.sampler.top_p, cfg.sampler.top_k)
         self.interruption = None
@@ -127,6 +134,9 @@ class Trainer:
             self.totals = extra["totals"]
             self.start_step = step
         self.metrics = MetricsWriter(self.out, resume_step=self.start_step if restored else None)
+        self.forecaster = OnlineForecast(cfg.forecast, cfg.train.steps, seed=cfg.seed)
+        if restored:
+            self.forecaster.replay(read_metrics(self.out))
 
     # ---------------------------------------------------------------------- placement
 
@@ -315,6 +325,8 @@ class Trainer:
         }
         if eval_rate is not None:
             row["eval_pass_rate"] = eval_rate
+            fields = self.forecaster.observe(step, row[self.cfg.forecast.x], eval_rate)
+            row.update(fields or {})
         self.metrics.write(row)
         return row
 
@@ -339,6 +351,8 @@ class Trainer:
         rows: list[dict[str, Any]] = []
         wall_start = time.perf_counter()
         self.totals["device_seconds_base"] = self.totals.get("device_seconds", 0.0)
+        self.stopped_early: str | None = None
+        step = self.start_step
         if self.start_step == 0:
             self.supervised_warm_start()
             rows.append(self._initial_eval())
@@ -383,9 +397,16 @@ class Trainer:
                     )
                 )
                 _progress(rows[-1], cfg.train.steps)
+                if "forecast_status" in rows[-1]:
+                    print(self.forecaster.last.describe(), flush=True)
+                stop = self.forecaster.should_stop() if eval_rate is not None else None
+                if stop is not None:
+                    print(stop, flush=True)
+                    self.stopped_early = stop
+                    break
                 if cfg.checkpoint.every and step % cfg.checkpoint.every == 0:
                     self._save(step)
-            self._save(cfg.train.steps)
+            self._save(step)
         finally:
             feeder.stop()
             self.checkpointer.close()
@@ -402,6 +423,7 @@ class Trainer:
             "staleness_max": 0,
             "eval_pass_rate": self.evaluate(self.state.params, jax.random.fold_in(self.key, 10**9)),
         }
+        self.forecaster.observe(0, 0.0, row["eval_pass_rate"])
         self.metrics.write(row)
         return row
 

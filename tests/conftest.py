@@ -18,7 +18,17 @@ ROOT = Path(__file__).parent.parent
 
 @pytest.fixture
 def tiny_model_config():
-    """The demo's model config: tests use a tiny variant of the real default."""
-    from jaxrl_scale.config import load_config
+    """A small Qwen2-shaped policy for model tests (tests vary it with dataclasses.replace)."""
+    from jaxrl_scale.config import ModelConfig
 
-    return load_config(ROOT / "configs" / "demo.yaml").model
+    return ModelConfig(
+        architecture="qwen2",
+        vocab_size=64,
+        hidden_size=64,
+        intermediate_size=128,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        qkv_bias=True,
+        tie_embeddings=True,
+    )

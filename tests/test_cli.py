@@ -1,17 +1,66 @@
 import json
 
+import numpy as np
+
 from jaxrl_scale.cli import main
+from jaxrl_scale.fit import bootstrap_sigmoid
+from jaxrl_scale.metrics import read_metrics
+
+# The demo's pipeline at toy scale: warm start here (--from-scratch), 10 RL steps, every one
+# evaluated, then the final fit and the half-run forecast.
+SMALL = [
+    "model.hidden_size=32",
+    "model.intermediate_size=64",
+    "model.num_layers=1",
+    "task.max_digits=1",
+    "task.num_train=64",
+    "task.num_eval=16",
+    "train.prompts_per_step=8",
+    "train.group_size=4",
+    "train.steps=10",
+    "train.eval_every=1",
+    "train.eval_samples=2",
+    "train.sft_steps=30",
+    "forecast.bootstrap=50",
+]
 
 
-def test_demo_runs_end_to_end(tmp_path):
-    assert main(["demo", "--out", str(tmp_path), "--steps", "3"]) == 0
-    summary = json.loads((tmp_path / "summary.json").read_text())
-    assert summary["steps"] == 3
-    assert summary["nll_last"] < summary["nll_first"]  # three AdamW steps at lr 3e-3 do move it
-    assert summary["reload_max_abs_logit_diff"] == 0.0
-    assert summary["mesh"] == {"data": 8, "fsdp": 1, "tensor": 1}
-    assert (tmp_path / "model" / "config.json").exists()
-    assert set(summary["greedy"]) == {"12+7=", "30+25=", "4+4="}
+def test_demo_from_scratch_trains_fits_and_reports(tmp_path, capsys):
+    args = ["demo", "--out", str(tmp_path), "--from-scratch"]
+    for o in SMALL:
+        args += ["--set", o]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    for label in ("pass rate before RL", "fitted ceiling A [95%]", "fit at half the run said"):
+        assert label in out
+    for name in ("metrics.jsonl", "fit.png", "fit.json", "tensorboard"):
+        assert (tmp_path / name).exists() and str(tmp_path / name) in out
+    assert (tmp_path / "policy" / "model.safetensors").exists()  # the warm start it made
+    summary = json.loads((tmp_path / "fit.json").read_text())
+    rows = read_metrics(tmp_path)
+    evals = [r for r in rows if r.get("eval_pass_rate") is not None]
+    assert [r["step"] for r in evals] == list(range(11))
+    # R0 is the step-0 evaluation; the fit is over the 10 evaluations after it.
+    assert summary["r0"] == evals[0]["eval_pass_rate"]
+    assert summary["final_pass_rate"] == evals[-1]["eval_pass_rate"]
+    compute = np.array([r["compute_flops"] for r in evals[1:]])
+    rate = np.array([r["eval_pass_rate"] for r in evals[1:]])
+    again = bootstrap_sigmoid(compute, rate, n=2000, r0=summary["r0"])
+    assert summary["a"] == float(again.fit.a) and summary["a_ci"] == list(again.ci["a"])
+    half = summary["half_run"]
+    assert half["c_cut"] == 0.5 * compute[-1] and half["actual_final"] == rate[-1]
+    assert half["points_fitted"] == int((compute <= 0.5 * compute[-1]).sum())
+    # Every evaluation after the first few carries the online forecast.
+    assert all("forecast_status" in r for r in evals[4:])
+
+
+def test_demo_without_its_policy_says_how_to_make_it(tmp_path, capsys, monkeypatch):
+    import jaxrl_scale.demo as demo
+
+    monkeypatch.setattr(demo, "DEMO_POLICY", tmp_path / "missing")
+    assert main(["demo", "--out", str(tmp_path / "run")]) == 2
+    err = capsys.readouterr().err
+    assert "make_demo_policy.py" in err and "--from-scratch" in err
 
 
 def test_bad_override_exits_2_naming_key(tmp_path, capsys):

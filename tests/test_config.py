@@ -84,3 +84,36 @@ def test_malformed_override_and_yaml(tmp_path):
         load_config(bad)
     with pytest.raises(ConfigError, match="'seed' is not a section"):
         load_config(DEMO, ["seed.x=1"])
+
+
+def test_base_file_is_read_first_and_overridden(tmp_path):
+    (tmp_path / "arms").mkdir()
+    (tmp_path / "base.yaml").write_text("seed: 3\nmodel: {num_layers: 4, hidden_size: 96}\n")
+    arm = tmp_path / "arms" / "arm.yaml"
+    arm.write_text("base: ../base.yaml\nmodel: {num_layers: 2}\nloss: {kind: dapo}\n")
+    cfg = load_config(arm, ["seed=5"])
+    assert (cfg.seed, cfg.model.num_layers, cfg.model.hidden_size) == (5, 2, 96)
+    assert cfg.loss.kind == "dapo"
+    loop = tmp_path / "loop.yaml"
+    loop.write_text("base: loop.yaml\n")
+    with pytest.raises(ConfigError, match="include each other"):
+        load_config(loop)
+    missing = tmp_path / "missing.yaml"
+    missing.write_text("base: nowhere.yaml\n")
+    with pytest.raises(ConfigError, match="nowhere.yaml: no such config file"):
+        load_config(missing)
+
+
+def test_shipped_configs_and_ablation_arms_load():
+    paths = sorted((ROOT / "configs").rglob("*.yaml"))
+    assert len(paths) >= 8
+    for path in paths:
+        load_config(path)
+    qwen = load_config(ROOT / "configs" / "scalerl_qwen2.5-0.5b_math.yaml")
+    assert qwen.task.name == "math" and qwen.loss.kind == "cispo"
+    assert qwen.pipeline.mode == "pipeline_rl" and qwen.pipeline.max_staleness == 8
+    assert qwen.model.lm_head_dtype == "float32"
+    prompt = qwen.task.template.format(question="What is 1+1?")
+    assert "\\boxed{}" in prompt and "What is 1+1?" in prompt
+    arm = load_config(ROOT / "configs" / "ablations" / "qwen2.5-0.5b_math_dapo.yaml")
+    assert arm.loss.kind == "dapo" and arm.train == qwen.train

@@ -20,7 +20,7 @@ import numpy as np
 
 from jaxrl_scale.fit.curves import sigmoid
 from jaxrl_scale.fit.data import clean_curve
-from jaxrl_scale.fit.sigmoid_fit import FitResult, FitSpec, fit_batch, fit_sigmoid
+from jaxrl_scale.fit.sigmoid_fit import FitResult, FitSpec, fit_batch, pad_curves
 
 PARAMS = ("a", "b", "c_mid", "r0")
 Method = Literal["pairs", "residual", "block"]
@@ -73,27 +73,30 @@ class BootstrapResult:
         return lo, self.fit.predict(c), hi
 
 
-def _counts(idx_np, p: int):
-    """[n, P] draw counts from [n, k] drawn indices."""
-    return jax.vmap(lambda i: jnp.bincount(i, length=p))(idx_np).astype(float)
+def _counts(idx, p: int):
+    """[n, P] draw counts from [n, k] drawn indices (an index of p or more is not counted)."""
+    return jax.vmap(lambda i: jnp.bincount(i, length=p))(idx).astype(float)
 
 
 @functools.partial(jax.jit, static_argnames=("n", "method", "block"))
-def _resample(key, y, fitted, *, n: int, method: str, block: int):
-    """Rewards [n, P] and weights [n, P] for n resamples."""
-    p = y.shape[0]
+def _resample(key, y, fitted, p, *, n: int, method: str, block: int):
+    """Rewards [n, W] and weights [n, W] for n resamples of the first `p` of W points (the
+    rest is padding and keeps weight 0; `p` is traced, so curves of any length up to W share
+    one compiled program)."""
+    width = y.shape[0]
+    present = jnp.arange(width) < p
     if method == "pairs":
-        w = _counts(jax.random.randint(key, (n, p), 0, p), p)
-        return jnp.broadcast_to(y, (n, p)), w
+        idx = jax.random.randint(key, (n, width), 0, p)
+        return jnp.broadcast_to(y, (n, width)), _counts(jnp.where(present, idx, width), width)
     if method == "block":  # moving blocks of consecutive (correlated) points
-        n_blocks = -(-p // block)
+        n_blocks = -(-width // block)
         starts = jax.random.randint(key, (n, n_blocks), 0, p - block + 1)
-        idx = (starts[:, :, None] + jnp.arange(block)).reshape(n, -1)[:, :p]
-        return jnp.broadcast_to(y, (n, p)), _counts(idx, p)
-    residual = y - fitted  # residual bootstrap: refit the curve plus reshuffled residuals
-    residual = residual - jnp.mean(residual)
-    draws = residual[jax.random.randint(key, (n, p), 0, p)]
-    return fitted + draws, jnp.ones((n, p), float)
+        idx = (starts[:, :, None] + jnp.arange(block)).reshape(n, -1)[:, :width]
+        return jnp.broadcast_to(y, (n, width)), _counts(jnp.where(present, idx, width), width)
+    residual = jnp.where(present, y - fitted, 0.0)  # residual bootstrap: refit the curve plus
+    residual = jnp.where(present, residual - jnp.sum(residual) / p, 0.0)  # reshuffled residuals
+    draws = residual[jax.random.randint(key, (n, width), 0, p)]
+    return fitted + draws, jnp.broadcast_to(present.astype(float), (n, width))
 
 
 def bootstrap_sigmoid(
@@ -109,13 +112,15 @@ def bootstrap_sigmoid(
     a_max: float = 1.0,
     c_min: float | None = None,
     n_iter: int = 20,
+    pad_to: int | None = None,
 ) -> BootstrapResult:
     """Percentile bootstrap intervals for A, B, C_mid, r0 and predictions.
 
     Methods: "pairs" resamples points with replacement; "block" resamples runs of `block`
     consecutive points (default about P ** (1/3)), for evaluation points that are correlated
     along one run; "residual" keeps the points and adds resampled residuals of the point fit.
-    All n refits run in one jitted, vmapped call.
+    All n refits run in one jitted, vmapped call. `pad_to` pads the curve with weight-0 points
+    to that many, so a growing curve (an online forecast) reuses one compiled program.
     """
     if method not in ("pairs", "residual", "block"):
         raise ValueError(f"method must be 'pairs', 'residual' or 'block', got {method!r}")
@@ -126,13 +131,15 @@ def bootstrap_sigmoid(
     block = block or max(2, round(p ** (1 / 3)))
     if method == "block" and not 1 <= block <= p:
         raise ValueError(f"block must be in [1, {p}], got {block}")
-    point = fit_sigmoid(curve.compute, curve.reward, r0, a_max=a_max, n_iter=n_iter)
-    y = jnp.asarray(curve.reward, float)
-    log_c = jnp.log(jnp.asarray(curve.compute, float))
-    fitted = point.predict(jnp.asarray(curve.compute, float))
-    ys, ws = _resample(jax.random.key(seed), y, fitted, n=n, method=method, block=block)
+    width = max(p, pad_to or 0)
+    log_c, y, w = (jnp.asarray(v[0]) for v in pad_curves([curve], width))
     held_r0 = jnp.broadcast_to(jnp.asarray(0.0 if r0 is None else r0, float), (n,))
     spec = FitSpec(a_max=float(a_max), fit_r0=r0 is None, n_iter=n_iter)
+    point = jax.tree.map(
+        lambda v: v[0], fit_batch(log_c, y[None], w[None], held_r0[:1], jnp.zeros((1,)), spec=spec)
+    )
+    fitted = jnp.where(w > 0, point.predict(jnp.exp(log_c)), 0.0)
+    ys, ws = _resample(jax.random.key(seed), y, fitted, p, n=n, method=method, block=block)
     fits = fit_batch(log_c, ys, ws, held_r0, jnp.zeros((n,), float), spec=spec)
     samples = {k: getattr(fits, k) for k in PARAMS}
     keep = np.asarray(fits.converged)

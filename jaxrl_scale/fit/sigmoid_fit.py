@@ -242,9 +242,10 @@ def _held(value, n: int, name: str):
     return arr
 
 
-def pad_curves(curves) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Curves of different lengths as [N, P] (ln C, reward, weight) with weight 0 padding."""
-    width = max(c.compute.size for c in curves)
+def pad_curves(curves, width: int = 0) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Curves of different lengths as [N, P] (ln C, reward, weight) with weight 0 padding;
+    P is the longest curve's length, or `width` when that is more."""
+    width = max(width, *(c.compute.size for c in curves))
     log_c = np.zeros((len(curves), width), np.float64)
     y = np.zeros((len(curves), width), np.float64)
     w = np.zeros((len(curves), width), np.float64)

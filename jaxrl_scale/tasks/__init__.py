@@ -1,15 +1,21 @@
 """Verifiable tasks: prompts, a verifier `score(completion, example) -> float`, a held-out split.
 
-task = get_task("arithmetic", max_digits=2)
-task.train_examples, task.eval_examples      # lists of example dicts with a "prompt"
+task = make_task(cfg.task, seed=0)              # from a TaskConfig
+task = get_task("arithmetic", max_digits=2)     # or by name with keyword arguments
+task.train_examples, task.eval_examples         # lists of example dicts with a "prompt"
 task.score("46", {"prompt": "12+34=", "answer": 46})  -> 1.0
+
+arithmetic and countdown bring a character tokenizer (used unless one is passed); math takes
+the model's tokenizer.
 """
 
 from __future__ import annotations
 
 from jaxrl_scale.tasks.arithmetic import ArithmeticTask
+from jaxrl_scale.tasks.countdown import CountdownTask
+from jaxrl_scale.tasks.math import MathTask
 
-TASKS = {"arithmetic": ArithmeticTask}
+TASKS = {"arithmetic": ArithmeticTask, "countdown": CountdownTask, "math": MathTask}
 
 
 def get_task(name: str, **kwargs):
@@ -19,4 +25,30 @@ def get_task(name: str, **kwargs):
     return TASKS[name](**kwargs)
 
 
-__all__ = ["TASKS", "ArithmeticTask", "get_task"]
+def make_task(cfg, *, seed: int, tokenizer=None):
+    """The task a TaskConfig describes; `tokenizer` (the model's) replaces a built-in one."""
+    common = dict(num_train=cfg.num_train, num_eval=cfg.num_eval, seed=seed, tokenizer=tokenizer)
+    if cfg.name == "arithmetic":
+        return ArithmeticTask(
+            max_digits=cfg.max_digits, ops=cfg.ops, demo_noise=cfg.demo_noise, **common
+        )
+    if cfg.name == "countdown":
+        return CountdownTask(
+            numbers=cfg.numbers, max_number=cfg.max_number, max_target=cfg.max_target, **common
+        )
+    if not cfg.data:
+        from jaxrl_scale.config import ConfigError
+
+        raise ConfigError("task.data: the math task needs a file or dataset (--set task.data=...)")
+    return MathTask(
+        data=cfg.data,
+        eval_data=cfg.eval_data,
+        question_key=cfg.question_key,
+        answer_key=cfg.answer_key,
+        template=cfg.template,
+        timeout=cfg.verify_timeout,
+        **common,
+    )
+
+
+__all__ = ["TASKS", "ArithmeticTask", "CountdownTask", "MathTask", "get_task", "make_task"]

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from jaxrl_scale.tokenizer import CharTokenizer
+from jaxrl_scale.tokenizer import CharTokenizer, Tokenizer
 
 ALPHABET = "0123456789+-*= "
 _APPLY = {"+": lambda a, b: a + b, "-": lambda a, b: a - b, "*": lambda a, b: a * b}
@@ -29,10 +29,11 @@ class ArithmeticTask:
         num_eval: int = 64,
         seed: int = 0,
         demo_noise: float = 0.0,
+        tokenizer: Tokenizer | None = None,
     ):
         if not ops or set(ops) - set(_APPLY):
             raise ValueError(f"ops must be characters of '+-*', got {ops!r}")
-        self.tokenizer = CharTokenizer(ALPHABET)
+        self.tokenizer = tokenizer or CharTokenizer(ALPHABET)
         self.max_digits, self.ops = max_digits, ops
         self.demo_noise = demo_noise
         rng = np.random.default_rng(seed)

@@ -1,0 +1,195 @@
+"""The online forecast: while a run trains, fit the ScaleRL sigmoid to its eval curve so far.
+
+forecaster = OnlineForecast(cfg.forecast, total_steps=300)
+forecaster.observe(step=0, compute=0.0, rate=0.31)          # R0: the eval before any RL
+fields = forecaster.observe(step=25, compute=3e12, rate=0.40)  # a dict for the metrics row,
+                                                               # or None when not due
+Every `forecast.every` evaluations (once there are `forecast.min_points` after step 0) the
+sigmoid is refitted with R0 held at the step-0 eval and bootstrap intervals, and the row gets
+the predicted ceiling A [lo, hi], B, C_mid and the pass rate predicted at the compute budget
+(default: the run's projected end). Until the data pass the curve's inflection the fit cannot
+pin A down (many ceilings fit a curve that is still concave), so the row says
+`forecast_status: "not identifiable yet"` and carries no numbers.
+
+Each fit pads the curve to a bucket of 8, 16, 32, ... points (weight-0 padding), so a run
+compiles the bootstrap a handful of times, not once per evaluation.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import warnings
+
+import numpy as np
+
+from jaxrl_scale.config import ForecastConfig
+from jaxrl_scale.fit import CurveDataError, bootstrap_sigmoid
+from jaxrl_scale.fit.curves import sigmoid
+
+NOT_IDENTIFIABLE = "not identifiable yet"
+
+
+@dataclasses.dataclass(frozen=True)
+class Forecast:
+    """One refit of the eval curve. Numbers are None unless `status == "ok"`."""
+
+    status: str  # "ok" | "not identifiable yet" | "too few points" | "fit failed: ..."
+    points: int  # evaluations fitted (after step 0)
+    budget: float  # compute the pass rate is predicted at
+    a: float | None = None
+    a_ci: tuple[float, float] | None = None
+    b: float | None = None
+    c_mid: float | None = None
+    at_budget: float | None = None
+    at_budget_ci: tuple[float, float] | None = None
+    gain_left_hi: float | None = None  # upper bound of A minus the fitted pass rate now
+
+    @property
+    def ok(self) -> bool:
+        return self.status == "ok"
+
+    def row(self) -> dict:
+        """Fields for a metrics row (TensorBoard takes the numeric ones)."""
+        out = {
+            "forecast_status": self.status,
+            "forecast_points": self.points,
+            "forecast_budget": self.budget,
+        }
+        if self.ok:
+            out.update(
+                forecast_a=self.a,
+                forecast_a_lo=self.a_ci[0],
+                forecast_a_hi=self.a_ci[1],
+                forecast_b=self.b,
+                forecast_c_mid=self.c_mid,
+                forecast_at_budget=self.at_budget,
+                forecast_at_budget_lo=self.at_budget_ci[0],
+                forecast_at_budget_hi=self.at_budget_ci[1],
+                forecast_gain_left_hi=self.gain_left_hi,
+            )
+        return out
+
+    def describe(self) -> str:
+        if not self.ok:
+            return f"forecast: {self.status} ({self.points} evals)"
+        return (
+            f"forecast: A {self.a:.3f} [{self.a_ci[0]:.3f}, {self.a_ci[1]:.3f}]  "
+            f"at budget {self.at_budget:.3f} [{self.at_budget_ci[0]:.3f}, "
+            f"{self.at_budget_ci[1]:.3f}]  gain left <= {self.gain_left_hi:.3f}"
+        )
+
+
+def fit_forecast(
+    compute,
+    rate,
+    r0: float,
+    budget: float,
+    *,
+    n_boot: int = 1000,
+    level: float = 0.95,
+    method: str = "pairs",
+    seed: int = 0,
+    min_points: int = 4,
+) -> Forecast:
+    """Fit eval points (compute > 0) with R0 held at `r0`; predict the pass rate at `budget`."""
+    compute, rate = np.asarray(compute, float), np.asarray(rate, float)
+    points = int(compute.size)
+    if points < min_points:
+        return Forecast("too few points", points, budget)
+    width = max(8, 1 << (points - 1).bit_length())
+    try:
+        with warnings.catch_warnings():  # repairs (sorting, averaging) are fine here
+            warnings.simplefilter("ignore")
+            boot = bootstrap_sigmoid(
+                compute, rate, n=n_boot, seed=seed, r0=r0, level=level, method=method, pad_to=width
+            )
+    except CurveDataError as e:
+        return Forecast(f"fit failed: {e}", points, budget)
+    if not boot.identifiable:
+        return Forecast(NOT_IDENTIFIABLE, points, budget)
+    lo, mid, hi = (float(np.asarray(v)) for v in boot.predict_ci(budget))
+    keep = np.asarray(boot.converged)
+    s = {k: np.asarray(v)[keep] for k, v in boot.samples.items()}
+    now = float(compute.max())
+    gain_left = s["a"] - np.asarray(sigmoid(now, s["a"], s["b"], s["c_mid"], s["r0"]))
+    fit = boot.fit
+    return Forecast(
+        "ok",
+        points,
+        budget,
+        a=float(fit.a),
+        a_ci=boot.ci["a"],
+        b=float(fit.b),
+        c_mid=float(fit.c_mid),
+        at_budget=mid,
+        at_budget_ci=(lo, hi),
+        gain_left_hi=float(np.quantile(gain_left, 1 - (1 - level) / 2)),
+    )
+
+
+class OnlineForecast:
+    """Collects (compute, eval pass rate) as a run evaluates and refits on schedule."""
+
+    def __init__(self, cfg: ForecastConfig, total_steps: int, seed: int = 0):
+        self.cfg, self.total_steps, self.seed = cfg, total_steps, seed
+        self.r0: float | None = None
+        self.compute: list[float] = []
+        self.rate: list[float] = []
+        self.last: Forecast | None = None
+
+    def budget(self, step: int) -> float:
+        """`forecast.budget`, or the compute the run will have spent at its last step if it
+        keeps spending at its rate so far."""
+        if self.cfg.budget:
+            return self.cfg.budget
+        return self.compute[-1] * self.total_steps / max(step, 1)
+
+    def replay(self, rows) -> None:
+        """Take the evaluations of logged metrics rows without refitting (on resume)."""
+        for row in rows:
+            if row.get("eval_pass_rate") is None:
+                continue
+            compute = row.get(self.cfg.x) or 0.0
+            if row["step"] == 0 or compute <= 0:
+                self.r0 = row["eval_pass_rate"]
+            else:
+                self.compute.append(float(compute))
+                self.rate.append(float(row["eval_pass_rate"]))
+
+    def observe(self, step: int, compute: float, rate: float) -> dict | None:
+        """Record one evaluation; returns forecast fields for its metrics row when a refit is
+        due, else None. The step-0 evaluation (no RL compute yet) is R0."""
+        if not math.isfinite(rate):
+            raise ValueError(f"eval pass rate at step {step} is {rate}")
+        if step == 0 or compute <= 0:
+            self.r0 = rate
+            return None
+        self.compute.append(float(compute))
+        self.rate.append(float(rate))
+        n = len(self.compute)
+        if not self.cfg.every or n % self.cfg.every or self.r0 is None:
+            return None
+        self.last = fit_forecast(
+            self.compute,
+            self.rate,
+            self.r0,
+            self.budget(step),
+            n_boot=self.cfg.bootstrap,
+            level=self.cfg.level,
+            method=self.cfg.method,
+            seed=self.seed + n,
+            min_points=self.cfg.min_points,
+        )
+        return self.last.row()
+
+    def should_stop(self) -> str | None:
+        """Why the run should stop now (`forecast.stop_when_gain_below`), or None."""
+        threshold, last = self.cfg.stop_when_gain_below, self.last
+        if not threshold or last is None or not last.ok or last.gain_left_hi >= threshold:
+            return None
+        return (
+            f"forecast: at most {last.gain_left_hi:.3f} pass rate is left to gain (ceiling "
+            f"A {last.a:.3f} [{last.a_ci[0]:.3f}, {last.a_ci[1]:.3f}]), below "
+            f"forecast.stop_when_gain_below = {threshold}; stopping"
+        )

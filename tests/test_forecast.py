@@ -1,0 +1,125 @@
+"""The online forecast on synthetic eval streams drawn from a known sigmoid."""
+
+import numpy as np
+import pytest
+
+from jaxrl_scale.config import ConfigError, ForecastConfig
+from jaxrl_scale.forecast import NOT_IDENTIFIABLE, OnlineForecast, fit_forecast
+
+A, B, C_MID, R0 = 0.72, 1.6, 1e12, 0.30
+
+
+def _curve(c):
+    return R0 + (A - R0) / (1 + (C_MID / c) ** B)
+
+
+def _stream(seed=0, n=24, noise=0.01):
+    """Evenly spaced steps; compute grows linearly with the step, like a run's."""
+    rng = np.random.default_rng(seed)
+    compute = np.linspace(1, n, n) * C_MID / 4  # the inflection is at point 4 of n
+    rate = np.clip(_curve(compute) + noise * rng.normal(size=n), 0, 1)
+    return compute, rate
+
+
+def test_not_identifiable_before_the_inflection_then_converges_to_the_true_ceiling():
+    cfg = ForecastConfig(every=1, bootstrap=400, min_points=4)
+    compute = np.geomspace(C_MID / 60, C_MID * 40, 20)
+    rate = _curve(compute) + 0.006 * np.random.default_rng(1).normal(size=compute.size)
+    forecaster = OnlineForecast(cfg, total_steps=20)
+    assert forecaster.observe(0, 0.0, R0) is None  # R0, not a point
+    statuses = []
+    for step, (c, r) in enumerate(zip(compute, rate, strict=True), start=1):
+        fields = forecaster.observe(step, c, r)
+        statuses.append((c, fields["forecast_status"], fields))
+    # The first three evaluations are too few; the concave start cannot pin A.
+    assert [s for _, s, _ in statuses[:3]] == ["too few points"] * 3
+    early = [s for c, s, _ in statuses[3:] if c < C_MID / 4]
+    assert early and all(s == NOT_IDENTIFIABLE for s in early)
+    assert all("forecast_a" not in f for c, _, f in statuses if c < C_MID / 4)
+    # Well past the inflection the forecast is identifiable and covers the true ceiling.
+    late = [f for c, _, f in statuses if c > 8 * C_MID]
+    assert late and all(f["forecast_status"] == "ok" for f in late)
+    final = late[-1]
+    assert final["forecast_a_lo"] <= A <= final["forecast_a_hi"]
+    assert final["forecast_a_hi"] - final["forecast_a_lo"] < 0.05
+    assert abs(final["forecast_a"] - A) < 0.02
+    # The budget defaults to the run's projected end: the last eval is the last step here.
+    assert final["forecast_budget"] == pytest.approx(compute[-1])
+    lo, hi = final["forecast_at_budget_lo"], final["forecast_at_budget_hi"]
+    assert lo <= _curve(compute[-1]) <= hi
+
+
+def test_budget_is_projected_from_the_spend_so_far_unless_configured():
+    compute, rate = _stream()
+    forecaster = OnlineForecast(ForecastConfig(every=1, bootstrap=100), total_steps=100)
+    forecaster.observe(0, 0.0, R0)
+    for step in range(1, 7):  # 6 evals at steps 1..6, compute = step * C_MID / 4
+        fields = forecaster.observe(step, compute[step - 1], rate[step - 1])
+    assert fields["forecast_budget"] == pytest.approx(100 * C_MID / 4)
+    fixed = OnlineForecast(ForecastConfig(every=1, budget=5e13, bootstrap=100), total_steps=100)
+    fixed.observe(0, 0.0, R0)
+    for step in range(1, 7):
+        fields = fixed.observe(step, compute[step - 1], rate[step - 1])
+    assert fields["forecast_budget"] == 5e13
+
+
+def test_refits_every_m_evaluations_only():
+    compute, rate = _stream()
+    forecaster = OnlineForecast(ForecastConfig(every=3, bootstrap=100), total_steps=24)
+    forecaster.observe(0, 0.0, R0)
+    due = [
+        forecaster.observe(i + 1, c, r) is not None
+        for i, (c, r) in enumerate(zip(compute, rate, strict=True))
+    ]
+    assert due == [(i + 1) % 3 == 0 for i in range(len(compute))]
+
+
+def test_stop_when_the_remaining_gain_is_small():
+    compute, rate = _stream(n=40)
+    cfg = ForecastConfig(every=1, bootstrap=300, stop_when_gain_below=0.03)
+    forecaster = OnlineForecast(cfg, total_steps=40)
+    forecaster.observe(0, 0.0, R0)
+    stopped_at = None
+    for step, (c, r) in enumerate(zip(compute, rate, strict=True), start=1):
+        forecaster.observe(step, c, r)
+        if forecaster.should_stop():
+            stopped_at = step
+            break
+    assert stopped_at is not None
+    # True remaining gain where it stopped is small; at the inflection it was half the span.
+    assert A - _curve(compute[stopped_at - 1]) < 0.05
+    assert stopped_at > 4
+    message = forecaster.should_stop()
+    assert "forecast.stop_when_gain_below" in message and "stopping" in message
+    # Without the option nothing stops.
+    never = OnlineForecast(ForecastConfig(every=1, bootstrap=100), total_steps=40)
+    never.observe(0, 0.0, R0)
+    for step, (c, r) in enumerate(zip(compute, rate, strict=True), start=1):
+        never.observe(step, c, r)
+    assert never.should_stop() is None
+
+
+def test_replay_restores_history_without_refitting():
+    compute, rate = _stream(n=8)
+    rows = [{"step": 0, "compute_flops": 0.0, "eval_pass_rate": R0}, {"step": 1, "loss": 0.1}]
+    rows += [
+        {"step": i + 2, "compute_flops": c, "eval_pass_rate": r}
+        for i, (c, r) in enumerate(zip(compute, rate, strict=True))
+    ]
+    forecaster = OnlineForecast(ForecastConfig(every=1, bootstrap=100), total_steps=8)
+    forecaster.replay(rows)
+    assert forecaster.r0 == R0 and forecaster.compute == list(compute)
+    assert forecaster.last is None
+
+
+def test_bad_input():
+    forecaster = OnlineForecast(ForecastConfig(), total_steps=10)
+    with pytest.raises(ValueError, match="step 3"):
+        forecaster.observe(3, 1e9, float("nan"))
+    with pytest.raises(ConfigError, match="forecast.min_points"):
+        ForecastConfig(min_points=2)
+    with pytest.raises(ConfigError, match="forecast.level"):
+        ForecastConfig(level=1.5)
+    # A rate outside [0, 1] is a fit failure the row reports, not a crash of the run.
+    result = fit_forecast([1, 2, 3, 4, 5], [0.1, 0.2, 1.5, 0.3, 0.4], 0.1, 10.0, n_boot=20)
+    assert result.status.startswith("fit failed") and "reward[2]" in result.status

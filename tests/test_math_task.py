@@ -1,0 +1,121 @@
+"""The math task: loading, answer extraction, math-verify equivalence in a worker with a timeout."""
+
+import json
+import time
+from pathlib import Path
+
+import pytest
+
+from jaxrl_scale.tasks.math import (
+    MathDataError,
+    MathTask,
+    Verifier,
+    extract_answer,
+    last_boxed,
+    load_examples,
+)
+from jaxrl_scale.tokenizer import CharTokenizer
+
+FIXTURE = Path(__file__).parent / "fixtures" / "math_small.jsonl"
+TOK = CharTokenizer("0123456789")
+
+
+@pytest.fixture(scope="module")
+def task():
+    t = MathTask(data=str(FIXTURE), tokenizer=TOK, num_eval=3, seed=0)
+    yield t
+    t.verifier.close()
+
+
+def test_loading_splits_and_reduces_solutions_to_answers(task):
+    assert len(task.eval_examples) == 3 and len(task.train_examples) == 9
+    questions = [e["question"] for e in task.train_examples + task.eval_examples]
+    assert len(set(questions)) == 12
+    by_question = {e["question"]: e for e in task.train_examples + task.eval_examples}
+    assert by_question["Solve $x+1=3$ for $x$."]["answer"] == "2"  # from \boxed{2}
+    assert by_question[next(q for q in questions if q.startswith("Tom"))]["answer"] == "7"
+    e = by_question["What is $2+3$?"]
+    assert e["prompt"].startswith("What is $2+3$?\nPlease reason step by step")
+    assert "\\boxed{}" in e["prompt"]
+
+
+def test_extraction():
+    assert last_boxed("a \\boxed{1} then \\boxed{\\frac{1}{2}} end") == "\\frac{1}{2}"
+    assert last_boxed("\\boxed{\\frac{1}{2") is None
+    assert extract_answer("so the final answer is: 42.") == "42"
+    assert extract_answer("The answer is $\\frac{3}{4}$") == "$\\frac{3}{4}$"
+    assert extract_answer("reasoning\n#### 7") == "7"
+    assert extract_answer("I am not sure") is None
+
+
+@pytest.mark.parametrize(
+    ("completion", "answer", "score"),
+    [
+        ("Adding gives \\boxed{5}.", "5", 1.0),
+        ("It is \\boxed{0.5}", "\\frac{1}{2}", 1.0),  # equivalent, decided by math-verify
+        ("It is \\boxed{\\dfrac{1}{2}}", "\\frac{1}{2}", 1.0),
+        ("It is \\boxed{2^{10}}", "1024", 1.0),
+        ("It is \\boxed{6}", "5", 0.0),
+        ("no answer here", "5", 0.0),
+        ("\\boxed{" + "9" * 600 + "}", "5", 0.0),  # over-long answer
+    ],
+)
+def test_scores(task, completion, answer, score):
+    assert task.score(completion, {"answer": answer}) == score
+
+
+def test_a_hanging_verification_times_out_and_the_worker_is_replaced():
+    verifier = Verifier(timeout=2.0)
+    try:
+        assert verifier("1", "1")  # warms the worker (spawn + imports)
+        start = time.perf_counter()
+        # sympy would compute this power tower exactly: it does not finish.
+        assert verifier("1", "9^{9^{9^{9^{9}}}} - 9^{9^{9^{9^{9}}}} + 1") is False
+        assert time.perf_counter() - start < 10
+        assert verifier("\\frac{1}{2}", "0.5")  # a fresh worker answers again
+    finally:
+        verifier.close()
+
+
+def test_bad_data(tmp_path):
+    bad_json = tmp_path / "bad.jsonl"
+    bad_json.write_text('{"problem": "1+1", "answer": "2"}\n{"problem": "oops"\n')
+    with pytest.raises(MathDataError, match="bad.jsonl:2: not valid JSON"):
+        load_examples(
+            str(bad_json), question_key="problem", answer_key="answer", template="{question}"
+        )
+    missing = tmp_path / "missing.jsonl"
+    missing.write_text(json.dumps({"problem": "1+1"}) + "\n")
+    with pytest.raises(MathDataError, match="row 1: missing or empty 'answer'"):
+        load_examples(
+            str(missing), question_key="problem", answer_key="answer", template="{question}"
+        )
+    with pytest.raises(MathDataError, match="no such file"):
+        load_examples(
+            str(tmp_path / "nope.jsonl"), question_key="q", answer_key="a", template="{question}"
+        )
+    with pytest.raises(ValueError, match="model.init_from"):
+        MathTask(data=str(FIXTURE), tokenizer=None)
+    with pytest.raises(MathDataError, match="cannot give 12 held-out"):
+        MathTask(data=str(FIXTURE), tokenizer=TOK, num_eval=12)
+
+
+def test_parquet_and_separate_eval_file(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rows = [json.loads(line) for line in FIXTURE.read_text().splitlines()]
+    renamed = [{"question": r["problem"], "final": r["answer"]} for r in rows]
+    pq.write_table(pa.Table.from_pylist(renamed[:8]), tmp_path / "train.parquet")
+    (tmp_path / "eval.jsonl").write_text("".join(json.dumps(r) + "\n" for r in renamed[8:]))
+    task = MathTask(
+        data=str(tmp_path / "train.parquet"),
+        eval_data=str(tmp_path / "eval.jsonl"),
+        tokenizer=TOK,
+        num_eval=3,
+        question_key="question",
+        answer_key="final",
+    )
+    assert [e["question"] for e in task.train_examples] == [r["question"] for r in renamed[:8]]
+    assert [e["question"] for e in task.eval_examples] == [r["question"] for r in renamed[8:11]]
+    assert task.eval_examples[0]["answer"] == renamed[8]["final"]
