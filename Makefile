@@ -37,6 +37,7 @@ bench: $(VENV)/.installed-test
 lint: $(VENV)/.installed-test
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
+	$(BIN)/shellcheck launch/*.sh launch/*.sbatch
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache .ruff_cache

@@ -41,6 +41,15 @@ def _parser() -> argparse.ArgumentParser:
         help="start from this Hugging Face folder (sets model.init_from)",
     )
 
+    sweep = sub.add_parser(
+        "sweep", help="run configs x seeds, fit each, compare the configs (resumable)"
+    )
+    sweep.add_argument("configs", nargs="+", type=Path, metavar="CONFIG")
+    sweep.add_argument("--seeds", nargs="+", type=int, default=[0, 1])
+    sweep.add_argument("--out", type=Path, default=Path("runs/study"))
+    sweep.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", dest="overrides")
+    sweep.add_argument("--margin", type=float, default=0.02, help="A difference below which tie")
+
     fit = sub.add_parser("fit", help="fit scaling curves to CSV / JSONL files or run directories")
     fit.add_argument("files", nargs="+", type=Path, metavar="FILE")
     fit.add_argument("--x", default="compute_flops", help="compute column (default compute_flops)")
@@ -112,6 +121,18 @@ def main(argv: list[str] | None = None) -> int:
             if last is not None:
                 print(f"step {last['step']}: held-out pass rate {last['eval_pass_rate']:.3f}")
             print(f"run directory: {args.out} (metrics.jsonl, tensorboard/, checkpoints/)")
+        elif args.command == "sweep":
+            from jaxrl_scale.sweep import format_study, run_sweep
+
+            study = run_sweep(
+                args.configs,
+                args.out,
+                seeds=args.seeds,
+                overrides=args.overrides,
+                margin=args.margin,
+            )
+            print(format_study(study))
+            print(f"\nwrote {args.out / 'study.json'}, {args.out / 'study.md'}, {study['plot']}")
         elif args.command == "fit":
             _fit(args)
     except ConfigError as e:

@@ -355,6 +355,31 @@ class ForecastConfig:
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
+class DistributedConfig:
+    """Several processes (hosts) in one run, through jax.distributed (distributed.py). Unset
+    fields come from JAXRL_COORDINATOR / JAXRL_NUM_PROCESSES / JAXRL_PROCESS_ID, or from the
+    Cloud TPU / Slurm environment; with none of those the run is one process."""
+
+    coordinator_address: str | None = None  # "host:port" of process 0, bound exactly
+    num_processes: int | None = None
+    process_id: int | None = None
+    initialization_timeout: int = 300  # seconds to wait for every process to join
+    heartbeat_timeout: int = 100  # seconds without a heartbeat before a process counts as dead
+
+    def __post_init__(self):
+        _require(
+            self.num_processes is None or self.num_processes >= 1,
+            "distributed.num_processes",
+            "must be >= 1",
+        )
+        _require(
+            self.process_id is None or self.process_id >= 0, "distributed.process_id", "must be >= 0"
+        )
+        for name in ("initialization_timeout", "heartbeat_timeout"):
+            _require(getattr(self, name) >= 1, f"distributed.{name}", "must be >= 1 second")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class ExperimentConfig:
     seed: int = 0
     model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
@@ -367,6 +392,7 @@ class ExperimentConfig:
     curriculum: CurriculumConfig = dataclasses.field(default_factory=CurriculumConfig)
     checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
     forecast: ForecastConfig = dataclasses.field(default_factory=ForecastConfig)
+    distributed: DistributedConfig = dataclasses.field(default_factory=DistributedConfig)
 
 
 # --------------------------------------------------------------------------- YAML plumbing

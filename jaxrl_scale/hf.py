@@ -34,6 +34,7 @@ ARCHITECTURES = {
 }
 _HF_NAMES = {arch: name for name, arch in ARCHITECTURES.items()}
 INDEX_FILE = "model.safetensors.index.json"
+ASSETS = Path(__file__).resolve().parent / "assets"  # checkpoints shipped with the package
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)  # buffers some old checkpoints carry
 
 
@@ -233,15 +234,33 @@ def load_tokenizer(path: str | Path) -> Tokenizer:
     )
 
 
+def resolve_checkpoint(path: str | Path) -> Path:
+    """A folder path, or "asset:NAME" for a checkpoint shipped in jaxrl_scale/assets."""
+    text = str(path)
+    if not text.startswith("asset:"):
+        return Path(path)
+    folder = ASSETS / text.removeprefix("asset:")
+    if not (folder / "config.json").exists():
+        hint = ""
+        if text == "asset:demo_policy":
+            hint = (
+                "; rebuild it with scripts/make_demo_policy.py, or run "
+                "jaxrl-scale demo --from-scratch"
+            )
+        raise CheckpointError(f"{text}: the packaged checkpoint {folder} is missing{hint}")
+    return folder
+
+
 def load_pretrained(
     path: str | Path, *, mesh: Mesh | None = None, **config_overrides: Any
 ) -> tuple[Policy, Tokenizer]:
-    """Read an HF folder into (Policy, Tokenizer). Parameters are stored float32.
+    """Read an HF folder (or "asset:NAME", a packaged one) into (Policy, Tokenizer).
+    Parameters are stored float32.
 
     With `mesh`, each tensor goes straight to its sharding (no full copy on one device).
     `config_overrides` set ModelConfig fields the checkpoint does not fix (dtype, lm_head_dtype).
     """
-    path = Path(path)
+    path = resolve_checkpoint(path)
     cfg = config_from_hf(_read_json(path / "config.json"), **config_overrides)
     model = nnx.eval_shape(lambda: Policy(cfg, rngs=nnx.Rngs(0)))
     files = _weight_files(path)

@@ -12,9 +12,18 @@ class MetricsWriter:
     """Appends rows to `<run>/metrics.jsonl` (flushed per row) and TensorBoard event files."""
 
     def __init__(
-        self, run_dir: str | Path, *, tensorboard: bool = True, resume_step: int | None = None
+        self,
+        run_dir: str | Path,
+        *,
+        tensorboard: bool = True,
+        resume_step: int | None = None,
+        enabled: bool = True,
     ):
+        self.enabled = enabled  # False: a process other than the writer; writes nothing
         self.path = Path(run_dir) / "metrics.jsonl"
+        self._file = self._tb = None
+        if not enabled:
+            return
         self.path.parent.mkdir(parents=True, exist_ok=True)
         if resume_step is not None:
             self._truncate_after(resume_step)
@@ -40,6 +49,8 @@ class MetricsWriter:
         self.path.write_text("".join(line + "\n" for line in kept))
 
     def write(self, row: dict[str, Any]) -> None:
+        if not self.enabled:
+            return
         clean = {k: _plain(v) for k, v in row.items()}
         self._file.write(json.dumps(clean) + "\n")
         self._file.flush()
@@ -49,6 +60,8 @@ class MetricsWriter:
                     self._tb.add_scalar(key, value, clean["step"])
 
     def close(self) -> None:
+        if not self.enabled:
+            return
         self._file.close()
         if self._tb is not None:
             self._tb.close()

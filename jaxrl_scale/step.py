@@ -40,19 +40,20 @@ class Batch:
     adv: jax.Array  # [B] float32
 
     @classmethod
-    def from_rollout(cls, ro, adv_b, keep_b) -> Batch:
-        """Prompt and completion side by side; only sampled tokens of kept rows count."""
+    def from_rollout(cls, ro, adv_b, keep_b, xp=jnp) -> Batch:
+        """Prompt and completion side by side; only sampled tokens of kept rows count. With
+        `xp=numpy` and host arrays, the batch is built on the host."""
         n = ro.completion_tokens.shape[1]
-        emitted = jnp.arange(n)[None, :] < ro.lengths[:, None]
-        zeros = jnp.zeros(ro.prompt_tokens.shape, jnp.float32)
+        emitted = xp.arange(n)[None, :] < ro.lengths[:, None]
+        zeros = xp.zeros(ro.prompt_tokens.shape, xp.float32)
         return cls(
-            tokens=jnp.concatenate([ro.prompt_tokens, ro.completion_tokens], axis=1),
-            attention_mask=jnp.concatenate([ro.prompt_mask, emitted], axis=1),
-            loss_mask=jnp.concatenate(
-                [zeros, ro.completion_mask * jnp.asarray(keep_b, jnp.float32)[:, None]], axis=1
+            tokens=xp.concatenate([ro.prompt_tokens, ro.completion_tokens], axis=1),
+            attention_mask=xp.concatenate([ro.prompt_mask, emitted], axis=1),
+            loss_mask=xp.concatenate(
+                [zeros, ro.completion_mask * xp.asarray(keep_b, xp.float32)[:, None]], axis=1
             ),
-            behavior_logp=jnp.concatenate([zeros, ro.behavior_logp], axis=1),
-            adv=jnp.asarray(adv_b, jnp.float32),
+            behavior_logp=xp.concatenate([zeros, ro.behavior_logp], axis=1),
+            adv=xp.asarray(adv_b, xp.float32),
         )
 
 

@@ -25,7 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxrl_scale import sharding
+from jaxrl_scale import distributed, sharding
 from jaxrl_scale.advantages import group_advantages
 from jaxrl_scale.checkpoint import Checkpointer, abstract_like
 from jaxrl_scale.compute import generate_flops, train_flops
@@ -53,6 +53,8 @@ class Rollouts:
 
 class Trainer:
     def __init__(self, cfg: ExperimentConfig, out: str | Path, *, resume: bool = True):
+        distributed.initialize(cfg.distributed)  # several processes: jax.distributed first
+        self.multiprocess = jax.process_count() > 1
         self.out = Path(out)
         self.out.mkdir(parents=True, exist_ok=True)
         mesh, self.gen_mesh = _meshes(cfg)
@@ -133,7 +135,11 @@ class Trainer:
             self.key = jax.random.wrap_key_data(jnp.asarray(extra["key"], jnp.uint32))
             self.totals = extra["totals"]
             self.start_step = step
-        self.metrics = MetricsWriter(self.out, resume_step=self.start_step if restored else None)
+        self.metrics = MetricsWriter(
+            self.out,
+            resume_step=self.start_step if restored else None,
+            enabled=distributed.is_main(),  # one writer per run: process 0
+        )
         self.forecaster = OnlineForecast(cfg.forecast, cfg.train.steps, seed=cfg.seed)
         if restored:
             self.forecaster.replay(read_metrics(self.out))
@@ -147,7 +153,10 @@ class Trainer:
 
     def _to_trainer(self, batch: Batch) -> Batch:
         """The batch moved to the trainer's layout (split over the mesh's batch axes), from
-        wherever the generator made it."""
+        wherever the generator made it. Across processes the batch is on the host and each
+        process places its own rows."""
+        if self.multiprocess:
+            return jax.tree.map(distributed.place, batch, self.batch_sharding)
         return jax.device_put(batch, self.batch_sharding)
 
     def _to_generator(self, params):
@@ -165,7 +174,10 @@ class Trainer:
         """Sample with in-flight parameter swaps: `params_source()` -> (version, params) is read
         before prefill and again between decode chunks."""
         tokens, mask = pad_prompts(prompts, self.tok.pad_id)
-        if self.gen_mesh is not None:
+        if self.multiprocess:
+            where = sharding.batch_sharding(self.gen_mesh or self.mesh)
+            tokens, mask = distributed.place(tokens, where), distributed.place(mask, where)
+        elif self.gen_mesh is not None:
             tokens, mask = jax.device_put((tokens, mask), sharding.batch_sharding(self.gen_mesh))
         tokens, mask = jnp.asarray(tokens), jnp.asarray(mask)
         version, params = params_source()
@@ -194,7 +206,7 @@ class Trainer:
             version, params = params_source()
 
     def _completions(self, ro) -> list[str]:
-        tokens, lengths = np.asarray(ro.completion_tokens), np.asarray(ro.lengths)
+        tokens, lengths = distributed.to_host(ro.completion_tokens), distributed.to_host(ro.lengths)
         return [self.tok.decode(t[:n]) for t, n in zip(tokens, lengths, strict=True)]
 
     def rollouts(self, params_source, key) -> Rollouts:
@@ -214,9 +226,13 @@ class Trainer:
         adv, keep = group_advantages(
             rewards, g, normalize=cfg.loss.normalize, baseline=cfg.loss.baseline
         )
-        batch = self._to_trainer(Batch.from_rollout(ro, adv, keep))
-        lengths = np.asarray(ro.lengths)
-        seq_lens = np.asarray(ro.prompt_mask).sum(axis=1) + lengths
+        if self.multiprocess:  # built on the host; each process then places its rows
+            batch = Batch.from_rollout(jax.tree.map(distributed.to_host, ro), adv, keep, xp=np)
+        else:
+            batch = Batch.from_rollout(ro, adv, keep)
+        batch = self._to_trainer(batch)
+        lengths = distributed.to_host(ro.lengths)
+        seq_lens = distributed.to_host(ro.prompt_mask).sum(axis=1) + lengths
         stats = {
             "reward_mean": float(rewards.mean()),
             "pass_rate": float((pass_rates).mean()),
@@ -229,7 +245,7 @@ class Trainer:
             "train_flops": float(sum(train_flops(cfg.model, int(n)) for n in seq_lens)),
             "gen_seconds": time.perf_counter() - start,
         }
-        return Rollouts(batch, indices, np.asarray(ro.versions), stats)
+        return Rollouts(batch, indices, distributed.to_host(ro.versions), stats)
 
     def evaluate(self, params, key) -> float:
         """mean@k pass rate on the held-out split."""
@@ -396,12 +412,14 @@ class Trainer:
                         eval_rate=eval_rate,
                     )
                 )
-                _progress(rows[-1], cfg.train.steps)
-                if "forecast_status" in rows[-1]:
-                    print(self.forecaster.last.describe(), flush=True)
+                if distributed.is_main():
+                    _progress(rows[-1], cfg.train.steps)
+                    if "forecast_status" in rows[-1]:
+                        print(self.forecaster.last.describe(), flush=True)
                 stop = self.forecaster.should_stop() if eval_rate is not None else None
                 if stop is not None:
-                    print(stop, flush=True)
+                    if distributed.is_main():
+                        print(stop, flush=True)
                     self.stopped_early = stop
                     break
                 if cfg.checkpoint.every and step % cfg.checkpoint.every == 0:

@@ -2,7 +2,7 @@
 
     python scripts/make_demo_policy.py [--out jaxrl_scale/assets/demo_policy]
 
-A supervised warm start (train.sft_steps) of the tiny model in configs/demo.yaml on the
+A supervised warm start (8000 steps) of the tiny model in configs/demo.yaml on the
 arithmetic task's noisy demonstrations (task.demo_noise: half of them have the last digit off
 by one), from a random init with the config's seed, saved as a Hugging Face folder. About 6
 minutes on 2 CPU cores. The result depends on the jax/XLA version only through floating-point
@@ -15,17 +15,19 @@ import argparse
 from pathlib import Path
 
 from jaxrl_scale.config import load_config
-from jaxrl_scale.demo import DEMO_POLICY, make_demo_policy
+from jaxrl_scale.demo import WARM_START_STEPS, make_demo_policy
+from jaxrl_scale.hf import ASSETS
 
 CONFIG = Path(__file__).resolve().parent.parent / "configs" / "demo.yaml"
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--out", type=Path, default=DEMO_POLICY)
+    parser.add_argument("--out", type=Path, default=ASSETS / "demo_policy")
+    parser.add_argument("--steps", type=int, default=WARM_START_STEPS)
     parser.add_argument("--config", type=Path, default=CONFIG)
     args = parser.parse_args()
-    path = make_demo_policy(load_config(args.config), args.out)
+    path = make_demo_policy(load_config(args.config), args.out, args.steps)
     print(f"wrote {path}")
 
 

@@ -20,12 +20,14 @@ SMALL = [
     "train.steps=10",
     "train.eval_every=1",
     "train.eval_samples=2",
-    "train.sft_steps=30",
     "forecast.bootstrap=50",
 ]
 
 
-def test_demo_from_scratch_trains_fits_and_reports(tmp_path, capsys):
+def test_demo_from_scratch_trains_fits_and_reports(tmp_path, capsys, monkeypatch):
+    import jaxrl_scale.demo as demo
+
+    monkeypatch.setattr(demo, "WARM_START_STEPS", 30)
     args = ["demo", "--out", str(tmp_path), "--from-scratch"]
     for o in SMALL:
         args += ["--set", o]
@@ -55,9 +57,9 @@ def test_demo_from_scratch_trains_fits_and_reports(tmp_path, capsys):
 
 
 def test_demo_without_its_policy_says_how_to_make_it(tmp_path, capsys, monkeypatch):
-    import jaxrl_scale.demo as demo
+    import jaxrl_scale.hf as hf
 
-    monkeypatch.setattr(demo, "DEMO_POLICY", tmp_path / "missing")
+    monkeypatch.setattr(hf, "ASSETS", tmp_path / "missing")
     assert main(["demo", "--out", str(tmp_path / "run")]) == 2
     err = capsys.readouterr().err
     assert "make_demo_policy.py" in err and "--from-scratch" in err

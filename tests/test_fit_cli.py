@@ -75,3 +75,27 @@ def test_importing_the_fitter_does_not_show_jaxopt_deprecation():
 def test_fit_cli_usage_errors(argv):
     with pytest.raises(SystemExit):
         main(argv)
+
+
+def test_fit_cli_on_a_run_directory_holds_r0_at_the_step_0_eval(tmp_path, capsys):
+    """A run's metrics.jsonl starts with the eval before RL at compute 0: that is R0, not a
+    point (compute must be > 0 on a log axis)."""
+    compute = np.geomspace(1e11, 1e13, 10)
+    rows = [{"step": 0, "compute_flops": 0.0, "eval_pass_rate": 0.31}]
+    rows += [{"step": 1, "compute_flops": 5e10, "loss": 0.2}]  # a training row: skipped
+    rows += [
+        {"step": 10 * (i + 1), "compute_flops": c, "eval_pass_rate": float(r)}
+        for i, (c, r) in enumerate(
+            zip(compute, sigmoid(compute, 0.8, 1.5, 1e12, 0.31), strict=True)
+        )
+    ]
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert main(["fit", str(run), "--json", "--bootstrap", "100"]) == 0
+    entry = json.loads(capsys.readouterr().out)["runs"][0]
+    assert entry["r0"] == pytest.approx(0.31)  # held exactly
+    assert entry["points"] == 10
+    assert entry["a"] == pytest.approx(0.8, abs=1e-3)
+    assert main(["fit", str(run), "--json", "--bootstrap", "100", "--r0", "0.2"]) == 0
+    assert json.loads(capsys.readouterr().out)["runs"][0]["r0"] == pytest.approx(0.2)

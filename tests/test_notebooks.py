@@ -11,7 +11,8 @@ NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.name for p in NOTEBOOKS])
-def test_notebook_runs(path: Path):
+def test_notebook_runs(path: Path, monkeypatch):
+    monkeypatch.setenv("JAXRL_NOTEBOOK_SMALL", "1")  # notebooks that train use small settings
     nb = nbformat.read(path, as_version=4)
     NotebookClient(
         nb,

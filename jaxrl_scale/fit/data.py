@@ -9,6 +9,7 @@ from __future__ import annotations
 import csv
 import json
 import warnings
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -30,6 +31,7 @@ class Curve:
     name: str
     compute: np.ndarray  # [P] float64, strictly increasing, > 0
     reward: np.ndarray  # [P] float64
+    r0: float | None = None  # a measurement at zero compute (a run's step-0 eval), if any
 
 
 def clean_curve(
@@ -147,7 +149,8 @@ def load_curve(
     """Read one curve from a CSV file, a JSONL file or a run directory (its metrics.jsonl).
 
     Rows lacking either column (e.g. training steps without an evaluation) are skipped; a column
-    that no row has is an error listing the columns that exist.
+    that no row has is an error listing the columns that exist. Rows at compute 0 (a run's eval
+    before any RL) are not points: their mean reward becomes `Curve.r0`.
     """
     path = Path(path)
     file = path / "metrics.jsonl" if path.is_dir() else path
@@ -166,4 +169,8 @@ def load_curve(
         if col not in seen:
             raise CurveDataError(f"{file}: no column {col!r} (columns: {', '.join(sorted(seen))})")
     name = path.name if path.is_dir() else path.stem
-    return clean_curve(np.array(cs), np.array(rs), name=name, a_max=a_max, c_min=c_min)
+    cs, rs = np.array(cs), np.array(rs)
+    at_zero = cs == 0
+    r0 = float(rs[at_zero].mean()) if at_zero.any() else None
+    curve = clean_curve(cs[~at_zero], rs[~at_zero], name=name, a_max=a_max, c_min=c_min)
+    return dataclasses.replace(curve, r0=r0)

@@ -2,16 +2,86 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from jaxrl_scale.fit.bootstrap import bootstrap_sigmoid
+from jaxrl_scale.fit.bootstrap import BootstrapResult, bootstrap_sigmoid
 from jaxrl_scale.fit.comparison import shared_ceiling
-from jaxrl_scale.fit.data import Curve, load_curve
-from jaxrl_scale.fit.extrapolation import extrapolation_check
+from jaxrl_scale.fit.data import Curve, CurveDataError, load_curve
+from jaxrl_scale.fit.extrapolation import ExtrapolationReport, extrapolation_check
+
+
+def eval_points(rows: list[dict[str, Any]], x: str = "compute_flops"):
+    """(R0, steps [P], compute [P], pass rate [P]) from a run's metrics rows: R0 is the step-0
+    evaluation, the points are the evaluations after it."""
+    evals = [r for r in rows if r.get("eval_pass_rate") is not None]
+    if not evals or evals[0]["step"] != 0:
+        raise CurveDataError("the run has no step-0 evaluation (R0)")
+    later = evals[1:]
+    return (
+        float(evals[0]["eval_pass_rate"]),
+        np.array([r["step"] for r in later]),
+        np.array([r[x] for r in later], float),
+        np.array([r["eval_pass_rate"] for r in later], float),
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class RunFit:
+    """A finished run's curve: the fit to all of it and the fit to its first half."""
+
+    r0: float
+    compute: np.ndarray
+    rate: np.ndarray
+    final: BootstrapResult
+    half: ExtrapolationReport | None  # None when the first half has too few points
+
+    def summary(self) -> dict[str, Any]:
+        fit, ci = self.final.fit, self.final.ci
+        out: dict[str, Any] = {
+            "r0": self.r0,
+            "final_pass_rate": float(self.rate[-1]),
+            "gain": float(self.rate[-1] - self.r0),
+            "a": float(fit.a),
+            "a_ci": list(ci["a"]),
+            "b": float(fit.b),
+            "b_ci": list(ci["b"]),
+            "c_mid": float(fit.c_mid),
+            "c_mid_ci": list(ci["c_mid"]),
+            "identifiable": self.final.identifiable,
+            "half_run": None,
+        }
+        h = self.half
+        if h is not None:
+            out["half_run"] = {
+                "points_fitted": h.n_fit,
+                "c_cut": h.c_cut,
+                "a": float(h.boot.fit.a),
+                "a_ci": list(h.boot.ci["a"]),
+                "identifiable": h.boot.identifiable,
+                "predicted_final": h.predicted,
+                "interval": [h.lo, h.hi],
+                "actual_final": h.actual,
+                "error": h.error,
+                "covered": h.covered,
+            }
+        return out
+
+
+def fit_run(rows: list[dict[str, Any]], *, x: str = "compute_flops", n_boot: int = 2000):
+    """Fit a run's eval curve (R0 held at the step-0 eval) and check the forecast its first
+    half makes of its last point (the paper's protocol)."""
+    r0, _, compute, rate = eval_points(rows, x)
+    final = bootstrap_sigmoid(compute, rate, n=n_boot, r0=r0)
+    try:
+        half = extrapolation_check(compute, rate, fit_until=0.5, n_boot=n_boot, r0=r0)
+    except CurveDataError:
+        half = None
+    return RunFit(r0, compute, rate, final, half)
 
 
 def _run_entry(curve: Curve, boot, predict_at: float | None, extrapolation=None) -> dict[str, Any]:
@@ -63,13 +133,19 @@ def fit_files(
     seed: int = 0,
     plot: str | Path | None = None,
 ) -> dict[str, Any]:
-    """Fit every file's curve and compare them; returns the JSON-ready report."""
+    """Fit every file's curve and compare them; returns the JSON-ready report. R0 is held at
+    `r0` when given, else at a file's own zero-compute measurement (a run's step-0 eval), else
+    fitted."""
     curves = [load_curve(p, x=x, y=y, a_max=a_max, c_min=c_min) for p in paths]
     names = [c.name for c in curves]
     if len(set(names)) != len(names):  # two runs/metrics.jsonl: name them by their path
-        curves = [Curve(str(p), c.compute, c.reward) for p, c in zip(paths, curves, strict=True)]
+        curves = [
+            dataclasses.replace(c, name=str(p)) for p, c in zip(paths, curves, strict=True)
+        ]
     runs, plotted, fitted = [], [], []
+    held_r0 = r0
     for curve in curves:
+        r0 = held_r0 if held_r0 is not None else curve.r0
         extrapolation, c_cut = None, None
         if fit_until is not None:
             extrapolation = extrapolation_check(

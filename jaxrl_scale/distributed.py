@@ -1,0 +1,121 @@
+"""Multi-host runs: JAX's multi-controller runtime (`jax.distributed`), nothing home-made.
+
+Every process runs the same program on the global mesh over all processes' devices. Where the
+run's processes come from:
+
+- explicit: `distributed.coordinator_address` ("host:port"), `num_processes`, `process_id` in
+  the config, or the environment variables JAXRL_COORDINATOR, JAXRL_NUM_PROCESSES and
+  JAXRL_PROCESS_ID (what launch/local_multiprocess.sh sets). The coordinator binds exactly that
+  address, never a wildcard.
+- detected: on a Cloud TPU slice (several workers) and under Slurm (several tasks) JAX reads the
+  topology from the environment.
+- otherwise: one process, and `jax.distributed` is not started.
+
+Inside a run: process 0 alone writes metrics.jsonl, TensorBoard and fits; orbax checkpoints are
+written and read by all processes together; each process places its rows of every batch with
+`jax.make_array_from_process_local_data`; host-side values of sharded arrays (completions to
+score) are gathered with `multihost_utils.process_allgather`.
+"""
+
+from __future__ import annotations
+
+import os
+
+import jax
+import numpy as np
+from jax.experimental import multihost_utils
+
+from jaxrl_scale.config import ConfigError, DistributedConfig
+
+ENV = ("JAXRL_COORDINATOR", "JAXRL_NUM_PROCESSES", "JAXRL_PROCESS_ID")
+
+
+def _detected_cluster() -> str | None:
+    """Which multi-process environment JAX can read by itself, if any."""
+    if int(os.environ.get("SLURM_NTASKS", "1")) > 1 and "SLURM_JOB_ID" in os.environ:
+        return "slurm"
+    hosts = os.environ.get("TPU_WORKER_HOSTNAMES", "")
+    if len([h for h in hosts.split(",") if h]) > 1:
+        return "tpu"
+    return None
+
+
+def settings(cfg: DistributedConfig) -> tuple[str | None, int | None, int | None]:
+    """(coordinator, num_processes, process_id): the config's, else the environment's."""
+    env = [os.environ.get(k) for k in ENV]
+    address = cfg.coordinator_address or env[0]
+    try:
+        count = cfg.num_processes if cfg.num_processes is not None else _int(env[1])
+        index = cfg.process_id if cfg.process_id is not None else _int(env[2])
+    except ValueError as e:
+        raise ConfigError(f"distributed: {e}") from None
+    if address and (count is None or index is None):
+        raise ConfigError(
+            "distributed.coordinator_address is set: num_processes and process_id must be too "
+            "(or JAXRL_NUM_PROCESSES / JAXRL_PROCESS_ID)"
+        )
+    if address and not 0 <= index < count:
+        raise ConfigError(f"distributed.process_id: {index} is not in [0, {count})")
+    return address, count, index
+
+
+def _int(value: str | None) -> int | None:
+    if value is None or value == "":
+        return None
+    try:
+        return int(value)
+    except ValueError:
+        raise ValueError(f"expected an integer, got {value!r}") from None
+
+
+def initialize(cfg: DistributedConfig) -> bool:
+    """Start `jax.distributed` when the run spans several processes; True if it did (or was
+    already running). Call before anything touches a device."""
+    if jax.distributed.is_initialized():
+        return True
+    address, count, index = settings(cfg)
+    timeouts = dict(
+        initialization_timeout=cfg.initialization_timeout,
+        heartbeat_timeout_seconds=cfg.heartbeat_timeout,
+    )
+    if address:
+        if count == 1:
+            return False
+        jax.distributed.initialize(
+            coordinator_address=address,
+            num_processes=count,
+            process_id=index,
+            coordinator_bind_address=address,  # bind exactly this interface and port
+            **timeouts,
+        )
+        return True
+    if _detected_cluster() is not None:
+        jax.distributed.initialize(**timeouts)
+        return True
+    return False
+
+
+def is_main() -> bool:
+    """Process 0: the one that writes logs, metrics and fits."""
+    return jax.process_index() == 0
+
+
+def to_host(x) -> np.ndarray:
+    """A jax array as numpy on this host, gathering the shards other processes hold."""
+    if not isinstance(x, jax.Array) or x.is_fully_addressable:
+        return np.asarray(x)
+    return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+
+
+def place(host: np.ndarray, sharding: jax.sharding.Sharding) -> jax.Array:
+    """`host` (the global value, same on every process) as an array laid out by `sharding`,
+    each process supplying only the rows its devices hold."""
+    host = np.asarray(host)
+    if jax.process_count() == 1:
+        return jax.device_put(host, sharding)
+    index_map = sharding.addressable_devices_indices_map(host.shape)
+    rows = sorted({(s[0].start or 0, s[0].stop or host.shape[0]) for s in index_map.values()})
+    lo, hi = rows[0][0], rows[-1][1]
+    if any(b[0] != a[1] and b[0] != a[0] for a, b in zip(rows, rows[1:], strict=False)):
+        raise ValueError(f"this process's rows of the batch are not contiguous: {rows}")
+    return jax.make_array_from_process_local_data(sharding, host[lo:hi], host.shape)

@@ -1,0 +1,192 @@
+"""The recipe study: several configs x seeds, each run fitted, the configs compared by their curves.
+
+    jaxrl-scale sweep configs/study/*.yaml --seeds 0 1 --out runs/study
+
+For every config and seed, `<out>/<config>/seed<S>/` is a normal run directory; a run counts as
+finished once its `result.json` is written, so a killed sweep started again skips finished runs
+and resumes the one it was in from its last checkpoint. Per run: the final fit (A [interval],
+B, C_mid, R0 held at the step-0 eval) and the predictive check (the fit at 50% of the run's
+compute forecasts its final eval; error and whether the 95% interval covered it). Per config:
+the seeds' eval curves averaged step by step and fitted, the configs ranked by A, and any two
+whose A are within `margin` refitted with a shared A and compared by B (the paper's rule).
+Writes `<out>/study.json`, `<out>/study.md` (the tables) and `<out>/study.png` (all configs).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from jaxrl_scale.config import load_config
+from jaxrl_scale.fit import Curve, bootstrap_sigmoid, shared_ceiling
+from jaxrl_scale.fit.report import eval_points, fit_run
+from jaxrl_scale.metrics import read_metrics
+
+N_BOOT = 1000
+
+
+def mean_curve(runs: list[list[dict[str, Any]]], name: str, x: str = "compute_flops"):
+    """(R0, Curve) of several seeds' runs: eval points averaged at each eval step they share."""
+    points = [eval_points(rows, x) for rows in runs]
+    steps = sorted(set.intersection(*(set(p[1].tolist()) for p in points)))
+    compute = np.mean([[c[list(s).index(t)] for t in steps] for _, s, c, _ in points], axis=0)
+    rate = np.mean([[r[list(s).index(t)] for t in steps] for _, s, _, r in points], axis=0)
+    return float(np.mean([p[0] for p in points])), Curve(name, compute, rate)
+
+
+def run_sweep(
+    configs: list[str | Path],
+    out: str | Path,
+    *,
+    seeds: list[int],
+    overrides: list[str] = (),
+    margin: float = 0.02,
+    n_boot: int = N_BOOT,
+) -> dict[str, Any]:
+    from jaxrl_scale.train import Trainer
+
+    out = Path(out)
+    names = [Path(c).stem for c in configs]
+    if len(set(names)) != len(names):
+        raise ValueError(f"config file names must be unique (they name the runs): {names}")
+    runs: list[dict[str, Any]] = []
+    x = "compute_flops"
+    for path, name in zip(configs, names, strict=True):
+        for seed in seeds:
+            run_dir = out / name / f"seed{seed}"
+            done = run_dir / "result.json"
+            if done.exists():
+                print(f"{name} seed {seed}: finished earlier, skipped", flush=True)
+                runs.append(json.loads(done.read_text()))
+                continue
+            cfg = load_config(path, [*overrides, f"seed={seed}"])
+            x = cfg.forecast.x
+            print(f"{name} seed {seed}: training -> {run_dir}", flush=True)
+            start = time.perf_counter()
+            Trainer(cfg, run_dir).train()  # resumes from the run's last checkpoint, if any
+            result = {
+                "config": name,
+                "seed": seed,
+                "path": str(path),
+                "run_dir": str(run_dir),
+                "wall_seconds": time.perf_counter() - start,
+                **fit_run(read_metrics(run_dir), x=x, n_boot=n_boot).summary(),
+            }
+            done.write_text(json.dumps(result, indent=2))
+            runs.append(result)
+    study = compare(out, names, runs, margin=margin, n_boot=n_boot, x=x)
+    (out / "study.json").write_text(json.dumps(study, indent=2))
+    (out / "study.md").write_text(format_study(study) + "\n")
+    return study
+
+
+def compare(out: Path, names, runs, *, margin: float, n_boot: int, x: str) -> dict[str, Any]:
+    """Per-config fits of the seed-averaged curves, ranking, shared-A pairs, and the plot."""
+    from jaxrl_scale.fit.plot import plot_fits
+
+    configs, curves, entries = [], {}, []
+    for name in names:
+        rows = [read_metrics(r["run_dir"]) for r in runs if r["config"] == name]
+        r0, curve = mean_curve(rows, name, x)
+        boot = bootstrap_sigmoid(curve.compute, curve.reward, n=n_boot, r0=r0)
+        curves[name] = curve
+        entries.append((curve, boot, None))
+        configs.append(
+            {
+                "config": name,
+                "seeds": len(rows),
+                "r0": r0,
+                "final_pass_rate": float(curve.reward[-1]),
+                "a": float(boot.fit.a),
+                "a_ci": list(boot.ci["a"]),
+                "b": float(boot.fit.b),
+                "b_ci": list(boot.ci["b"]),
+                "c_mid": float(boot.fit.c_mid),
+                "identifiable": boot.identifiable,
+            }
+        )
+    ranking = [c["config"] for c in sorted(configs, key=lambda c: -c["a"])]
+    by_name = {c["config"]: c for c in configs}
+    shared = []
+    for i, first in enumerate(ranking):
+        for second in ranking[i + 1 :]:
+            if abs(by_name[first]["a"] - by_name[second]["a"]) < margin:
+                s = shared_ceiling(curves[first], curves[second])
+                shared.append(
+                    {"runs": list(s.runs), "a": s.a, "b": list(s.b), "faster": s.more_efficient}
+                )
+    halves = [r["half_run"] for r in runs if r["half_run"] is not None]
+    errors = np.array([h["error"] for h in halves])
+    validity = {
+        "runs": len(runs),
+        "forecasts": len(halves),
+        "abs_error_median": float(np.median(np.abs(errors))) if halves else None,
+        "abs_error_max": float(np.max(np.abs(errors))) if halves else None,
+        "covered": int(sum(h["covered"] for h in halves)),
+    }
+    plot = plot_fits(entries, out / "study.png", xlabel=x, ylabel="held-out pass rate")
+    return {
+        "x": x,
+        "margin": margin,
+        "runs": runs,
+        "configs": configs,
+        "ranking": ranking,
+        "shared_ceiling": shared,
+        "predictive_validity": validity,
+        "plot": str(plot),
+    }
+
+
+def format_study(study: dict[str, Any]) -> str:
+    lines = [
+        "| config | seeds | R0 | final | A [95% interval] | B | C_mid |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for c in study["configs"]:
+        lo, hi = c["a_ci"]
+        flag = "" if c["identifiable"] else " (not identified)"
+        lines.append(
+            f"| {c['config']} | {c['seeds']} | {c['r0']:.3f} | {c['final_pass_rate']:.3f} | "
+            f"{c['a']:.3f} [{lo:.3f}, {hi:.3f}]{flag} | {c['b']:.2f} | {c['c_mid']:.3g} |"
+        )
+    lines.append("")
+    lines.append("ranking by A: " + " > ".join(study["ranking"]))
+    for s in study["shared_ceiling"]:
+        lines.append(
+            f"{s['runs'][0]} and {s['runs'][1]}: A within {study['margin']}; with a shared A = "
+            f"{s['a']:.3f}, B = {s['b'][0]:.2f} vs {s['b'][1]:.2f}: {s['faster']} is faster"
+        )
+    lines += [
+        "",
+        "| run | A [95% interval] | half-run forecast of the final eval | actual | error | "
+        "covered |",
+        "|---|---|---|---|---|---|",
+    ]
+    for r in study["runs"]:
+        h = r["half_run"]
+        lo, hi = r["a_ci"]
+        if h is not None:
+            forecast = (
+                f"{h['predicted_final']:.3f} [{h['interval'][0]:.3f}, {h['interval'][1]:.3f}]"
+            )
+            tail = (
+                f"{h['actual_final']:.3f} | {h['error']:+.3f} | {'yes' if h['covered'] else 'no'}"
+            )
+        else:
+            forecast, tail = "n/a", "| | "
+        lines.append(
+            f"| {r['config']} seed {r['seed']} | {r['a']:.3f} [{lo:.3f}, {hi:.3f}] | "
+            f"{forecast} | {tail} |"
+        )
+    v = study["predictive_validity"]
+    if v["forecasts"]:
+        lines.append(
+            f"\nhalf-run forecasts: median |error| {v['abs_error_median']:.3f}, max "
+            f"{v['abs_error_max']:.3f}; the 95% interval covered {v['covered']} of "
+            f"{v['forecasts']}"
+        )
+    return "\n".join(lines)

@@ -1,0 +1,106 @@
+"""The launchers: shellcheck-clean, and their dry runs print the commands they would run."""
+
+import shlex
+import shutil
+import subprocess
+
+import pytest
+from conftest import ROOT
+
+LAUNCH = ROOT / "launch"
+SCRIPTS = sorted([*LAUNCH.glob("*.sh"), *LAUNCH.glob("*.sbatch")])
+
+
+def _dry(script, *args):
+    result = subprocess.run(
+        ["bash", str(LAUNCH / script), *args], capture_output=True, text=True, timeout=30
+    )
+    assert result.returncode == 0, result.stderr
+    return [shlex.split(line) for line in result.stdout.splitlines()]
+
+
+def test_shellcheck_passes():
+    shellcheck = shutil.which("shellcheck") or str(ROOT / ".venv" / "bin" / "shellcheck")
+    result = subprocess.run([shellcheck, *map(str, SCRIPTS)], capture_output=True, text=True)
+    assert result.returncode == 0, result.stdout
+
+
+def test_local_multiprocess_dry_run():
+    lines = _dry(
+        "local_multiprocess.sh",
+        "--dry-run",
+        "--processes",
+        "3",
+        "--port",
+        "29611",
+        "--",
+        "--config",
+        "configs/tiny_arithmetic.yaml",
+        "--out",
+        "runs/mp",
+    )
+    assert len(lines) == 3
+    for i, words in enumerate(lines):
+        assert "JAXRL_COORDINATOR=127.0.0.1:29611" in words
+        assert f"JAXRL_PROCESS_ID={i}" in words and "JAXRL_NUM_PROCESSES=3" in words
+        assert words[words.index("jaxrl-scale") :] == [
+            "jaxrl-scale",
+            "train",
+            "--config",
+            "configs/tiny_arithmetic.yaml",
+            "--out",
+            "runs/mp",
+        ]
+
+
+def test_slurm_dry_run():
+    (words,) = _dry("gpu_slurm.sbatch", "--dry-run", "--config", "c.yaml", "--out", "/shared/x")
+    assert words == [
+        "srun",
+        "--kill-on-bad-exit=1",
+        "jaxrl-scale",
+        "train",
+        "--config",
+        "c.yaml",
+        "--out",
+        "/shared/x",
+    ]
+
+
+def test_tpu_pod_dry_run_creates_installs_and_runs_on_every_worker():
+    lines = _dry(
+        "tpu_pod.sh",
+        "--dry-run",
+        "--name",
+        "pod",
+        "--zone",
+        "us-central2-b",
+        "--type",
+        "v4-32",
+        "--",
+        "--config",
+        "c.yaml",
+        "--out",
+        "gs://b/run one",
+    )
+    assert lines[0][:5] == ["gcloud", "compute", "tpus", "tpu-vm", "create"]
+    assert "v4-32" in lines[0]
+    install, train = lines[1], lines[2]
+    assert "--worker=all" in install and "pip install" in install[-1]
+    assert "--worker=all" in train
+    assert shlex.split(train[-1]) == [
+        "jaxrl-scale",
+        "train",
+        "--config",
+        "c.yaml",
+        "--out",
+        "gs://b/run one",
+    ]
+
+
+@pytest.mark.parametrize("script", ["local_multiprocess.sh", "gpu_slurm.sbatch", "tpu_pod.sh"])
+def test_missing_train_arguments_is_an_error(script):
+    result = subprocess.run(
+        ["bash", str(LAUNCH / script), "--dry-run"], capture_output=True, text=True
+    )
+    assert result.returncode == 2 and "train" in result.stderr

@@ -1,0 +1,125 @@
+"""Several processes in one run through jax.distributed: CPU processes on 127.0.0.1, gloo
+collectives, each process with 2 devices."""
+
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import jax
+import numpy as np
+import pytest
+from conftest import ROOT
+
+from jaxrl_scale.config import load_config
+from jaxrl_scale.metrics import read_metrics
+from jaxrl_scale.train import Trainer
+
+TINY = ROOT / "configs" / "tiny_arithmetic.yaml"
+SETTINGS = [
+    "model.hidden_size=32",
+    "model.intermediate_size=64",
+    "model.num_layers=1",
+    "task.max_digits=1",
+    "task.num_train=64",
+    "task.num_eval=8",
+    "train.prompts_per_step=4",
+    "train.group_size=4",
+    "train.eval_every=2",
+    "train.eval_samples=2",
+    "train.sft_steps=2",
+    "sampler.max_new_tokens=4",
+    "pipeline.mode=sync",
+    "checkpoint.every=0",
+    "forecast.every=0",
+    "mesh.data=-1",
+]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _train_cmd(out, steps):
+    cmd = [sys.executable, "-m", "jaxrl_scale.cli", "train", "--config", str(TINY)]
+    cmd += ["--out", str(out), "--set", f"train.steps={steps}"]
+    for s in SETTINGS:
+        cmd += ["--set", s]
+    return cmd
+
+
+def _env(devices, **extra):
+    env = {k: v for k, v in os.environ.items() if not k.startswith("JAXRL_")}
+    env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
+    env["JAX_PLATFORMS"] = "cpu"
+    env.update(extra)
+    return env
+
+
+def _launch(out, steps, n=2, port=None, heartbeat=100):
+    port = port or _free_port()
+    procs = []
+    for i in range(n):
+        env = _env(
+            2,
+            JAXRL_COORDINATOR=f"127.0.0.1:{port}",
+            JAXRL_NUM_PROCESSES=str(n),
+            JAXRL_PROCESS_ID=str(i),
+        )
+        cmd = _train_cmd(out, steps) + ["--set", f"distributed.heartbeat_timeout={heartbeat}"]
+        procs.append(
+            subprocess.Popen(
+                cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+            )
+        )
+    return procs
+
+
+def _params(run_dir):
+    cfg = load_config(TINY, [*SETTINGS, "train.steps=3"])
+    return [np.asarray(x) for x in jax.tree.leaves(Trainer(cfg, run_dir).state.params)]
+
+
+def test_two_processes_match_one_process_with_as_many_devices(tmp_path):
+    procs = _launch(tmp_path / "two", steps=3)
+    outs = [p.communicate(timeout=300)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outs[0][-3000:] + outs[1][-3000:]
+    single = subprocess.run(
+        _train_cmd(tmp_path / "one", 3), env=_env(4), capture_output=True, text=True, timeout=300
+    )
+    assert single.returncode == 0, single.stderr[-3000:]
+    # Process 0 alone wrote the metrics; they agree with the single process's.
+    two, one = read_metrics(tmp_path / "two"), read_metrics(tmp_path / "one")
+    assert [r["step"] for r in two] == [0, 1, 2, 3]
+    for a, b in zip(two, one, strict=True):
+        for key in ("reward_mean", "eval_pass_rate", "loss"):
+            if key in b:
+                assert a[key] == pytest.approx(b[key], abs=1e-6), key
+    for a, b in zip(_params(tmp_path / "two"), _params(tmp_path / "one"), strict=True):
+        np.testing.assert_allclose(a, b, rtol=0, atol=1e-6)
+    # The 2-process checkpoint restores here (8 devices, one process), resharded, and goes on.
+    cfg = load_config(TINY, [*SETTINGS, "train.steps=5"])
+    trainer = Trainer(cfg, tmp_path / "two")
+    assert trainer.start_step == 3
+    rows = trainer.train()
+    assert [r["step"] for r in rows] == [4, 5]
+    assert [r["step"] for r in read_metrics(tmp_path / "two")] == [0, 1, 2, 3, 4, 5]
+
+
+def test_a_dead_process_makes_the_others_exit_with_an_error(tmp_path):
+    procs = _launch(tmp_path / "run", steps=10_000, heartbeat=5)
+    time.sleep(1.0)
+    deadline = time.time() + 120
+    while time.time() < deadline and not (tmp_path / "run" / "metrics.jsonl").exists():
+        time.sleep(0.5)
+    procs[1].kill()  # process 1 dies mid-run
+    try:
+        out = procs[0].communicate(timeout=120)[0]
+    except subprocess.TimeoutExpired:
+        procs[0].kill()
+        pytest.fail("process 0 hung after process 1 died")
+    assert procs[0].returncode != 0
+    assert "another task died" in out or "stopped sending heartbeats" in out, out[-2000:]

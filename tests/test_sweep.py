@@ -1,0 +1,96 @@
+"""The recipe study runner: configs x seeds, per-run fits, comparison, resumability."""
+
+import json
+
+import numpy as np
+import pytest
+from conftest import ROOT
+
+from jaxrl_scale.cli import main
+from jaxrl_scale.fit import bootstrap_sigmoid
+from jaxrl_scale.fit.report import eval_points
+from jaxrl_scale.metrics import read_metrics
+from jaxrl_scale.sweep import mean_curve
+
+TOY = """base: {tiny}
+model: {{hidden_size: 32, intermediate_size: 64, num_layers: 1}}
+task: {{max_digits: 1, num_train: 64, num_eval: 8}}
+train: {{prompts_per_step: 4, group_size: 4, steps: 8, eval_every: 1, eval_samples: 2,
+        sft_steps: 20}}
+sampler: {{max_new_tokens: 4}}
+pipeline: {{mode: sync}}
+checkpoint: {{every: 0}}
+forecast: {{every: 0}}
+mesh: {{data: 1}}
+"""
+
+
+@pytest.fixture
+def configs(tmp_path):
+    paths = []
+    for kind in ("cispo", "dapo", "gspo"):
+        path = tmp_path / "study" / f"{kind}.yaml"
+        path.parent.mkdir(exist_ok=True)
+        path.write_text(
+            TOY.format(tiny=ROOT / "configs" / "tiny_arithmetic.yaml") + f"loss: {{kind: {kind}}}\n"
+        )
+        paths.append(path)
+    return paths
+
+
+def test_sweep_runs_fits_compares_and_resumes(configs, tmp_path, monkeypatch, capsys):
+    import jaxrl_scale.train as train_module
+
+    out = tmp_path / "runs"
+    real_train = train_module.Trainer.train
+    trained = []
+
+    def dies_on_the_fourth(self):
+        trained.append(self.out.name)
+        if len(trained) == 4:
+            raise KeyboardInterrupt  # the sweep is killed during its 4th run
+        return real_train(self)
+
+    monkeypatch.setattr(train_module.Trainer, "train", dies_on_the_fourth)
+    args = ["sweep", *map(str, configs), "--seeds", "0", "1", "--out", str(out)]
+    with pytest.raises(KeyboardInterrupt):
+        main(args)
+    assert len(list(out.glob("*/seed*/result.json"))) == 3
+    trained.clear()
+    monkeypatch.setattr(
+        train_module.Trainer, "train", lambda self: trained.append(1) or real_train(self)
+    )
+    assert main(args) == 0
+    assert len(trained) == 3  # only the runs not yet finished
+    printed = capsys.readouterr().out
+    assert "finished earlier, skipped" in printed and "ranking by A" in printed
+
+    study = json.loads((out / "study.json").read_text())
+    assert [(r["config"], r["seed"]) for r in study["runs"]] == [
+        (k, s) for k in ("cispo", "dapo", "gspo") for s in (0, 1)
+    ]
+    assert (out / "study.png").exists() and (out / "study.md").exists()
+    assert study["predictive_validity"]["runs"] == 6
+    assert sorted(study["ranking"]) == ["cispo", "dapo", "gspo"]
+    by_config = {c["config"]: c for c in study["configs"]}
+    assert study["ranking"] == sorted(by_config, key=lambda k: -by_config[k]["a"])
+    # A config's curve is its seeds' eval curves averaged step by step, fitted with R0 held at
+    # their mean step-0 eval.
+    rows = [read_metrics(out / "dapo" / f"seed{s}") for s in (0, 1)]
+    points = [eval_points(r) for r in rows]
+    r0, curve = mean_curve(rows, "dapo")
+    assert r0 == pytest.approx(np.mean([p[0] for p in points]))
+    np.testing.assert_allclose(curve.reward, (points[0][3] + points[1][3]) / 2)
+    again = bootstrap_sigmoid(curve.compute, curve.reward, n=1000, r0=r0)
+    assert by_config["dapo"]["a"] == pytest.approx(float(again.fit.a))
+    # Per run: R0 is that run's step-0 eval.
+    run = next(r for r in study["runs"] if r["config"] == "gspo" and r["seed"] == 1)
+    assert run["r0"] == eval_points(read_metrics(out / "gspo" / "seed1"))[0]
+
+
+def test_duplicate_config_names_are_an_error(configs, tmp_path, capsys):
+    other = tmp_path / "other" / "cispo.yaml"
+    other.parent.mkdir()
+    other.write_text(configs[0].read_text())
+    assert main(["sweep", str(configs[0]), str(other), "--out", str(tmp_path / "o")]) == 2
+    assert "unique" in capsys.readouterr().err
