@@ -373,7 +373,9 @@ class DistributedConfig:
             "must be >= 1",
         )
         _require(
-            self.process_id is None or self.process_id >= 0, "distributed.process_id", "must be >= 0"
+            self.process_id is None or self.process_id >= 0,
+            "distributed.process_id",
+            "must be >= 0",
         )
         for name in ("initialization_timeout", "heartbeat_timeout"):
             _require(getattr(self, name) >= 1, f"distributed.{name}", "must be >= 1 second")

@@ -7,9 +7,9 @@ input (unsorted points, repeated compute values) is repaired with a `CurveDataWa
 from __future__ import annotations
 
 import csv
+import dataclasses
 import json
 import warnings
-import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 

@@ -139,9 +139,7 @@ def fit_files(
     curves = [load_curve(p, x=x, y=y, a_max=a_max, c_min=c_min) for p in paths]
     names = [c.name for c in curves]
     if len(set(names)) != len(names):  # two runs/metrics.jsonl: name them by their path
-        curves = [
-            dataclasses.replace(c, name=str(p)) for p, c in zip(paths, curves, strict=True)
-        ]
+        curves = [dataclasses.replace(c, name=str(p)) for p, c in zip(paths, curves, strict=True)]
     runs, plotted, fitted = [], [], []
     held_r0 = r0
     for curve in curves:
