@@ -49,6 +49,7 @@ def _parser() -> argparse.ArgumentParser:
     sweep.add_argument("--out", type=Path, default=Path("runs/study"))
     sweep.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", dest="overrides")
     sweep.add_argument("--margin", type=float, default=0.02, help="A difference below which tie")
+    sweep.add_argument("--bootstrap", type=int, default=1000, metavar="N", help="resamples")
 
     fit = sub.add_parser("fit", help="fit scaling curves to CSV / JSONL files or run directories")
     fit.add_argument("files", nargs="+", type=Path, metavar="FILE")

@@ -55,6 +55,12 @@ class Trainer:
     def __init__(self, cfg: ExperimentConfig, out: str | Path, *, resume: bool = True):
         distributed.initialize(cfg.distributed)  # several processes: jax.distributed first
         self.multiprocess = jax.process_count() > 1
+        if self.multiprocess and cfg.pipeline.mode == "pipeline_rl":
+            raise ConfigError(
+                "pipeline.mode: pipeline_rl is not supported across processes yet (a generator "
+                "thread and the trainer would issue collectives in a different order on each "
+                "process); use sync or ppo_off_policy"
+            )
         self.out = Path(out)
         self.out.mkdir(parents=True, exist_ok=True)
         mesh, self.gen_mesh = _meshes(cfg)

@@ -22,7 +22,7 @@ def _stream(seed=0, n=24, noise=0.01):
 
 
 def test_not_identifiable_before_the_inflection_then_converges_to_the_true_ceiling():
-    cfg = ForecastConfig(every=1, bootstrap=400, min_points=4)
+    cfg = ForecastConfig(every=1, bootstrap=200, min_points=4)
     compute = np.geomspace(C_MID / 60, C_MID * 40, 20)
     rate = _curve(compute) + 0.006 * np.random.default_rng(1).normal(size=compute.size)
     forecaster = OnlineForecast(cfg, total_steps=20)
@@ -76,7 +76,7 @@ def test_refits_every_m_evaluations_only():
 
 def test_stop_when_the_remaining_gain_is_small():
     compute, rate = _stream(n=40)
-    cfg = ForecastConfig(every=1, bootstrap=300, stop_when_gain_below=0.03)
+    cfg = ForecastConfig(every=1, bootstrap=200, stop_when_gain_below=0.03)
     forecaster = OnlineForecast(cfg, total_steps=40)
     forecaster.observe(0, 0.0, R0)
     stopped_at = None

@@ -123,3 +123,20 @@ def test_a_dead_process_makes_the_others_exit_with_an_error(tmp_path):
         pytest.fail("process 0 hung after process 1 died")
     assert procs[0].returncode != 0
     assert "another task died" in out or "stopped sending heartbeats" in out, out[-2000:]
+
+
+def test_pipeline_rl_across_processes_is_refused_clearly(tmp_path):
+    port = _free_port()
+    procs = []
+    for i in range(2):
+        env = _env(
+            2,
+            JAXRL_COORDINATOR=f"127.0.0.1:{port}",
+            JAXRL_NUM_PROCESSES="2",
+            JAXRL_PROCESS_ID=str(i),
+        )
+        cmd = _train_cmd(tmp_path / "pipe", 3) + ["--set", "pipeline.mode=pipeline_rl"]
+        procs.append(subprocess.Popen(cmd, env=env, stderr=subprocess.PIPE, text=True))
+    errs = [p.communicate(timeout=120)[1] for p in procs]
+    assert [p.returncode for p in procs] == [2, 2]
+    assert all("pipeline_rl is not supported across processes" in e for e in errs)

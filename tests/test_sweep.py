@@ -52,7 +52,17 @@ def test_sweep_runs_fits_compares_and_resumes(configs, tmp_path, monkeypatch, ca
         return real_train(self)
 
     monkeypatch.setattr(train_module.Trainer, "train", dies_on_the_fourth)
-    args = ["sweep", *map(str, configs), "--seeds", "0", "1", "--out", str(out)]
+    args = [
+        "sweep",
+        *map(str, configs),
+        "--seeds",
+        "0",
+        "1",
+        "--out",
+        str(out),
+        "--bootstrap",
+        "200",
+    ]
     with pytest.raises(KeyboardInterrupt):
         main(args)
     assert len(list(out.glob("*/seed*/result.json"))) == 3
@@ -81,7 +91,7 @@ def test_sweep_runs_fits_compares_and_resumes(configs, tmp_path, monkeypatch, ca
     r0, curve = mean_curve(rows, "dapo")
     assert r0 == pytest.approx(np.mean([p[0] for p in points]))
     np.testing.assert_allclose(curve.reward, (points[0][3] + points[1][3]) / 2)
-    again = bootstrap_sigmoid(curve.compute, curve.reward, n=1000, r0=r0)
+    again = bootstrap_sigmoid(curve.compute, curve.reward, n=200, r0=r0)
     assert by_config["dapo"]["a"] == pytest.approx(float(again.fit.a))
     # Per run: R0 is that run's step-0 eval.
     run = next(r for r in study["runs"] if r["config"] == "gspo" and r["seed"] == 1)

@@ -289,74 +289,22 @@ def test_rl_raises_the_reward_on_its_training_prompts(tmp_path):
 
 @pytest.mark.slow
 def test_rl_raises_the_held_out_pass_rate(tmp_path):
-    """The shipped tiny config as is, in `sync` mode: from its warm start, RL lifts the held-out
-    mean@4 pass rate by at least 0.1 (about 4 minutes on 2 CPU cores)."""
-    cfg = load_config(TINY, ["pipeline.mode=sync", "checkpoint.every=0", "mesh.data=1"])
+    """From the demo's starting policy (warm-started on noisy demonstrations), 90 CISPO steps in
+    `sync` mode lift the held-out mean@4 pass rate by at least 0.1 (measured +0.25 to +0.3 at
+    this point of the demo curve; about 1 minute on 2 CPU cores). The shipped tiny config's
+    longer run is benchmarks/bench_learning.py."""
+    cfg = load_config(
+        ROOT / "configs" / "demo.yaml",
+        [
+            "pipeline.mode=sync",
+            "train.steps=90",
+            "train.eval_every=90",
+            "task.num_eval=256",
+            "forecast.every=0",
+            "mesh.data=1",
+        ],
+    )
     rows = train(cfg, tmp_path)
     evals = [r["eval_pass_rate"] for r in rows if "eval_pass_rate" in r]
-    assert len(evals) == cfg.train.steps // cfg.train.eval_every + 1
+    assert len(evals) == 2
     assert evals[-1] - evals[0] >= 0.1, evals
-
-
-def test_eval_rows_carry_the_online_forecast_and_it_can_stop_the_run(tmp_path, monkeypatch):
-    import jaxrl_scale.forecast as forecast
-
-    fitted = []
-
-    def fake_fit(compute, rate, r0, budget, **kw):
-        fitted.append((list(compute), list(rate), r0, budget))
-        if len(compute) < 5:
-            return forecast.Forecast(forecast.NOT_IDENTIFIABLE, len(compute), budget)
-        return forecast.Forecast(
-            "ok", len(compute), budget, 0.5, (0.45, 0.55), 1.0, 1e6, 0.5, (0.4, 0.6), 0.001
-        )
-
-    monkeypatch.setattr(forecast, "fit_forecast", fake_fit)
-    cfg = _cfg(
-        "pipeline.mode=sync",
-        "train.steps=9",
-        "train.eval_every=1",
-        "forecast.stop_when_gain_below=0.01",
-    )
-    rows = train(cfg, tmp_path)
-    # Evaluations 1-4 are fitted without a number, the 5th is "ok" and stops the run there.
-    assert [r["step"] for r in rows] == list(range(6))
-    assert [r.get("forecast_status") for r in rows] == [None] + [forecast.NOT_IDENTIFIABLE] * 4 + [
-        "ok"
-    ]
-    assert rows[5]["forecast_a_hi"] == 0.55 and rows[5]["forecast_gain_left_hi"] == 0.001
-    assert "forecast_a" not in rows[4]
-    compute, rate, r0, budget = fitted[-1]
-    assert r0 == rows[0]["eval_pass_rate"]  # R0 is the step-0 evaluation, not a point
-    assert compute == [r["compute_flops"] for r in rows[1:]]
-    assert rate == [r["eval_pass_rate"] for r in rows[1:]]
-    assert budget == pytest.approx(rows[5]["compute_flops"] * 9 / 5)  # the projected end
-    logged = read_metrics(tmp_path)
-    assert logged[-1]["step"] == 5 and logged[-1]["forecast_status"] == "ok"
-    assert Trainer(cfg, tmp_path).start_step == 5  # a checkpoint where it stopped
-
-
-def test_init_from_a_hugging_face_folder(tmp_path):
-    from flax import nnx
-
-    from jaxrl_scale.hf import save_pretrained
-
-    source = Trainer(_cfg(), tmp_path / "source")
-    source.supervised_warm_start()
-    save_pretrained(nnx.merge(source.graphdef, source.state.params), source.tok, tmp_path / "hf")
-    # The folder's config fixes the architecture (hidden 32); the run's own says 48.
-    trainer = Trainer(
-        _cfg("model.hidden_size=48", "train.sft_steps=0", f"model.init_from={tmp_path / 'hf'}"),
-        tmp_path / "run",
-    )
-    assert trainer.cfg.model.hidden_size == 32
-    for a, b in zip(
-        jax.tree.leaves(trainer.state.params), jax.tree.leaves(source.state.params), strict=True
-    ):
-        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
-    rows = trainer.train()
-    assert rows[0]["eval_pass_rate"] == pytest.approx(
-        source.evaluate(source.state.params, jax.random.fold_in(source.key, 10**9))
-    )
-    with pytest.raises(Exception, match="config.json"):
-        Trainer(_cfg(f"model.init_from={tmp_path / 'nowhere'}"), tmp_path / "bad")
