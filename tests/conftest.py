@@ -14,6 +14,25 @@ import pytest
 FIXTURES = Path(__file__).parent / "fixtures"
 HF_FIXTURES = FIXTURES / "hf"
 ROOT = Path(__file__).parent.parent
+TINY_CONFIG = ROOT / "configs" / "tiny_arithmetic.yaml"
+# Overrides that shrink the tiny config to seconds per run, every switch kept.
+FAST = [
+    "model.hidden_size=32",
+    "model.intermediate_size=64",
+    "model.num_layers=1",
+    "task.max_digits=1",
+    "task.num_train=64",
+    "task.num_eval=8",
+    "train.prompts_per_step=4",
+    "train.group_size=4",
+    "train.steps=3",
+    "train.eval_every=2",
+    "train.eval_samples=2",
+    "train.sft_steps=2",
+    "sampler.max_new_tokens=4",
+    "checkpoint.every=0",
+    "mesh.data=1",
+]
 
 
 @pytest.fixture

@@ -10,28 +10,16 @@ import time
 import jax
 import numpy as np
 import pytest
-from conftest import ROOT
+from conftest import FAST, TINY_CONFIG
 
 from jaxrl_scale.config import load_config
 from jaxrl_scale.metrics import read_metrics
 from jaxrl_scale.train import Trainer
 
-TINY = ROOT / "configs" / "tiny_arithmetic.yaml"
-SETTINGS = [
-    "model.hidden_size=32",
-    "model.intermediate_size=64",
-    "model.num_layers=1",
-    "task.max_digits=1",
-    "task.num_train=64",
-    "task.num_eval=8",
-    "train.prompts_per_step=4",
-    "train.group_size=4",
-    "train.eval_every=2",
-    "train.eval_samples=2",
-    "train.sft_steps=2",
-    "sampler.max_new_tokens=4",
+TINY = TINY_CONFIG
+# The fast settings over the whole mesh (all processes' devices), deterministic mode.
+SETTINGS = [o for o in FAST if not o.startswith(("mesh.", "train.steps="))] + [
     "pipeline.mode=sync",
-    "checkpoint.every=0",
     "forecast.every=0",
     "mesh.data=-1",
 ]

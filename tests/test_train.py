@@ -10,31 +10,13 @@ import time
 import jax
 import numpy as np
 import pytest
-from conftest import ROOT
+from conftest import FAST, ROOT, TINY_CONFIG
 
 from jaxrl_scale.config import ConfigError, load_config
 from jaxrl_scale.metrics import read_metrics
 from jaxrl_scale.train import Trainer, train
 
-TINY = ROOT / "configs" / "tiny_arithmetic.yaml"
-# A tinier variant of the real config: the same switches, seconds per run.
-FAST = [
-    "model.hidden_size=32",
-    "model.intermediate_size=64",
-    "model.num_layers=1",
-    "task.max_digits=1",
-    "task.num_train=64",
-    "task.num_eval=8",
-    "train.prompts_per_step=4",
-    "train.group_size=4",
-    "train.steps=3",
-    "train.eval_every=2",
-    "train.eval_samples=2",
-    "train.sft_steps=2",
-    "sampler.max_new_tokens=4",
-    "checkpoint.every=0",
-    "mesh.data=1",
-]
+TINY = TINY_CONFIG
 TIMING = {"device_seconds", "gen_seconds", "trainer_idle_fraction", "tokens_per_s"}
 
 
