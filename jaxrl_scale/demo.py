@@ -38,10 +38,13 @@ N_BOOT = 2000
 WARM_START_STEPS = 8000  # supervised steps behind the shipped policy (asset:demo_policy)
 
 
-def summarise(rows: list[dict[str, Any]], out: Path, *, x: str = "compute_flops") -> dict:
-    """Final fit, half-run forecast, fit.png and fit.json for a finished run's metrics rows."""
+def summarise(
+    rows: list[dict[str, Any]], out: Path, *, x: str = "compute_flops", **extra: Any
+) -> dict:
+    """Final fit, half-run forecast, fit.png and fit.json (with `extra` fields) for a finished
+    run's metrics rows."""
     run = fit_run(rows, x=x, n_boot=N_BOOT)
-    summary = {"x": x, **run.summary()}
+    summary = {"x": x, **run.summary(), **extra}
     entries = [(Curve("demo run", run.compute, run.rate), run.final, None)]
     if run.half is not None:
         early = run.compute <= run.half.c_cut
@@ -122,9 +125,7 @@ def run_demo(cfg: ExperimentConfig, out: Path, *, from_scratch: bool = False) ->
     rows = Trainer(cfg, out, resume=False).train()
     train_s = time.perf_counter() - start
     print(f"\nRL: {rows[-1]['step']} steps in {train_s:.0f} s; fitting the eval curve ...")
-    summary = summarise(rows, out, x=cfg.forecast.x)
-    summary["train_seconds"] = train_s
-    (out / "fit.json").write_text(json.dumps(summary, indent=2))
+    summary = summarise(rows, out, x=cfg.forecast.x, train_seconds=train_s)
     print(format_summary(summary))
     print(f"\nrun directory: {out}")
     for name in ("metrics.jsonl", "tensorboard", "fit.png", "fit.json"):

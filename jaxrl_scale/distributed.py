@@ -114,8 +114,8 @@ def place(host: np.ndarray, sharding: jax.sharding.Sharding) -> jax.Array:
     if jax.process_count() == 1:
         return jax.device_put(host, sharding)
     index_map = sharding.addressable_devices_indices_map(host.shape)
-    rows = sorted({(s[0].start or 0, s[0].stop or host.shape[0]) for s in index_map.values()})
-    lo, hi = rows[0][0], rows[-1][1]
-    if any(b[0] != a[1] and b[0] != a[0] for a, b in zip(rows, rows[1:], strict=False)):
-        raise ValueError(f"this process's rows of the batch are not contiguous: {rows}")
+    blocks = sorted({(s[0].start or 0, s[0].stop or host.shape[0]) for s in index_map.values()})
+    lo, hi = blocks[0][0], blocks[-1][1]
+    if sum(stop - start for start, stop in blocks) != hi - lo:  # a gap or an overlap
+        raise ValueError(f"this process's rows of the batch are not one block: {blocks}")
     return jax.make_array_from_process_local_data(sharding, host[lo:hi], host.shape)

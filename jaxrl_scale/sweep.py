@@ -32,9 +32,10 @@ N_BOOT = 1000
 def mean_curve(runs: list[list[dict[str, Any]]], name: str, x: str = "compute_flops"):
     """(R0, Curve) of several seeds' runs: eval points averaged at each eval step they share."""
     points = [eval_points(rows, x) for rows in runs]
-    steps = sorted(set.intersection(*(set(p[1].tolist()) for p in points)))
-    compute = np.mean([[c[list(s).index(t)] for t in steps] for _, s, c, _ in points], axis=0)
-    rate = np.mean([[r[list(s).index(t)] for t in steps] for _, s, _, r in points], axis=0)
+    shared = sorted(set.intersection(*(set(p[1].tolist()) for p in points)))
+    picks = [np.isin(steps, shared) for _, steps, _, _ in points]  # steps are increasing
+    compute = np.mean([c[k] for (_, _, c, _), k in zip(points, picks, strict=True)], axis=0)
+    rate = np.mean([r[k] for (_, _, _, r), k in zip(points, picks, strict=True)], axis=0)
     return float(np.mean([p[0] for p in points])), Curve(name, compute, rate)
 
 
@@ -54,7 +55,7 @@ def run_sweep(
     if len(set(names)) != len(names):
         raise ValueError(f"config file names must be unique (they name the runs): {names}")
     runs: list[dict[str, Any]] = []
-    x = "compute_flops"
+    x = load_config(configs[0], overrides).forecast.x  # the compute axis every fit uses
     for path, name in zip(configs, names, strict=True):
         for seed in seeds:
             run_dir = out / name / f"seed{seed}"
@@ -64,7 +65,6 @@ def run_sweep(
                 runs.append(json.loads(done.read_text()))
                 continue
             cfg = load_config(path, [*overrides, f"seed={seed}"])
-            x = cfg.forecast.x
             print(f"{name} seed {seed}: training -> {run_dir}", flush=True)
             start = time.perf_counter()
             Trainer(cfg, run_dir).train()  # resumes from the run's last checkpoint, if any
