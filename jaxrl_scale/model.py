@@ -130,7 +130,7 @@ class Attention(nnx.Module):
             self.k_norm = _ones((e,), ("norm",))
 
     def __call__(self, x_btd, rope, mask_bts, kv=None, write_index=None):
-        """Self-attention. With `kv` = (keys, values) [B, S, K, E] of a cache, this call's keys
+        """Self-attention. With `kv` = (keys, values) [B, K, S, E] of a cache, this call's keys
         and values are written at slots write_index.. and attention runs over all S slots
         (mask_bts is then [B, T, S]); returns (out, updated kv), kv None without a cache."""
         cfg = self.cfg
@@ -149,18 +149,32 @@ class Attention(nnx.Module):
             q_bthe = rms_norm(q_bthe, self.q_norm[...], cfg.rms_norm_eps, dtype)
             k_btke = rms_norm(k_btke, self.k_norm[...], cfg.rms_norm_eps, dtype)
         q_bthe = apply_rope(q_bthe, rope)
-        k_btke = apply_rope(k_btke, rope)
+        k_bkte = apply_rope(k_btke, rope).swapaxes(1, 2)
+        v_bkte = v_btke.swapaxes(1, 2)
         if kv is not None:
-            start = (0, write_index, 0, 0)
+            start = (0, 0, write_index, 0)
             kv = tuple(
                 jax.lax.dynamic_update_slice(cache, new.astype(cache.dtype), start)
-                for cache, new in zip(kv, (k_btke, v_btke), strict=True)
+                for cache, new in zip(kv, (k_bkte, v_bkte), strict=True)
             )
-            k_btke, v_btke = (c.astype(dtype) for c in kv)
-        out_bthe = jax.nn.dot_product_attention(
-            q_bthe, k_btke, v_btke, mask=mask_bts[:, None], scale=cfg.resolved_head_dim**-0.5
-        )
+            k_bkte, v_bkte = (c.astype(dtype) for c in kv)
+        out_bthe = attend(q_bthe, k_bkte, v_bkte, mask_bts, scale=cfg.resolved_head_dim**-0.5)
         return dense(out_bthe, self.o_kernel[...].astype(dtype), n_in=2), kv
+
+
+def attend(q_bthe, k_bkse, v_bkse, mask_bts, *, scale: float):
+    """Grouped-query attention: query head h reads kv head h // (H / K). Keys and values are
+    heads-major [B, K, S, E] (the cache's layout: a decode step reads each head's slots
+    contiguously, which XLA's CPU backend runs ~3x faster than [B, S, K, E]). Scores and
+    softmax in float32; a query with no visible key gets a uniform average, not NaN."""
+    b, t, h, e = q_bthe.shape
+    k = k_bkse.shape[1]
+    q_bkgte = q_bthe.reshape(b, t, k, h // k, e).transpose(0, 2, 3, 1, 4)
+    scores = jnp.einsum("bkgte,bkse->bkgts", q_bkgte, k_bkse, preferred_element_type=jnp.float32)
+    scores = jnp.where(mask_bts[:, None, None], scores * scale, jnp.finfo(jnp.float32).min)
+    probs = jax.nn.softmax(scores, axis=-1).astype(v_bkse.dtype)
+    out_bkgte = jnp.einsum("bkgts,bkse->bkgte", probs, v_bkse)
+    return out_bkgte.transpose(0, 3, 1, 2, 4).reshape(b, t, h, e)
 
 
 class MLP(nnx.Module):
@@ -276,7 +290,7 @@ class Policy(nnx.Module):
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class KVCache:
-    """Keys and values, one [B, S, K, E] array per layer (separate arrays, so a decode step
+    """Keys and values, one [B, K, S, E] array per layer (separate arrays, so a decode step
     updates each in place), and which slots hold real tokens [B, S]."""
 
     k: tuple[jax.Array, ...]
@@ -285,7 +299,7 @@ class KVCache:
 
     @classmethod
     def empty(cls, cfg: ModelConfig, batch: int, slots: int) -> KVCache:
-        shape = (batch, slots, cfg.num_kv_heads, cfg.resolved_head_dim)
+        shape = (batch, cfg.num_kv_heads, slots, cfg.resolved_head_dim)
         dtype = _DTYPES[cfg.dtype]
         return cls(
             k=tuple(jnp.zeros(shape, dtype) for _ in range(cfg.num_layers)),
@@ -337,17 +351,31 @@ def token_logprobs(
 def logprobs_from_hidden(
     h_btd, tokens_bt, kernel_dv, *, head_dtype: str, temperature: float, chunk_size: int
 ):
-    """Per-token log-probs from final hidden states, `chunk_size` positions at a time.
+    """Per-token log-probs [B, T] from final hidden states; position 0 (no context) is 0."""
+    # Position i predicts token i + 1: score hidden states 0..T-2 against tokens 1..T-1.
+    logp_bt = score_targets(
+        h_btd[:, :-1],
+        tokens_bt[:, 1:],
+        kernel_dv,
+        head_dtype=head_dtype,
+        temperature=temperature,
+        chunk_size=chunk_size,
+    )
+    return jnp.pad(logp_bt, ((0, 0), (1, 0)))
+
+
+def score_targets(
+    h_btd, targets_bt, kernel_dv, *, head_dtype: str, temperature: float, chunk_size: int
+):
+    """log-softmax(h[:, t] @ kernel)[targets[:, t]] [B, T], `chunk_size` positions at a time.
 
     Each chunk's projection and log-softmax run inside a rematerialised `lax.map` body, so only
     one [B, chunk, V] block of logits is live at a time, in the forward and the backward pass.
     """
-    b, t = tokens_bt.shape
-    chunk_size = max(1, min(chunk_size, t - 1))  # no padding beyond the sequence
-    # Position i predicts token i + 1: score hidden states 0..T-2 against tokens 1..T-1.
-    h_btd, targets_bt = h_btd[:, :-1], tokens_bt[:, 1:]
-    n_chunks = -(-(t - 1) // chunk_size)
-    pad = n_chunks * chunk_size - (t - 1)
+    b, t = targets_bt.shape
+    chunk_size = max(1, min(chunk_size, t))  # no padding beyond the sequence
+    n_chunks = -(-t // chunk_size)
+    pad = n_chunks * chunk_size - t
     h_btd = jnp.pad(h_btd, ((0, 0), (0, pad), (0, 0)))
     targets_bt = jnp.pad(targets_bt, ((0, 0), (0, pad)))
     h_nbcd = h_btd.reshape(b, n_chunks, chunk_size, -1).swapaxes(0, 1)
@@ -357,5 +385,49 @@ def logprobs_from_hidden(
     logp_nbc = jax.lax.map(
         lambda xs: one_chunk(*xs, kernel_dv, head_dtype, temperature), (h_nbcd, targets_nbc)
     )
-    logp_bt = logp_nbc.swapaxes(0, 1).reshape(b, -1)[:, : t - 1]
-    return jnp.pad(logp_bt, ((0, 0), (1, 0)))
+    return logp_nbc.swapaxes(0, 1).reshape(b, -1)[:, :t]
+
+
+def completion_logprobs(
+    model: Policy,
+    prompt_tokens_pl,
+    prompt_mask_pl,
+    tokens_bn,
+    mask_bn,
+    *,
+    temperature: float = 1.0,
+    chunk_size: int | None = None,
+):
+    """log pi(completion token n | prompt, completion tokens before n) as float32 [B, N], for
+    B = P x G completions of P left-padded prompts (rows g*G .. g*G + G - 1 continue prompt g).
+
+    Each prompt runs through the model once; its keys and values are shared by its G
+    completions, which then run against them as the sampler's cache does. The same numbers as
+    `token_logprobs` on the concatenated rows, for a 1/G share of the prompt work (the
+    gradient of the shared prompt sums over its completions).
+    """
+    p, length = prompt_tokens_pl.shape
+    b, n = tokens_bn.shape
+    if b % p:
+        raise ValueError(f"{b} completions do not split into groups over {p} prompts")
+    g = b // p
+    prompt_mask_pl = prompt_mask_pl.astype(jnp.bool_)
+    cache = KVCache.empty(model.cfg, p, length + n)
+    h_pld, cache = model.extend(
+        cache, prompt_tokens_pl, default_positions(prompt_mask_pl), prompt_mask_pl, 0
+    )
+    cache = jax.tree.map(lambda x: jnp.repeat(x, g, axis=0), cache)
+    start_b = jnp.repeat(jnp.sum(prompt_mask_pl, axis=1, dtype=jnp.int32), g)
+    positions_bn = start_b[:, None] + jnp.arange(n, dtype=jnp.int32)[None, :]
+    h_bnd, _ = model.extend(cache, tokens_bn, positions_bn, mask_bn, length)
+    # The prompt's last slot (a real token: prompts are left-padded) predicts completion token
+    # 0; completion token n - 1 predicts token n.
+    first_b1d = jnp.repeat(h_pld[:, -1:], g, axis=0).astype(h_bnd.dtype)
+    return score_targets(
+        jnp.concatenate([first_b1d, h_bnd[:, :-1]], axis=1),
+        tokens_bn,
+        model.head_kernel(),
+        head_dtype=model.cfg.lm_head_dtype,
+        temperature=temperature,
+        chunk_size=chunk_size or model.cfg.logits_chunk_size,
+    )

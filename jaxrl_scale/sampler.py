@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from collections.abc import Sequence
 
 import jax
@@ -150,26 +151,39 @@ def sample_token(logits_bv, key, sampling: Sampling):
 
 
 def _constrain_batch(x, mesh: Mesh | None, axis: int):
+    """`x` split over the mesh's batch axes along `axis` (left alone if it does not divide)."""
     if mesh is None:
         return x
+    axes = LOGICAL_RULES["batch"]
+    ways = math.prod(mesh.shape[a] for a in ((axes,) if isinstance(axes, str) else axes))
+    if x.shape[axis] % ways:
+        return x
     spec = [None] * x.ndim
-    spec[axis] = LOGICAL_RULES["batch"]
+    spec[axis] = axes
     return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, PartitionSpec(*spec)))
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "n_new", "interruption", "mesh"))
-def prefill(graphdef, params, prompt_tokens, prompt_mask, key, *, n_new, interruption, mesh):
-    """Run the prompts through the model into a fresh cache; returns the DecodeState."""
+@functools.partial(
+    jax.jit, static_argnames=("graphdef", "n_new", "interruption", "mesh", "repeat")
+)
+def prefill(
+    graphdef, params, prompt_tokens, prompt_mask, key, *, n_new, interruption, mesh, repeat=1
+):
+    """Run the prompts through the model into a fresh cache; returns the DecodeState. With
+    `repeat` = G, each prompt is run once and its cache copied to G consecutive rows."""
     model = nnx.merge(graphdef, params)
-    b, length = prompt_tokens.shape
-    cache = KVCache.empty(model.cfg, b, length + n_new)
-    cache = KVCache(
-        k=tuple(_constrain_batch(x, mesh, 0) for x in cache.k),
-        v=tuple(_constrain_batch(x, mesh, 0) for x in cache.v),
-        valid=_constrain_batch(cache.valid, mesh, 0),
-    )
+    p, length = prompt_tokens.shape
+    b = p * repeat
+    cache = KVCache.empty(model.cfg, p, length + n_new)
+    if repeat == 1:  # the rows are the batch: split them over the mesh from the start
+        cache = jax.tree.map(lambda x: _constrain_batch(x, mesh, 0), cache)
     positions = jnp.maximum(jnp.cumsum(prompt_mask, axis=1) - 1, 0)
     h_btd, cache = model.extend(cache, prompt_tokens, positions, prompt_mask, 0)
+    if repeat > 1:
+        cache, h_btd, prompt_mask = jax.tree.map(
+            lambda x: _constrain_batch(jnp.repeat(x, repeat, axis=0), mesh, 0),
+            (cache, h_btd, prompt_mask),
+        )
     key, budget_key = jax.random.split(key)
     if interruption is None:
         think_budget = jnp.full((b,), n_new + 1, jnp.int32)  # never reached

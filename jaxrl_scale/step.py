@@ -1,6 +1,6 @@
 """The train step: a pure function (state, batch) -> (state, metrics), compiled once.
 
-Shapes: B = P x G sequences, T = L prompt slots + N completion slots.
+Shapes: B = P x G sequences, L prompt slots, N completion slots.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from flax import nnx
 
 from jaxrl_scale.config import LossConfig, TrainConfig
 from jaxrl_scale.losses import policy_loss
-from jaxrl_scale.model import token_logprobs
+from jaxrl_scale.model import completion_logprobs, token_logprobs
 
 
 @jax.tree_util.register_dataclass
@@ -31,28 +31,30 @@ class TrainState:
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class Batch:
-    """One RL batch: finished sequences with per-token behaviour log-probs and advantages."""
+    """One RL batch of B = P x G finished completions: G consecutive rows continue the same
+    prompt (the trainer runs each prompt once for its group), with per-token behaviour
+    log-probs and advantages."""
 
-    tokens: jax.Array  # [B, T] int32: left-padded prompt, then completion
-    attention_mask: jax.Array  # [B, T] bool: real tokens
-    loss_mask: jax.Array  # [B, T] float32: sampled completion tokens of kept rows
-    behavior_logp: jax.Array  # [B, T] float32
+    prompt_tokens: jax.Array  # [B, L] int32, left-padded; equal within a group
+    prompt_mask: jax.Array  # [B, L] bool: real prompt tokens
+    tokens: jax.Array  # [B, N] int32: completion tokens
+    mask: jax.Array  # [B, N] bool: tokens emitted (sampled or inserted), padding after
+    loss_mask: jax.Array  # [B, N] float32: sampled tokens of kept rows
+    behavior_logp: jax.Array  # [B, N] float32
     adv: jax.Array  # [B] float32
 
     @classmethod
     def from_rollout(cls, ro, adv_b, keep_b, xp=jnp) -> Batch:
-        """Prompt and completion side by side; only sampled tokens of kept rows count. With
-        `xp=numpy` and host arrays, the batch is built on the host."""
+        """Only sampled tokens of kept rows count. With `xp=numpy` and host arrays, the batch
+        is built on the host."""
         n = ro.completion_tokens.shape[1]
-        emitted = xp.arange(n)[None, :] < ro.lengths[:, None]
-        zeros = xp.zeros(ro.prompt_tokens.shape, xp.float32)
         return cls(
-            tokens=xp.concatenate([ro.prompt_tokens, ro.completion_tokens], axis=1),
-            attention_mask=xp.concatenate([ro.prompt_mask, emitted], axis=1),
-            loss_mask=xp.concatenate(
-                [zeros, ro.completion_mask * xp.asarray(keep_b, xp.float32)[:, None]], axis=1
-            ),
-            behavior_logp=xp.concatenate([zeros, ro.behavior_logp], axis=1),
+            prompt_tokens=ro.prompt_tokens,
+            prompt_mask=ro.prompt_mask,
+            tokens=ro.completion_tokens,
+            mask=xp.arange(n)[None, :] < ro.lengths[:, None],
+            loss_mask=ro.completion_mask * xp.asarray(keep_b, xp.float32)[:, None],
+            behavior_logp=ro.behavior_logp,
             adv=xp.asarray(adv_b, xp.float32),
         )
 
@@ -90,10 +92,12 @@ def _rl_loss(
     params, ref_params, batch: Batch, *, graphdef, group_size, loss_cfg: LossConfig, temperature
 ):
     def logprobs(p):
-        return token_logprobs(
+        return completion_logprobs(
             nnx.merge(graphdef, p),
+            batch.prompt_tokens[::group_size],
+            batch.prompt_mask[::group_size],
             batch.tokens,
-            mask_bt=batch.attention_mask,
+            batch.mask,
             temperature=temperature,
         )
 

@@ -106,7 +106,13 @@ class Trainer:
         self.state = jax.device_put(state, self.state_sharding)
         two, one = (sharding.batch_sharding(self.mesh, n) for n in (2, 1))
         self.batch_sharding = Batch(
-            tokens=two, attention_mask=two, loss_mask=two, behavior_logp=two, adv=one
+            prompt_tokens=two,
+            prompt_mask=two,
+            tokens=two,
+            mask=two,
+            loss_mask=two,
+            behavior_logp=two,
+            adv=one,
         )
         self.train_step = compile_train_step(
             self.graphdef,
@@ -176,16 +182,25 @@ class Trainer:
     def _encode(self, examples) -> list[list[int]]:
         return [self.tok.encode(e["prompt"]) for e in examples]
 
-    def _generate(self, params_source, prompts: list[list[int]], key, *, sampling, n_new):
-        """Sample with in-flight parameter swaps: `params_source()` -> (version, params) is read
-        before prefill and again between decode chunks."""
-        tokens, mask = pad_prompts(prompts, self.tok.pad_id)
+    def _generate(self, params_source, prompts: list[list[int]], key, *, sampling, n_new, repeat=1):
+        """Sample `repeat` completions of each prompt (consecutive rows) with in-flight
+        parameter swaps: `params_source()` -> (version, params) is read before prefill and
+        again between decode chunks. Each prompt is prefilled once for its `repeat` rows."""
+        host_tokens, host_mask = pad_prompts(prompts, self.tok.pad_id)
+        mesh = self.gen_mesh or self.mesh
+        # Unique prompts are few: every device holds them all; the rows they become are split
+        # over the mesh inside prefill. Without repetition the rows are split from the start.
+        where = (
+            sharding.batch_sharding(mesh)
+            if repeat == 1
+            else jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+        )
         if self.multiprocess:
-            where = sharding.batch_sharding(self.gen_mesh or self.mesh)
-            tokens, mask = distributed.place(tokens, where), distributed.place(mask, where)
+            tokens, mask = distributed.place(host_tokens, where), distributed.place(host_mask, where)
         elif self.gen_mesh is not None:
-            tokens, mask = jax.device_put((tokens, mask), sharding.batch_sharding(self.gen_mesh))
-        tokens, mask = jnp.asarray(tokens), jnp.asarray(mask)
+            tokens, mask = jax.device_put((host_tokens, host_mask), where)
+        else:
+            tokens, mask = jnp.asarray(host_tokens), jnp.asarray(host_mask)
         version, params = params_source()
         state = prefill(
             self.graphdef,
@@ -195,7 +210,8 @@ class Trainer:
             key,
             n_new=n_new,
             interruption=self.interruption,
-            mesh=self.gen_mesh,
+            mesh=mesh,
+            repeat=repeat,
         )
         static = dict(
             sampling=sampling,
@@ -208,8 +224,10 @@ class Trainer:
         while True:
             state = decode(self.graphdef, params, state, version, chunk, **static)
             if bool(jnp.all(state.done)) or int(state.step) >= n_new:
-                return to_rollout(tokens, mask, state)
+                break
             version, params = params_source()
+        rows = lambda x: np.repeat(x, repeat, axis=0)  # noqa: E731
+        return to_rollout(rows(host_tokens), rows(host_mask), state)
 
     def _completions(self, ro) -> list[str]:
         tokens, lengths = distributed.to_host(ro.completion_tokens), distributed.to_host(ro.lengths)
@@ -221,9 +239,13 @@ class Trainer:
         start = time.perf_counter()
         indices = self.curriculum.next_batch(cfg.train.prompts_per_step)
         examples = [self.task.train_examples[i] for i in indices]
-        prompts = [p for p in self._encode(examples) for _ in range(g)]
         ro = self._generate(
-            params_source, prompts, key, sampling=self.sampling, n_new=cfg.sampler.max_new_tokens
+            params_source,
+            self._encode(examples),
+            key,
+            sampling=self.sampling,
+            n_new=cfg.sampler.max_new_tokens,
+            repeat=g,
         )
         texts = self._completions(ro)
         rewards = np.array([self.task.score(t, examples[i // g]) for i, t in enumerate(texts)])
@@ -257,15 +279,15 @@ class Trainer:
         """mean@k pass rate on the held-out split."""
         k = self.cfg.train.eval_samples
         examples = self.task.eval_examples
-        prompts = [p for p in self._encode(examples) for _ in range(k)]
         sampling = Sampling(self.cfg.train.eval_temperature)
         params = self._to_generator(params)
         ro = self._generate(
             lambda: (-1, params),
-            prompts,
+            self._encode(examples),
             key,
             sampling=sampling,
             n_new=self.cfg.sampler.max_new_tokens,
+            repeat=k,
         )
         texts = self._completions(ro)
         return float(np.mean([self.task.score(t, examples[i // k]) for i, t in enumerate(texts)]))

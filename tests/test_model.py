@@ -10,7 +10,13 @@ from safetensors.numpy import load_file
 
 from jaxrl_scale.config import RopeScalingConfig
 from jaxrl_scale.hf import load_pretrained
-from jaxrl_scale.model import init_policy, logprobs_from_hidden, rope_inv_freq, token_logprobs
+from jaxrl_scale.model import (
+    completion_logprobs,
+    init_policy,
+    logprobs_from_hidden,
+    rope_inv_freq,
+    token_logprobs,
+)
 
 ARCHES = ["qwen2", "qwen3", "llama"]
 
@@ -92,6 +98,50 @@ def test_token_logprobs_gradient_matches_naive(tiny_model_config):
     g_naive = nnx.grad(loss(lambda m: _naive_logprobs(m, tokens)))(model)
     for a, b in zip(jax.tree.leaves(g_chunked), jax.tree.leaves(g_naive), strict=True):
         np.testing.assert_allclose(a, b, atol=1e-5)
+
+
+def _grouped_rows(vocab):
+    """2 prompts (the second left-padded) x 3 completions each, of unequal lengths."""
+    rng = np.random.default_rng(7)
+    prompts = rng.integers(1, vocab, (2, 5))
+    prompt_mask = np.array([[1, 1, 1, 1, 1], [0, 0, 1, 1, 1]], bool)
+    prompts[~prompt_mask] = 0
+    completions = rng.integers(1, vocab, (6, 4))
+    lengths = np.array([4, 2, 3, 1, 4, 4])
+    mask = np.arange(4)[None] < lengths[:, None]
+    completions[~mask] = 0
+    return prompts, prompt_mask, completions, mask
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3"])
+def test_completion_logprobs_share_the_prompt_and_match_full_rows(tiny_model_config, arch):
+    cfg = dataclasses.replace(tiny_model_config, architecture=arch, qk_norm=arch == "qwen3")
+    model = init_policy(cfg, seed=4)
+    prompts, prompt_mask, completions, mask = _grouped_rows(cfg.vocab_size)
+    rows = np.concatenate([np.repeat(prompts, 3, axis=0), completions], axis=1)
+    row_mask = np.concatenate([np.repeat(prompt_mask, 3, axis=0), mask], axis=1)
+    weights = jax.random.normal(jax.random.key(3), completions.shape) * mask
+
+    def shared(m):
+        return completion_logprobs(m, prompts, prompt_mask, completions, mask, temperature=0.8)
+
+    def full(m):  # every row on its own, naive log-softmax over the whole vocabulary
+        return _naive_logprobs(m, jnp.asarray(rows), 0.8, jnp.asarray(row_mask))[:, 5:]
+
+    got, want = shared(model), full(model)
+    assert got.shape == completions.shape and got.dtype == jnp.float32
+    np.testing.assert_allclose(np.where(mask, got, 0), np.where(mask, want, 0), atol=1e-5)
+    g_shared = nnx.grad(lambda m: jnp.sum(shared(m) * weights))(model)
+    g_full = nnx.grad(lambda m: jnp.sum(full(m) * weights))(model)
+    for a, b in zip(jax.tree.leaves(g_shared), jax.tree.leaves(g_full), strict=True):
+        np.testing.assert_allclose(a, b, atol=2e-5)
+
+
+def test_completion_logprobs_reject_rows_that_are_not_groups(tiny_model_config):
+    model = init_policy(tiny_model_config, seed=4)
+    prompts, prompt_mask, completions, mask = _grouped_rows(tiny_model_config.vocab_size)
+    with pytest.raises(ValueError, match="5 completions do not split into groups over 2"):
+        completion_logprobs(model, prompts, prompt_mask, completions[:5], mask[:5])
 
 
 def test_jit_matches_eager(tiny_model_config):

@@ -26,19 +26,33 @@ G = 4  # samples per prompt; 2 prompts per batch
 
 
 def _setup():
+    """2 prompts x G = 4 completions; the second prompt is left-padded, rows end unequally."""
     graphdef, params = nnx.split(Policy(CFG, rngs=nnx.Rngs(params=0)))
     rng = np.random.default_rng(0)
-    b, t = 8, 6
-    tokens = jnp.asarray(rng.integers(1, CFG.vocab_size, (b, t)), jnp.int32)
-    attention = jnp.ones((b, t), bool)
-    loss_mask = np.zeros((b, t), np.float32)
-    loss_mask[:, 3:] = 1.0
-    loss_mask[1, 5] = 0.0  # rows of unequal length
-    logp = token_logprobs(nnx.merge(graphdef, params), tokens, mask_bt=attention)
-    behavior = logp + jnp.asarray(rng.normal(0, 0.1, (b, t)), jnp.float32)  # rho != 1
+    b, length, n = 8, 3, 3
+    prompts = np.repeat(rng.integers(1, CFG.vocab_size, (2, length)), G, axis=0)
+    prompt_mask = np.ones((b, length), bool)
+    prompt_mask[G:, 0] = False
+    prompts[~prompt_mask] = 0
+    tokens = rng.integers(1, CFG.vocab_size, (b, n))
+    mask = np.ones((b, n), bool)
+    mask[1, 2] = False  # rows of unequal length
+    loss_mask = mask.astype(np.float32)
+    logp = _full_logprobs(graphdef, params, prompts, prompt_mask, tokens, mask)
+    behavior = logp + rng.normal(0, 0.1, (b, n)).astype(np.float32)  # rho != 1
     adv = jnp.asarray([1.0, -1.0, 0.5, -0.5, 2.0, -1.0, -0.5, -0.5], jnp.float32)
-    batch = Batch(tokens, attention, jnp.asarray(loss_mask), behavior, adv)
+    batch = Batch(
+        *map(jnp.asarray, (prompts, prompt_mask, tokens, mask, loss_mask, behavior)), adv
+    )
     return graphdef, params, batch
+
+
+def _full_logprobs(graphdef, params, prompts, prompt_mask, tokens, mask):
+    """Completion log-probs with every row run on its own (no prompt sharing)."""
+    rows = jnp.concatenate([jnp.asarray(prompts), jnp.asarray(tokens)], axis=1)
+    row_mask = jnp.concatenate([jnp.asarray(prompt_mask), jnp.asarray(mask)], axis=1)
+    logp = token_logprobs(nnx.merge(graphdef, params), rows, mask_bt=row_mask)
+    return np.asarray(logp[:, prompts.shape[1] :])
 
 
 def _step(graphdef, tx, loss, **kw):
@@ -101,8 +115,9 @@ def test_grpo_kl_penalty_is_measured_against_the_frozen_reference():
 
     # Step 2: k3 = exp(ref - logp) - (ref - logp) - 1 per token, averaged per prompt (the
     # default prompt aggregation: token mean within each prompt's tokens, then prompt mean).
-    logp = np.asarray(token_logprobs(nnx.merge(graphdef, state.params), batch.tokens))
-    ref = np.asarray(token_logprobs(nnx.merge(graphdef, reference), batch.tokens))
+    rows = (batch.prompt_tokens, batch.prompt_mask, batch.tokens, batch.mask)
+    logp = _full_logprobs(graphdef, state.params, *rows)
+    ref = _full_logprobs(graphdef, reference, *rows)
     d = ref - logp
     k3 = np.exp(d) - d - 1.0
     mask = np.asarray(batch.loss_mask)

@@ -116,7 +116,7 @@ def test_in_flight_update_gives_one_completion_two_versions(tmp_path):
 
     batch = Batch.from_rollout(ro, np.ones(2), np.ones(2, bool))
     # The loss sees each token's own behaviour log-prob, whichever version sampled it.
-    np.testing.assert_array_equal(batch.behavior_logp[:, -4:], ro.behavior_logp)
+    np.testing.assert_array_equal(batch.behavior_logp, ro.behavior_logp)
 
 
 def test_resume_after_sigkill_matches_an_uninterrupted_run(tmp_path):
