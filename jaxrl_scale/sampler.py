@@ -163,9 +163,7 @@ def _constrain_batch(x, mesh: Mesh | None, axis: int):
     return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, PartitionSpec(*spec)))
 
 
-@functools.partial(
-    jax.jit, static_argnames=("graphdef", "n_new", "interruption", "mesh", "repeat")
-)
+@functools.partial(jax.jit, static_argnames=("graphdef", "n_new", "interruption", "mesh", "repeat"))
 def prefill(
     graphdef, params, prompt_tokens, prompt_mask, key, *, n_new, interruption, mesh, repeat=1
 ):

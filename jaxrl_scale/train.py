@@ -196,7 +196,10 @@ class Trainer:
             else jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
         )
         if self.multiprocess:
-            tokens, mask = distributed.place(host_tokens, where), distributed.place(host_mask, where)
+            tokens, mask = (
+                distributed.place(host_tokens, where),
+                distributed.place(host_mask, where),
+            )
         elif self.gen_mesh is not None:
             tokens, mask = jax.device_put((host_tokens, host_mask), where)
         else:
