@@ -297,9 +297,15 @@ class TrainConfig:
 class PipelineConfig:
     mode: Literal["pipeline_rl", "ppo_off_policy", "sync"] = "pipeline_rl"
     max_staleness: int = 8  # k
-    # Devices (the last ones) that only generate; the trainer's mesh spans the others. 0: both
-    # share every device. New parameters reach the generator by a resharding device_put.
+    # Devices (the last ones; across processes, the last generator_devices / processes of each
+    # process) that only generate; the trainer's mesh spans the others. 0: both share every
+    # device. New parameters reach the generator by a resharding copy, never a file.
     generator_devices: int = 0
+    # pipeline_rl only: generation and training take turns from one thread in a fixed order
+    # (the generator one batch ahead, new weights swapped in halfway through its decoding), so
+    # a run is deterministic for a seed. Always on across processes, where every process must
+    # issue the same programs in the same order.
+    lockstep: bool = False
 
     def __post_init__(self):
         _require(self.max_staleness >= 0, "pipeline.max_staleness", "must be >= 0")

@@ -14,7 +14,9 @@ run's processes come from:
 Inside a run: process 0 alone writes metrics.jsonl, TensorBoard and fits; orbax checkpoints are
 written and read by all processes together; each process places its rows of every batch with
 `jax.make_array_from_process_local_data`; host-side values of sharded arrays (completions to
-score) are gathered with `multihost_utils.process_allgather`.
+score) are gathered with `multihost_utils.process_allgather`; new weights reach generator
+devices with `transfer`. `pipeline_rl` runs in lockstep (pipeline.py): one thread per process
+issues generation and training in the same order everywhere.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import os
 import jax
 import numpy as np
 from jax.experimental import multihost_utils
+from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxrl_scale.config import ConfigError, DistributedConfig
 
@@ -119,3 +122,27 @@ def place(host: np.ndarray, sharding: jax.sharding.Sharding) -> jax.Array:
     if sum(stop - start for start, stop in blocks) != hi - lo:  # a gap or an overlap
         raise ValueError(f"this process's rows of the batch are not one block: {blocks}")
     return jax.make_array_from_process_local_data(sharding, host[lo:hi], host.shape)
+
+
+def transfer(tree, shardings):
+    """`tree` copied onto `shardings` (a matching tree) on other devices: the weight push from
+    the trainer's devices to the generator's.
+
+    One process: a resharding `jax.device_put`. Several processes (where device_put cannot move
+    between disjoint device sets): one collective over the source devices leaves a full copy
+    on every process (nothing moves if the leaves are already replicated), then each process
+    copies its own target devices' parts from it, device to device. Every process must hold
+    devices of both sets (`pipeline.generator_devices` takes some devices of every process).
+    """
+    if jax.process_count() == 1:
+        return jax.device_put(tree, shardings)
+    full = jax.tree.map(lambda x: NamedSharding(x.sharding.mesh, PartitionSpec()), tree)
+    tree = jax.device_put(tree, full)  # same devices, new layout: a collective if sharded
+
+    def local_copy(x, target):
+        if not x.addressable_shards:
+            raise ValueError(f"process {jax.process_index()} holds none of the source devices")
+        whole = x.addressable_shards[0].data
+        return jax.make_array_from_callback(x.shape, target, lambda index: whole[index])
+
+    return jax.tree.map(local_copy, tree, shardings)

@@ -8,6 +8,12 @@
 
 A producer is `rollouts(params_source, key) -> batch` where `params_source()` returns the newest
 (version, params) and the batch has a `versions` array (per-token policy version, -1 if none).
+
+Every feeder has `next()` (the batch to train on) and `trained(state)`, called as soon as the
+train step on that batch is dispatched (before its result is read), and `stop()`. In
+`pipeline_rl` with `lockstep` (always so across processes) there is no generator thread: the
+next batch is generated inside `trained`, on the generator's devices, while the dispatched step
+runs on the trainer's.
 """
 
 from __future__ import annotations
@@ -25,17 +31,20 @@ Producer = Callable[[Callable[[], tuple[int, Any]], jax.Array], Any]
 
 class ParamsSource:
     """The newest published parameters and their version, read by the generator. `place` puts
-    published parameters where the generator reads them (a copy, or another device set)."""
+    a published (version, params) where the generator reads them (a copy, or another device
+    set); the version is an int, or a device scalar that has not been read yet."""
 
-    def __init__(self, version: int, params, *, place: Callable[[Any], Any] = lambda p: p):
+    def __init__(
+        self, version, params, *, place: Callable[[Any, Any], tuple] = lambda v, p: (v, p)
+    ):
         self._lock = threading.Lock()
         self._place = place
         self.publish(version, params)
 
-    def publish(self, version: int, params) -> None:
-        params = self._place(params)
+    def publish(self, version, params) -> None:
+        latest = self._place(version, params)
         with self._lock:
-            self._latest = (version, params)
+            self._latest = latest
 
     def __call__(self) -> tuple[int, Any]:
         with self._lock:
@@ -50,6 +59,9 @@ class SyncFeeder:
         self.produce, self.source, self.key = produce, source, key
         self.per_policy, self.round = per_policy, round_
         self.pending: list[Any] = []
+
+    def trained(self, state) -> None:
+        self.source.publish(int(state.step), state.params)
 
     def next(self) -> Any:
         if not self.pending:
@@ -97,6 +109,46 @@ class PipelineFeeder:
     def next(self) -> Any:
         return self.buffer.get(self.version())
 
+    def trained(self, state) -> None:
+        self.source.publish(int(state.step), state.params)
+
     def stop(self) -> None:
         self.halt.set()
         self.thread.join(timeout=60)
+
+
+class LockstepFeeder:
+    """pipeline_rl from one thread, in an order fixed in advance (so every process issues the
+    same programs in the same order). While the trainer's step v -> v + 1 runs (dispatched,
+    not yet finished), the next batch is generated: its first half of decode chunks with
+    version v, which is already on the generator, its second half with v + 1, pushed as soon
+    as the step was dispatched (an in-flight update; the generator waits for the step only if
+    it gets there first). The generator is one batch ahead, so staleness is at most 1."""
+
+    def __init__(self, produce: Producer, source: ParamsSource, key, *, chunks: int, start: int):
+        self.produce, self.source, self.key = produce, source, key
+        self.swap_after = -(-chunks // 2)  # params_source() calls that still get the old version
+        self.n = start
+        self.pending: Any = None
+        self.dropped = 0
+
+    def _produce(self, params_source) -> Any:
+        batch = self.produce(params_source, jax.random.fold_in(self.key, 2**20 + self.n))
+        self.n += 1
+        return batch
+
+    def next(self) -> Any:
+        if self.pending is None:  # the first batch: nothing to overlap it with
+            self.pending = self._produce(self.source)
+        batch, self.pending = self.pending, None
+        return batch
+
+    def trained(self, state) -> None:
+        old = self.source()
+        self.source.publish(state.step, state.params)  # the version stays on the device
+        new = self.source()
+        calls = iter(range(1, 2**31))
+        self.pending = self._produce(lambda: old if next(calls) <= self.swap_after else new)
+
+    def stop(self) -> None:
+        pass

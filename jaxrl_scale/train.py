@@ -35,7 +35,7 @@ from jaxrl_scale.forecast import OnlineForecast
 from jaxrl_scale.hf import load_pretrained
 from jaxrl_scale.metrics import MetricsWriter, read_metrics
 from jaxrl_scale.model import Policy
-from jaxrl_scale.pipeline import ParamsSource, PipelineFeeder, SyncFeeder
+from jaxrl_scale.pipeline import LockstepFeeder, ParamsSource, PipelineFeeder, SyncFeeder
 from jaxrl_scale.sampler import Interruption, Sampling, decode, pad_prompts, prefill, to_rollout
 from jaxrl_scale.step import Batch, compile_train_step, init_train_state, make_optimizer, sft_step
 from jaxrl_scale.tasks import make_task
@@ -55,12 +55,6 @@ class Trainer:
     def __init__(self, cfg: ExperimentConfig, out: str | Path, *, resume: bool = True):
         distributed.initialize(cfg.distributed)  # several processes: jax.distributed first
         self.multiprocess = jax.process_count() > 1
-        if self.multiprocess and cfg.pipeline.mode == "pipeline_rl":
-            raise ConfigError(
-                "pipeline.mode: pipeline_rl is not supported across processes yet (a generator "
-                "thread and the trainer would issue collectives in a different order on each "
-                "process); use sync or ppo_off_policy"
-            )
         self.out = Path(out)
         self.out.mkdir(parents=True, exist_ok=True)
         mesh, self.gen_mesh = _meshes(cfg)
@@ -175,7 +169,7 @@ class Trainer:
         """Parameters resharded onto the generator's devices (a copy), when it has its own."""
         if self.gen_mesh is None:
             return params
-        return jax.device_put(params, sharding.state_shardings(params, self.gen_mesh))
+        return distributed.transfer(params, sharding.state_shardings(params, self.gen_mesh))
 
     # ---------------------------------------------------------------------- generation
 
@@ -418,13 +412,13 @@ class Trainer:
                         f"internal: batch {staleness[1]} versions old exceeds k = {k}"
                     )
                 self.state, metrics = self.train_step(self.state, ro.batch)
+                feeder.trained(self.state)  # new weights to the generator (lockstep: it runs)
                 metrics = jax.device_get(metrics)
                 if int(self.state.nonfinite) >= cfg.train.max_nonfinite:
                     raise FloatingPointError(
                         f"{int(self.state.nonfinite)} non-finite losses/gradients in a row at step "
                         f"{step}: lower train.learning_rate or check the model's dtype"
                     )
-                source.publish(int(self.state.step), self.state.params)
                 idle = waited / max(waited + time.perf_counter() - step_start, 1e-9)
                 eval_rate = None
                 on_schedule = bool(cfg.train.eval_every) and step % cfg.train.eval_every == 0
@@ -481,14 +475,37 @@ class Trainer:
     def _make_source(self) -> ParamsSource:
         version, params = int(self.state.step), self.state.params
         if self.gen_mesh is not None:
-            return ParamsSource(version, params, place=self._to_generator)
+            return ParamsSource(version, params, place=self._push)
         if self.cfg.pipeline.mode == "pipeline_rl":
             # The train step donates its state; a concurrent generator needs its own copy.
-            return ParamsSource(version, params, place=lambda p: jax.tree.map(jnp.copy, p))
+            return ParamsSource(version, params, place=lambda v, p: jax.tree.map(jnp.copy, (v, p)))
         return ParamsSource(version, params)
+
+    def _push(self, version, params):
+        """(version, params) copied onto the generator's devices: `version` may be the train
+        state's step counter, still on the trainer's devices."""
+        if not isinstance(version, jax.Array):
+            return version, self._to_generator(params)
+        replicated = jax.sharding.NamedSharding(self.gen_mesh, jax.sharding.PartitionSpec())
+        shardings = (replicated, sharding.state_shardings(params, self.gen_mesh))
+        return distributed.transfer((version, params), shardings)
 
     def _feeder(self, source, k: int):
         mode = self.cfg.pipeline.mode
+        if mode == "pipeline_rl" and (self.cfg.pipeline.lockstep or self.multiprocess):
+            if k < 1:
+                raise ConfigError(
+                    "pipeline.max_staleness: pipeline_rl in lockstep (always so across "
+                    "processes) keeps the generator one batch ahead and needs k >= 1"
+                )
+            n_new, chunk = self.cfg.sampler.max_new_tokens, self.cfg.sampler.chunk_size
+            return LockstepFeeder(
+                self.rollouts,
+                source,
+                self.key,
+                chunks=-(-n_new // (chunk or n_new)),
+                start=int(self.state.step),
+            )
         if mode == "pipeline_rl":
             return PipelineFeeder(
                 self.rollouts, source, self.key, k=k, version=lambda: int(self.state.step)
@@ -502,7 +519,8 @@ class Trainer:
 def _meshes(cfg: ExperimentConfig):
     """(trainer mesh, generator mesh or None): `pipeline.generator_devices` takes the last
     devices for generation (batch-parallel, with the trainer's tensor axis) and leaves the rest,
-    shaped by `mesh`, to the trainer."""
+    shaped by `mesh`, to the trainer. Across processes every process gives its last
+    generator_devices / processes devices, so each holds devices of both meshes."""
     g = cfg.pipeline.generator_devices
     if g == 0:
         return sharding.make_mesh(cfg.mesh), None
@@ -517,8 +535,21 @@ def _meshes(cfg: ExperimentConfig):
         raise ConfigError(
             f"pipeline.generator_devices: {g} is not a multiple of mesh.tensor={tensor}"
         )
-    gen_mesh = sharding.make_mesh(MeshConfig(data=g // tensor, fsdp=1, tensor=tensor), devices[-g:])
-    return sharding.make_mesh(cfg.mesh, devices[:-g]), gen_mesh
+    per_process: dict[int, list] = {}
+    for d in devices:
+        per_process.setdefault(d.process_index, []).append(d)
+    n = len(per_process)
+    if g % n or g // n >= min(len(ds) for ds in per_process.values()):
+        raise ConfigError(
+            f"pipeline.generator_devices: {g} must take the same number of devices from each "
+            f"of the {n} processes and leave each some to train with (whole hosts that only "
+            "generate are not supported)"
+        )
+    take = g // n
+    gen = [d for p in sorted(per_process) for d in per_process[p][-take:]]
+    train = [d for p in sorted(per_process) for d in per_process[p][:-take]]
+    gen_mesh = sharding.make_mesh(MeshConfig(data=g // tensor, fsdp=1, tensor=tensor), gen)
+    return sharding.make_mesh(cfg.mesh, train), gen_mesh
 
 
 def _state_sharding(state, mesh):

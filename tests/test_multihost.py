@@ -113,7 +113,7 @@ def test_a_dead_process_makes_the_others_exit_with_an_error(tmp_path):
     assert "another task died" in out or "stopped sending heartbeats" in out, out[-2000:]
 
 
-def test_pipeline_rl_across_processes_is_refused_clearly(tmp_path):
+def _run_two(out, steps, *extra, timeout=300):
     port = _free_port()
     procs = []
     for i in range(2):
@@ -123,8 +123,45 @@ def test_pipeline_rl_across_processes_is_refused_clearly(tmp_path):
             JAXRL_NUM_PROCESSES="2",
             JAXRL_PROCESS_ID=str(i),
         )
-        cmd = _train_cmd(tmp_path / "pipe", 3) + ["--set", "pipeline.mode=pipeline_rl"]
-        procs.append(subprocess.Popen(cmd, env=env, stderr=subprocess.PIPE, text=True))
-    errs = [p.communicate(timeout=120)[1] for p in procs]
-    assert [p.returncode for p in procs] == [2, 2]
-    assert all("pipeline_rl is not supported across processes" in e for e in errs)
+        cmd = _train_cmd(out, steps)
+        for e in extra:
+            cmd += ["--set", e]
+        procs.append(
+            subprocess.Popen(
+                cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+            )
+        )
+    outs = [p.communicate(timeout=timeout)[0] for p in procs]
+    return [p.returncode for p in procs], outs
+
+
+PIPELINE = ["pipeline.mode=pipeline_rl", "pipeline.generator_devices=2", "sampler.chunk_size=2"]
+
+
+def test_pipeline_rl_across_processes_splits_generator_and_trainer_devices(tmp_path):
+    # Each process gives one of its two devices to the generator: the weights cross from the
+    # trainer's devices to the generator's after every step, and both processes issue the same
+    # programs in the same order (lockstep), so the run equals one 4-device process in lockstep.
+    codes, outs = _run_two(tmp_path / "two", 4, *PIPELINE)
+    assert codes == [0, 0], outs[0][-3000:] + outs[1][-3000:]
+    cmd = _train_cmd(tmp_path / "one", 4)
+    for e in [*PIPELINE, "pipeline.lockstep=true"]:
+        cmd += ["--set", e]
+    single = subprocess.run(cmd, env=_env(4), capture_output=True, text=True, timeout=300)
+    assert single.returncode == 0, single.stderr[-3000:]
+    two, one = read_metrics(tmp_path / "two"), read_metrics(tmp_path / "one")
+    assert [r["step"] for r in two] == [0, 1, 2, 3, 4]
+    assert [r["staleness_max"] for r in two] == [0, 0, 1, 1, 1]  # one batch ahead, in flight
+    for a, b in zip(two, one, strict=True):
+        for key in ("reward_mean", "eval_pass_rate", "loss", "staleness_mean"):
+            if key in b:
+                assert a[key] == pytest.approx(b[key], abs=1e-6), key
+    assert two[-1]["policy_version"] == one[-1]["policy_version"] == 4
+    for a, b in zip(_params(tmp_path / "two"), _params(tmp_path / "one"), strict=True):
+        np.testing.assert_allclose(a, b, rtol=0, atol=1e-6)
+
+
+def test_a_generator_split_that_leaves_a_process_without_trainer_devices_is_refused(tmp_path):
+    codes, outs = _run_two(tmp_path / "run", 3, *PIPELINE[:1], "pipeline.generator_devices=3")
+    assert codes == [2, 2]
+    assert all("same number of devices from each of the 2 processes" in o for o in outs), outs

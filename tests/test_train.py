@@ -189,6 +189,47 @@ def test_generator_on_its_own_devices_gets_weights_by_device_put(tmp_path):
         assert not batch_sharding.is_fully_replicated  # split over the trainer's data axis
 
 
+@pytest.mark.parametrize("devices", ["shared", "own"])
+def test_lockstep_pipeline_overlaps_one_batch_swaps_weights_in_flight_and_repeats(
+    devices, tmp_path
+):
+    extra = ["pipeline.mode=pipeline_rl", "pipeline.lockstep=true", "train.steps=5"]
+    extra += ["sampler.chunk_size=2"]  # 4 new tokens: 2 chunks, the second with new weights
+    if devices == "own":
+        extra += ["pipeline.generator_devices=4", "mesh.data=4"]
+    trainer = Trainer(_cfg(*extra), tmp_path / "a")
+    seen = []
+    log = trainer._log_step
+
+    def spy(step, metrics, ro, **kw):
+        seen.append((int(trainer.state.step), ro.versions))
+        return log(step, metrics, ro, **kw)
+
+    trainer._log_step = spy
+    rows = trainer.train()
+    assert [r["step"] for r in rows] == list(range(6))
+    # Batch 1 is made before any step; every later batch n was generated while step n - 1
+    # ran: its first chunk by version n - 2, its second by version n - 1 (in flight).
+    for n, (after, versions) in enumerate(seen, start=1):
+        assert after == n
+        first, second = versions[:, :2], versions[:, 2:]
+        assert set(first[first >= 0].tolist()) == {max(n - 2, 0)}
+        if (second >= 0).any():
+            assert set(second[second >= 0].tolist()) == {n - 1}
+    assert max(r["staleness_max"] for r in rows) == 1
+    again = train(_cfg(*extra), tmp_path / "b")
+    strip = lambda rows: [{k: v for k, v in r.items() if k not in TIMING} for r in rows]  # noqa: E731
+    assert strip(rows) == strip(again)  # one thread, a fixed order: deterministic
+    for x, y in zip(_params(tmp_path / "a", *extra), _params(tmp_path / "b", *extra), strict=True):
+        np.testing.assert_array_equal(x, y)
+
+
+def test_lockstep_needs_a_staleness_bound_of_at_least_one(tmp_path):
+    cfg = _cfg("pipeline.mode=pipeline_rl", "pipeline.lockstep=true", "pipeline.max_staleness=0")
+    with pytest.raises(ConfigError, match="pipeline.max_staleness"):
+        Trainer(cfg, tmp_path).train()
+
+
 def test_repeated_non_finite_updates_abort_with_a_clear_error(tmp_path):
     trainer = Trainer(_cfg("pipeline.mode=sync", "train.max_nonfinite=2"), tmp_path)
     step = trainer.train_step
