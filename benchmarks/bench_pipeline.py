@@ -1,4 +1,5 @@
-"""RL step throughput: `sync` vs `pipeline_rl` (k = 8) on the same workload.
+"""RL step throughput: `sync` vs `pipeline_rl` (k = 8; a generator thread, and in lockstep)
+on the same workload.
 
     python benchmarks/bench_pipeline.py [--steps 8]
 
@@ -45,8 +46,15 @@ WORKLOAD = [
 PEER_SAMPLES_PER_S = 602.0  # tunix 0.1.7 GRPO on this workload and machine, 1.70 s per step
 
 
+MODES = {
+    "sync": ["pipeline.mode=sync"],
+    "pipeline_rl": ["pipeline.mode=pipeline_rl"],
+    "lockstep": ["pipeline.mode=pipeline_rl", "pipeline.lockstep=true"],
+}
+
+
 def run(mode: str, steps: int) -> dict[str, float]:
-    cfg = load_config(CONFIG, [*WORKLOAD, f"pipeline.mode={mode}", f"train.steps={steps}"])
+    cfg = load_config(CONFIG, [*WORKLOAD, *MODES[mode], f"train.steps={steps}"])
     with tempfile.TemporaryDirectory() as out:
         trainer = Trainer(cfg, out, resume=False)
         stamps: list[float] = []
@@ -74,16 +82,17 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--steps", type=int, default=8)
     args = parser.parse_args()
-    results = {mode: run(mode, args.steps) for mode in ("sync", "pipeline_rl")}
+    results = {mode: run(mode, args.steps) for mode in MODES}
     print("workload: Qwen3-shaped 0.54M params, 64 prompts x 16 samples, 16 new tokens, CISPO")
     print(
         f"{'mode':<13}{'samples/s':>11}{'s/step':>9}{'trainer idle':>14}"
-        f"{'gen len':>9}{'max stale':>11}"
+        f"{'gen len':>9}{'max stale':>11}{'x peer':>8}"
     )
     for mode, r in results.items():
         print(
             f"{mode:<13}{r['samples_per_s']:>11,.0f}{r['step_s']:>9.3f}{r['idle']:>14.1%}"
             f"{r['gen_len']:>9.1f}{r['staleness_max']:>11}"
+            f"{r['samples_per_s'] / PEER_SAMPLES_PER_S:>8.2f}"
         )
     ratio = results["pipeline_rl"]["samples_per_s"] / results["sync"]["samples_per_s"]
     print(f"ratio pipeline_rl / sync: {ratio:.2f}x")

@@ -130,7 +130,6 @@ class LockstepFeeder:
         self.swap_after = -(-chunks // 2)  # params_source() calls that still get the old version
         self.n = start
         self.pending: Any = None
-        self.dropped = 0
 
     def _produce(self, params_source) -> Any:
         batch = self.produce(params_source, jax.random.fold_in(self.key, 2**20 + self.n))

@@ -15,6 +15,7 @@ staleness-bounded buffer in buffer.py.
 from __future__ import annotations
 
 import dataclasses
+import json
 import sys
 import time
 from pathlib import Path
@@ -141,6 +142,11 @@ class Trainer:
             self.key = jax.random.wrap_key_data(jnp.asarray(extra["key"], jnp.uint32))
             self.totals = extra["totals"]
             self.start_step = step
+        self._resumed_batch = (
+            self._rollouts_from_arrays(self.checkpointer.arrays(self.start_step))
+            if restored is not None and self._lockstep
+            else None
+        )
         self.metrics = MetricsWriter(
             self.out,
             resume_step=self.start_step if restored else None,
@@ -378,13 +384,37 @@ class Trainer:
         lag = int(self.state.step) - sampled
         return float(lag.mean()), int(lag.max())
 
-    def _save(self, step: int) -> None:
+    def _save(self, step: int, feeder) -> None:
         extra = {
             "curriculum": self.curriculum.state_dict(),
             "key": np.asarray(jax.random.key_data(self.key)).tolist(),
             "totals": self.totals,
         }
-        self.checkpointer.save(step, self.state, extra)
+        pending = getattr(feeder, "pending", None) if self._lockstep else None
+        arrays = None if pending is None else self._rollouts_to_arrays(pending)
+        self.checkpointer.save(step, self.state, extra, arrays)
+
+    def _rollouts_to_arrays(self, ro: Rollouts) -> dict[str, np.ndarray]:
+        batch = jax.tree.map(distributed.to_host, ro.batch)
+        arrays = {f"batch.{f.name}": getattr(batch, f.name) for f in dataclasses.fields(Batch)}
+        stats = np.asarray(json.dumps(ro.stats))
+        return {**arrays, "indices": ro.indices, "versions": ro.versions, "stats": stats}
+
+    def _rollouts_from_arrays(self, arrays: dict[str, np.ndarray] | None) -> Rollouts | None:
+        if arrays is None:
+            return None
+        batch = Batch(**{f.name: arrays[f"batch.{f.name}"] for f in dataclasses.fields(Batch)})
+        return Rollouts(
+            self._to_trainer(batch),
+            arrays["indices"],
+            arrays["versions"],
+            json.loads(str(arrays["stats"])),
+        )
+
+    @property
+    def _lockstep(self) -> bool:
+        pipeline = self.cfg.pipeline
+        return pipeline.mode == "pipeline_rl" and (pipeline.lockstep or self.multiprocess)
 
     def train(self) -> list[dict[str, Any]]:
         cfg = self.cfg
@@ -448,8 +478,8 @@ class Trainer:
                     self.stopped_early = stop
                     break
                 if cfg.checkpoint.every and step % cfg.checkpoint.every == 0:
-                    self._save(step)
-            self._save(step)
+                    self._save(step, feeder)
+            self._save(step, feeder)
         finally:
             feeder.stop()
             self.checkpointer.close()
@@ -492,20 +522,24 @@ class Trainer:
 
     def _feeder(self, source, k: int):
         mode = self.cfg.pipeline.mode
-        if mode == "pipeline_rl" and (self.cfg.pipeline.lockstep or self.multiprocess):
+        if self._lockstep:
             if k < 1:
                 raise ConfigError(
                     "pipeline.max_staleness: pipeline_rl in lockstep (always so across "
                     "processes) keeps the generator one batch ahead and needs k >= 1"
                 )
             n_new, chunk = self.cfg.sampler.max_new_tokens, self.cfg.sampler.chunk_size
-            return LockstepFeeder(
+            # On resume, the batch the interrupted run had generated for the next step.
+            resumed, self._resumed_batch = self._resumed_batch, None
+            feeder = LockstepFeeder(
                 self.rollouts,
                 source,
                 self.key,
                 chunks=-(-n_new // (chunk or n_new)),
-                start=int(self.state.step),
+                start=int(self.state.step) + (resumed is not None),
             )
+            feeder.pending = resumed
+            return feeder
         if mode == "pipeline_rl":
             return PipelineFeeder(
                 self.rollouts, source, self.key, k=k, version=lambda: int(self.state.step)

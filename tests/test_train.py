@@ -119,8 +119,11 @@ def test_in_flight_update_gives_one_completion_two_versions(tmp_path):
     np.testing.assert_array_equal(batch.behavior_logp, ro.behavior_logp)
 
 
-def test_resume_after_sigkill_matches_an_uninterrupted_run(tmp_path):
-    overrides = ["pipeline.mode=sync", "train.steps=24", "checkpoint.every=2", "train.eval_every=4"]
+@pytest.mark.parametrize(
+    "mode", ["pipeline.mode=sync", "pipeline.mode=pipeline_rl,pipeline.lockstep=true"]
+)
+def test_resume_after_sigkill_matches_an_uninterrupted_run(mode, tmp_path):
+    overrides = [*mode.split(","), "train.steps=24", "checkpoint.every=2", "train.eval_every=4"]
     cmd = [sys.executable, "-m", "jaxrl_scale.cli", "train", "--config", str(TINY)]
     for o in [*FAST, *overrides]:
         cmd += ["--set", o]
