@@ -112,12 +112,15 @@ def main(argv: list[str] | None = None) -> int:
             cfg = load_config(config_path, args.overrides)
             run_demo(cfg, args.out, from_scratch=args.from_scratch)
         elif args.command == "train":
+            from jaxrl_scale.distributed import is_main
             from jaxrl_scale.train import train
 
             overrides = list(args.overrides)
             if args.init_from:
                 overrides.append(f"model.init_from={args.init_from}")
             rows = train(load_config(args.config, overrides), args.out, resume=not args.no_resume)
+            if not is_main():  # across processes, process 0 reports
+                return 0
             last = next((r for r in reversed(rows) if "eval_pass_rate" in r), None)
             if last is not None:
                 print(f"step {last['step']}: held-out pass rate {last['eval_pass_rate']:.3f}")
