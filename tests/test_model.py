@@ -122,17 +122,19 @@ def test_completion_logprobs_share_the_prompt_and_match_full_rows(tiny_model_con
     row_mask = np.concatenate([np.repeat(prompt_mask, 3, axis=0), mask], axis=1)
     weights = jax.random.normal(jax.random.key(3), completions.shape) * mask
 
+    @nnx.jit
     def shared(m):
         return completion_logprobs(m, prompts, prompt_mask, completions, mask, temperature=0.8)
 
+    @nnx.jit
     def full(m):  # every row on its own, naive log-softmax over the whole vocabulary
         return _naive_logprobs(m, jnp.asarray(rows), 0.8, jnp.asarray(row_mask))[:, 5:]
 
     got, want = shared(model), full(model)
     assert got.shape == completions.shape and got.dtype == jnp.float32
     np.testing.assert_allclose(np.where(mask, got, 0), np.where(mask, want, 0), atol=1e-5)
-    g_shared = nnx.grad(lambda m: jnp.sum(shared(m) * weights))(model)
-    g_full = nnx.grad(lambda m: jnp.sum(full(m) * weights))(model)
+    g_shared = nnx.jit(nnx.grad(lambda m: jnp.sum(shared(m) * weights)))(model)
+    g_full = nnx.jit(nnx.grad(lambda m: jnp.sum(full(m) * weights)))(model)
     for a, b in zip(jax.tree.leaves(g_shared), jax.tree.leaves(g_full), strict=True):
         np.testing.assert_allclose(a, b, atol=2e-5)
 
