@@ -53,12 +53,15 @@ class ParamsSource:
 
 class SyncFeeder:
     """sync: one batch per policy version; ppo_off_policy: `per_policy` batches per version.
-    Batch keys depend only on the round, so a run is reproducible and resumable exactly."""
+    Batch keys depend only on the round, so a run is reproducible; `pending` (the batches of
+    the current round not yet trained on) is what a checkpoint must keep to resume exactly."""
 
-    def __init__(self, produce: Producer, source: ParamsSource, key, *, per_policy: int, round_):
+    def __init__(
+        self, produce: Producer, source: ParamsSource, key, *, per_policy: int, round_, pending
+    ):
         self.produce, self.source, self.key = produce, source, key
         self.per_policy, self.round = per_policy, round_
-        self.pending: list[Any] = []
+        self.pending: list[Any] = list(pending)
 
     def trained(self, state) -> None:
         self.source.publish(int(state.step), state.params)
@@ -125,11 +128,15 @@ class LockstepFeeder:
     as the step was dispatched (an in-flight update; the generator waits for the step only if
     it gets there first). The generator is one batch ahead, so staleness is at most 1."""
 
-    def __init__(self, produce: Producer, source: ParamsSource, key, *, chunks: int, start: int):
+    def __init__(
+        self, produce: Producer, source: ParamsSource, key, *, chunks: int, start: int, pending
+    ):
+        """`start` numbers the next batch generated (its key); `pending` holds the batch already
+        generated for the next step, if any (a resumed run's)."""
         self.produce, self.source, self.key = produce, source, key
         self.swap_after = -(-chunks // 2)  # params_source() calls that still get the old version
         self.n = start
-        self.pending: Any = None
+        self.pending: list[Any] = list(pending)
 
     def _produce(self, params_source) -> Any:
         batch = self.produce(params_source, jax.random.fold_in(self.key, 2**20 + self.n))
@@ -137,17 +144,16 @@ class LockstepFeeder:
         return batch
 
     def next(self) -> Any:
-        if self.pending is None:  # the first batch: nothing to overlap it with
-            self.pending = self._produce(self.source)
-        batch, self.pending = self.pending, None
-        return batch
+        if not self.pending:  # the first batch: nothing to overlap it with
+            self.pending = [self._produce(self.source)]
+        return self.pending.pop(0)
 
     def trained(self, state) -> None:
         old = self.source()
         self.source.publish(state.step, state.params)  # the version stays on the device
         new = self.source()
         calls = iter(range(1, 2**31))
-        self.pending = self._produce(lambda: old if next(calls) <= self.swap_after else new)
+        self.pending = [self._produce(lambda: old if next(calls) <= self.swap_after else new)]
 
     def stop(self) -> None:
         pass

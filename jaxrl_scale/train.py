@@ -142,10 +142,9 @@ class Trainer:
             self.key = jax.random.wrap_key_data(jnp.asarray(extra["key"], jnp.uint32))
             self.totals = extra["totals"]
             self.start_step = step
-        self._resumed_batch = (
-            self._rollouts_from_arrays(self.checkpointer.arrays(self.start_step))
-            if restored is not None and self._lockstep
-            else None
+        # Batches the interrupted run had generated but not trained on (deterministic modes).
+        self._resumed = self._rollouts_from_arrays(
+            self.checkpointer.arrays(self.start_step) if restored is not None else None
         )
         self.metrics = MetricsWriter(
             self.out,
@@ -390,26 +389,35 @@ class Trainer:
             "key": np.asarray(jax.random.key_data(self.key)).tolist(),
             "totals": self.totals,
         }
-        pending = getattr(feeder, "pending", None) if self._lockstep else None
-        arrays = None if pending is None else self._rollouts_to_arrays(pending)
+        pending = list(getattr(feeder, "pending", []))  # the threaded generator's are not kept
+        arrays = self._rollouts_to_arrays(pending) if pending else None
         self.checkpointer.save(step, self.state, extra, arrays)
 
-    def _rollouts_to_arrays(self, ro: Rollouts) -> dict[str, np.ndarray]:
-        batch = jax.tree.map(distributed.to_host, ro.batch)
-        arrays = {f"batch.{f.name}": getattr(batch, f.name) for f in dataclasses.fields(Batch)}
-        stats = np.asarray(json.dumps(ro.stats))
-        return {**arrays, "indices": ro.indices, "versions": ro.versions, "stats": stats}
+    def _rollouts_to_arrays(self, batches: list[Rollouts]) -> dict[str, np.ndarray]:
+        arrays: dict[str, np.ndarray] = {"count": np.asarray(len(batches))}
+        for i, ro in enumerate(batches):
+            batch = jax.tree.map(distributed.to_host, ro.batch)
+            for f in dataclasses.fields(Batch):
+                arrays[f"{i}.batch.{f.name}"] = getattr(batch, f.name)
+            arrays[f"{i}.indices"], arrays[f"{i}.versions"] = ro.indices, ro.versions
+            arrays[f"{i}.stats"] = np.asarray(json.dumps(ro.stats))
+        return arrays
 
-    def _rollouts_from_arrays(self, arrays: dict[str, np.ndarray] | None) -> Rollouts | None:
+    def _rollouts_from_arrays(self, arrays: dict[str, np.ndarray] | None) -> list[Rollouts]:
         if arrays is None:
-            return None
-        batch = Batch(**{f.name: arrays[f"batch.{f.name}"] for f in dataclasses.fields(Batch)})
-        return Rollouts(
-            self._to_trainer(batch),
-            arrays["indices"],
-            arrays["versions"],
-            json.loads(str(arrays["stats"])),
-        )
+            return []
+        batches = []
+        for i in range(int(arrays["count"])):
+            fields = {f.name: arrays[f"{i}.batch.{f.name}"] for f in dataclasses.fields(Batch)}
+            batches.append(
+                Rollouts(
+                    self._to_trainer(Batch(**fields)),
+                    arrays[f"{i}.indices"],
+                    arrays[f"{i}.versions"],
+                    json.loads(str(arrays[f"{i}.stats"])),
+                )
+            )
+        return batches
 
     @property
     def _lockstep(self) -> bool:
@@ -522,6 +530,9 @@ class Trainer:
 
     def _feeder(self, source, k: int):
         mode = self.cfg.pipeline.mode
+        # Batches generated before an interruption, unless too stale for this run's k.
+        resumed = [ro for ro in self._resumed if self._staleness(ro.versions)[1] <= k]
+        self._resumed = []
         if self._lockstep:
             if k < 1:
                 raise ConfigError(
@@ -529,24 +540,26 @@ class Trainer:
                     "processes) keeps the generator one batch ahead and needs k >= 1"
                 )
             n_new, chunk = self.cfg.sampler.max_new_tokens, self.cfg.sampler.chunk_size
-            # On resume, the batch the interrupted run had generated for the next step.
-            resumed, self._resumed_batch = self._resumed_batch, None
-            feeder = LockstepFeeder(
+            return LockstepFeeder(
                 self.rollouts,
                 source,
                 self.key,
                 chunks=-(-n_new // (chunk or n_new)),
-                start=int(self.state.step) + (resumed is not None),
+                start=int(self.state.step) + len(resumed),
+                pending=resumed,
             )
-            feeder.pending = resumed
-            return feeder
         if mode == "pipeline_rl":
             return PipelineFeeder(
                 self.rollouts, source, self.key, k=k, version=lambda: int(self.state.step)
             )
         per_policy = 1 if mode == "sync" else k
         return SyncFeeder(
-            self.rollouts, source, self.key, per_policy=per_policy, round_=int(self.state.step)
+            self.rollouts,
+            source,
+            self.key,
+            per_policy=per_policy,
+            round_=-(-int(self.state.step) // per_policy),  # rounds begun so far
+            pending=resumed,
         )
 
 
