@@ -2,6 +2,7 @@
 on the same workload.
 
     python benchmarks/bench_pipeline.py [--steps 8]
+    python benchmarks/bench_pipeline.py --qwen05b    # on an accelerator
 
 Workload (the peer figure's): a Qwen3-shaped model of ~0.54M parameters (vocab 64, d_model 128,
 2 layers, 4 heads, ffn 512), 64 prompts x 16 samples, 8-token prompts, up to 16-token
@@ -16,7 +17,10 @@ import tempfile
 import time
 from pathlib import Path
 
+import jax
+import jax.numpy as jnp
 import numpy as np
+from bench_model import PEAK_BF16
 
 from jaxrl_scale.config import load_config
 from jaxrl_scale.train import Trainer
@@ -53,8 +57,37 @@ MODES = {
 }
 
 
-def run(mode: str, steps: int) -> dict[str, float]:
-    cfg = load_config(CONFIG, [*WORKLOAD, *MODES[mode], f"train.steps={steps}"])
+# A Qwen2.5-0.5B-shaped random model (bf16, FP32 head) on the arithmetic prompts: for an
+# accelerator. Random weights rarely emit EOS, so completions run to max_new_tokens.
+QWEN05B = [
+    "model.architecture=qwen2",
+    "model.vocab_size=151936",
+    "model.hidden_size=896",
+    "model.intermediate_size=4864",
+    "model.num_layers=24",
+    "model.num_heads=14",
+    "model.num_kv_heads=2",
+    "model.rope_theta=1000000.0",
+    "model.qkv_bias=true",
+    "model.tie_embeddings=true",
+    "model.dtype=bfloat16",
+    "model.lm_head_dtype=float32",
+    "model.logits_chunk_size=512",
+    "train.prompts_per_step=32",
+    "train.group_size=16",
+    "sampler.max_new_tokens=512",
+    "sampler.chunk_size=64",
+    "train.sft_steps=0",
+    "train.eval_every=0",
+    "task.num_eval=8",
+    "train.eval_samples=1",
+    "checkpoint.every=0",
+    "mesh.data=-1",
+]
+
+
+def run(mode: str, steps: int, workload: list[str], train_repeats: int = 0) -> dict[str, float]:
+    cfg = load_config(CONFIG, [*workload, *MODES[mode], f"train.steps={steps}"])
     with tempfile.TemporaryDirectory() as out:
         trainer = Trainer(cfg, out, resume=False)
         stamps: list[float] = []
@@ -66,23 +99,54 @@ def run(mode: str, steps: int) -> dict[str, float]:
 
         trainer.metrics.write = stamped
         rows = trainer.train()
+        train_step = _time_train_step(trainer, train_repeats) if train_repeats else {}
     timed = rows[3:-1]  # skip step 0 (eval), the compile steps 1-2 and the final eval step
     seconds = (stamps[-2] - stamps[2]) / len(timed)
     batch = cfg.train.prompts_per_step * cfg.train.group_size
     return {
         "samples_per_s": batch / seconds,
+        "tokens_per_s": float(np.mean([r["gen_length_mean"] for r in timed])) * batch / seconds,
         "step_s": seconds,
         "idle": float(np.mean([r["trainer_idle_fraction"] for r in timed])),
         "gen_len": float(np.mean([r["gen_length_mean"] for r in timed])),
         "staleness_max": max(r["staleness_max"] for r in rows),
+        **train_step,
     }
+
+
+def _time_train_step(trainer: Trainer, repeats: int) -> dict[str, float]:
+    """The train step alone on one fresh batch: seconds, and model FLOP/s by the analytic count
+    the metrics use (6N + attention per token of every row, prompt included)."""
+    version, params = int(trainer.state.step), trainer.state.params
+    ro = trainer.rollouts(lambda: (version, params), jax.random.key(1))
+    state = jax.tree.map(jnp.copy, trainer.state)
+    state, metrics = trainer.train_step(state, ro.batch)  # warm
+    jax.block_until_ready(metrics)
+    start = time.perf_counter()
+    for _ in range(repeats):
+        state, metrics = trainer.train_step(state, ro.batch)
+    jax.block_until_ready(metrics)
+    seconds = (time.perf_counter() - start) / repeats
+    flops = ro.stats["train_flops"] / seconds
+    peak = PEAK_BF16.get(jax.devices()[0].device_kind)
+    return {"train_step_s": seconds, "train_flops_per_s": flops, "mfu": flops / peak if peak else 0}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument(
+        "--qwen05b",
+        action="store_true",
+        help="a Qwen2.5-0.5B-shaped random model (for an accelerator): step time, tokens/s, "
+        "train-step MFU",
+    )
+    parser.add_argument("--set", action="append", default=[], help="extra config overrides")
     args = parser.parse_args()
-    results = {mode: run(mode, args.steps) for mode in MODES}
+    if args.qwen05b:
+        qwen(args.steps, [*QWEN05B, *args.set])
+        return
+    results = {mode: run(mode, args.steps, [*WORKLOAD, *args.set]) for mode in MODES}
     print("workload: Qwen3-shaped 0.54M params, 64 prompts x 16 samples, 16 new tokens, CISPO")
     print(
         f"{'mode':<13}{'samples/s':>11}{'s/step':>9}{'trainer idle':>14}"
@@ -98,6 +162,28 @@ def main() -> None:
     print(f"ratio pipeline_rl / sync: {ratio:.2f}x")
     best = max(r["samples_per_s"] for r in results.values())
     print(f"best / peer ({PEER_SAMPLES_PER_S:.0f} samples/s): {best / PEER_SAMPLES_PER_S:.2f}x")
+
+
+def qwen(steps: int, workload: list[str]) -> None:
+    device = jax.devices()[0]
+    print(f"device: {device.device_kind} x{jax.device_count()} ({jax.default_backend()})")
+    cfg = load_config(CONFIG, workload)
+    print(
+        f"workload: Qwen2.5-0.5B shape ({cfg.model.num_layers} layers, d {cfg.model.hidden_size},"
+        f" vocab {cfg.model.vocab_size}), random weights, {cfg.model.dtype} + "
+        f"{cfg.model.lm_head_dtype} head; {cfg.train.prompts_per_step} prompts x "
+        f"{cfg.train.group_size}, up to {cfg.sampler.max_new_tokens} new tokens"
+    )
+    print(
+        f"{'mode':<13}{'s/step':>9}{'gen tokens/s':>14}{'train step s':>14}{'TFLOP/s':>9}{'MFU':>7}"
+    )
+    for mode in ("sync", "pipeline_rl"):
+        r = run(mode, steps, workload, train_repeats=3)
+        mfu = f"{r['mfu']:.1%}" if r["mfu"] else "-"
+        print(
+            f"{mode:<13}{r['step_s']:>9.2f}{r['tokens_per_s']:>14,.0f}{r['train_step_s']:>14.3f}"
+            f"{r['train_flops_per_s'] / 1e12:>9.1f}{mfu:>7}"
+        )
 
 
 if __name__ == "__main__":
