@@ -422,7 +422,7 @@ def completion_logprobs(
     h_bnd, _ = model.extend(cache, tokens_bn, positions_bn, mask_bn, length)
     # The prompt's last slot (a real token: prompts are left-padded) predicts completion token
     # 0; completion token n - 1 predicts token n.
-    first_b1d = jnp.repeat(h_pld[:, -1:], g, axis=0).astype(h_bnd.dtype)
+    first_b1d = jnp.repeat(h_pld[:, -1:], g, axis=0)
     return score_targets(
         jnp.concatenate([first_b1d, h_bnd[:, :-1]], axis=1),
         tokens_bn,

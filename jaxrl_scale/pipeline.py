@@ -18,6 +18,7 @@ runs on the trainer's.
 
 from __future__ import annotations
 
+import itertools
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -152,7 +153,7 @@ class LockstepFeeder:
         old = self.source()
         self.source.publish(state.step, state.params)  # the version stays on the device
         new = self.source()
-        calls = iter(range(1, 2**31))
+        calls = itertools.count(1)
         self.pending = [self._produce(lambda: old if next(calls) <= self.swap_after else new)]
 
     def stop(self) -> None:

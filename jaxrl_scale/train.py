@@ -100,15 +100,8 @@ class Trainer:
         self.state_sharding = _state_sharding(state, self.mesh)
         self.state = jax.device_put(state, self.state_sharding)
         two, one = (sharding.batch_sharding(self.mesh, n) for n in (2, 1))
-        self.batch_sharding = Batch(
-            prompt_tokens=two,
-            prompt_mask=two,
-            tokens=two,
-            mask=two,
-            loss_mask=two,
-            behavior_logp=two,
-            adv=one,
-        )
+        rows = [f.name for f in dataclasses.fields(Batch) if f.name != "adv"]  # [B, ...] arrays
+        self.batch_sharding = Batch(**dict.fromkeys(rows, two), adv=one)
         self.train_step = compile_train_step(
             self.graphdef,
             self.tx,
