@@ -65,7 +65,11 @@ class ModelConfig:
     `architecture` fixes the HF naming on export; `qkv_bias` (Qwen2) and `qk_norm` (Qwen3) are the
     switches that actually differ. Parameters are always stored in float32; `dtype` is the compute
     dtype. `lm_head_dtype: float32` runs the vocabulary projection on float32 inputs with float32
-    accumulation (ScaleRL's FP32 head); `bfloat16` is the other arm of that ablation.
+    accumulation at full precision on every backend (ScaleRL's FP32 head); `bfloat16` is the
+    other arm of that ablation. `matmul_precision` is the precision of every other matmul
+    (projections, MLP, attention), the same in the sampler and the trainer: with float32 compute
+    "default" is TF32 on GPUs and one bf16 pass on TPUs, "highest" is true float32 (about 2x the
+    forward's cost, and what removes most of the sampler/trainer log-prob mismatch).
     """
 
     architecture: Literal["qwen2", "qwen3", "llama"] = "qwen2"
@@ -84,10 +88,11 @@ class ModelConfig:
     qk_norm: bool = False
     dtype: DType = "float32"
     lm_head_dtype: DType = "float32"
+    matmul_precision: Literal["default", "high", "highest"] = "default"
     logits_chunk_size: int = 256  # tokens per chunk when computing per-token log-probs
     # A Hugging Face folder (config.json, *.safetensors, tokenizer.json) to start from. Its
-    # config.json fixes the architecture fields above; dtype, lm_head_dtype and
-    # logits_chunk_size still come from here.
+    # config.json fixes the architecture fields above; dtype, lm_head_dtype, matmul_precision
+    # and logits_chunk_size still come from here.
     init_from: str | None = None
 
     def __post_init__(self):
@@ -118,6 +123,13 @@ class ModelConfig:
         _require(self.rope_theta > 0, "model.rope_theta", f"must be > 0, got {self.rope_theta}")
         _require(
             self.rms_norm_eps > 0, "model.rms_norm_eps", f"must be > 0, got {self.rms_norm_eps}"
+        )
+        _require(
+            self.matmul_precision == "default" or self.dtype == "float32",
+            "model.matmul_precision",
+            f"{self.matmul_precision!r} only changes float32 matmuls; with model.dtype="
+            f"{self.dtype} the activations are {self.dtype} whatever the precision (set "
+            "model.dtype=float32 for full-precision activations)",
         )
 
     @property

@@ -5,11 +5,16 @@ log-probs of the sampled tokens under the current policy (`logp_bt`, differentia
 the policy that sampled them (`behavior_logp_bt`), advantages `adv_b` and a mask of the tokens
 that count (completion tokens of kept rows). The loss never sees [B, T, V] logits.
 
-Per-token objective J_bt (maximised; the loss is -aggregate(J)):
+Per-token objective J_bt (maximised; the loss is -sum_bt w_bt J_bt):
   capped IS (CISPO):  sg(min(rho, eps_max)) * A * logp        rho = exp(logp - behavior_logp)
   clip (DAPO, GRPO):  min(rho * A, clip(rho, 1 - eps_low, 1 + eps_high) * A)
   GSPO:               the clip surrogate on the sequence ratio s = exp(mean_t log rho_t),
                       shared by every token of the sequence.
+
+The aggregation is a per-token weight w_bt that depends only on the mask (`aggregation_weights`),
+so the loss is a plain weighted sum: split a batch into micro-batches, give each slice the
+weights of the whole batch, and the slices' losses and gradients add up to the whole batch's
+exactly (`loss_sums` + `combine_sums`), however unevenly zero-variance filtering left them.
 """
 
 from __future__ import annotations
@@ -45,6 +50,41 @@ def _safe_div(num, den):
     return jnp.where(den > 0, num / jnp.where(den > 0, den, 1.0), 0.0)
 
 
+def aggregation_weights(
+    mask_bt, group_size: int, aggregation: Aggregation, *, equal_sequences: bool = False
+):
+    """Per-token weights w_bt >= 0 such that sum(values * w) is ScaleRL's aggregation.
+
+    token:  1 / (counted tokens in the batch).
+    sample: 1 / (the row's counted tokens x rows with tokens).
+    prompt: 1 / (the prompt's counted tokens over its G rows x prompts with tokens); with
+            `equal_sequences` (GSPO, whose objective is per sequence), each row with tokens
+            weighs the same within its prompt: 1 / (row tokens x its prompt's rows with tokens
+            x prompts with tokens).
+    Masked tokens weigh 0; an all-masked batch has all-zero weights.
+    """
+    mask_bt = jnp.asarray(mask_bt, jnp.float32)
+    if aggregation == "token":
+        return _safe_div(mask_bt, jnp.sum(mask_bt))
+    n_b = jnp.sum(mask_bt, axis=1)
+    if aggregation == "sample":
+        row_b = _safe_div(1.0, n_b) / jnp.maximum(jnp.sum(n_b > 0), 1)
+    elif aggregation == "prompt":
+        n_pg = n_b.reshape(-1, group_size)
+        prompts = jnp.maximum(jnp.sum(jnp.sum(n_pg, axis=1) > 0), 1)
+        if equal_sequences:
+            rows_p1 = jnp.sum(n_pg > 0, axis=1, keepdims=True)
+            row_pg = _safe_div(1.0, n_pg * rows_p1)
+        else:
+            row_pg = jnp.broadcast_to(
+                _safe_div(1.0, jnp.sum(n_pg, axis=1, keepdims=True)), n_pg.shape
+            )
+        row_b = row_pg.reshape(-1) / prompts
+    else:
+        raise ValueError(f"aggregation must be 'prompt', 'sample' or 'token', got {aggregation!r}")
+    return mask_bt * row_b[:, None]
+
+
 def aggregate(values_bt, mask_bt, group_size: int, aggregation: Aggregation):
     """Masked mean of per-token values, as ScaleRL defines the three aggregations.
 
@@ -54,18 +94,8 @@ def aggregate(values_bt, mask_bt, group_size: int, aggregation: Aggregation):
             mean over prompts with tokens.
     Masked tokens and empty rows or prompts add nothing to any sum or count; all masked -> 0.
     """
-    vm_bt = values_bt * mask_bt
-    if aggregation == "token":
-        return _safe_div(jnp.sum(vm_bt), jnp.sum(mask_bt))
-    if aggregation == "sample":
-        num_b, den_b = jnp.sum(vm_bt, axis=1), jnp.sum(mask_bt, axis=1)
-    elif aggregation == "prompt":
-        num_b = jnp.sum(vm_bt.reshape(-1, group_size * vm_bt.shape[1]), axis=1)
-        den_b = jnp.sum(mask_bt.reshape(-1, group_size * mask_bt.shape[1]), axis=1)
-    else:
-        raise ValueError(f"aggregation must be 'prompt', 'sample' or 'token', got {aggregation!r}")
-    present = den_b > 0
-    return _safe_div(jnp.sum(_safe_div(num_b, den_b)), jnp.sum(present))
+    weights_bt = aggregation_weights(mask_bt, group_size, aggregation)
+    return jnp.sum(jnp.where(weights_bt > 0, values_bt * weights_bt, 0.0))
 
 
 def _hyper(kind: str, overrides: dict[str, float]) -> dict[str, float]:
@@ -76,6 +106,126 @@ def _hyper(kind: str, overrides: dict[str, float]) -> dict[str, float]:
     if unknown:
         raise ValueError(f"{kind} loss takes {sorted(defaults)}; unknown: {unknown}")
     return {**defaults, **overrides}
+
+
+def loss_weights(mask_bt, group_size: int, kind: str, aggregation: Aggregation):
+    """The aggregation weights `kind` uses: GSPO's objective is per sequence, so under prompt
+    aggregation each of a prompt's sequences weighs the same (the GSPO paper's 1/G), not in
+    proportion to its length."""
+    _hyper(kind, {})
+    equal = KINDS[kind].ratio == "sequence"
+    return aggregation_weights(mask_bt, group_size, aggregation, equal_sequences=equal)
+
+
+def loss_sums(
+    logp_bt,
+    behavior_logp_bt,
+    adv_b,
+    mask_bt,
+    weights_bt,
+    kind: str = "cispo",
+    ref_logp_bt=None,
+    **hyper: float,
+):
+    """The loss of (a slice of) a batch under given aggregation weights, and additive sums.
+
+    With `weights_bt` from the whole batch (`loss_weights`), the losses of its slices add up to
+    the whole batch's loss, and so do their gradients. The sums combine across slices with
+    `combine_sums` (keys ending in _max / _min take the maximum / minimum, the rest add) and
+    become metrics with `metrics_from_sums`.
+    """
+    h = _hyper(kind, hyper)
+    surrogate = KINDS[kind]
+    mask_bt = jnp.asarray(mask_bt, jnp.float32)
+    adv_b1 = jnp.asarray(adv_b, jnp.float32)[:, None]
+    log_rho_bt = logp_bt - behavior_logp_bt
+    n_b1 = jnp.sum(mask_bt, axis=1, keepdims=True)
+    mean_log_rho_b1 = _safe_div(jnp.sum(log_rho_bt * mask_bt, axis=1, keepdims=True), n_b1)
+
+    if surrogate.ratio == "sequence":
+        ratio_bt = jnp.broadcast_to(jnp.exp(mean_log_rho_b1), logp_bt.shape)
+    else:
+        ratio_bt = jnp.exp(log_rho_bt)
+
+    if surrogate.form == "capped_is":
+        weight_bt = jax.lax.stop_gradient(jnp.clip(ratio_bt, 0.0, h["eps_max"]))
+        objective_bt = weight_bt * adv_b1 * logp_bt
+        clipped_bt = ratio_bt > h["eps_max"]
+    else:
+        low, high = 1.0 - h["eps_low"], 1.0 + h["eps_high"]
+        objective_bt = jnp.minimum(ratio_bt * adv_b1, jnp.clip(ratio_bt, low, high) * adv_b1)
+        clipped_bt = ((adv_b1 > 0) & (ratio_bt > high)) | ((adv_b1 < 0) & (ratio_bt < low))
+
+    weighted = lambda x: jnp.sum(jnp.where(weights_bt > 0, x * weights_bt, 0.0))  # noqa: E731
+    loss = -weighted(objective_bt)
+    kl_ref = jnp.zeros(())
+    if h.get("kl_coef", 0.0):
+        if ref_logp_bt is None:
+            raise ValueError("kl_coef > 0 needs ref_logp_bt")
+        delta_bt = ref_logp_bt - logp_bt
+        kl_ref = weighted(jnp.exp(delta_bt) - delta_bt - 1.0)
+        loss = loss + h["kl_coef"] * kl_ref
+
+    counted_bt = mask_bt > 0
+    total = lambda x: jnp.sum(jnp.where(counted_bt, x, 0.0))  # noqa: E731
+    rho_bt = jnp.exp(jax.lax.stop_gradient(log_rho_bt))
+    abs_log_rho_bt = jnp.abs(jax.lax.stop_gradient(log_rho_bt))
+    has_tokens_b = n_b1[:, 0] > 0
+    seq_ratio_b = jnp.exp(jax.lax.stop_gradient(mean_log_rho_b1[:, 0]))
+    sums = {
+        "count": jnp.sum(mask_bt),
+        "clipped": total(clipped_bt.astype(jnp.float32)),
+        "rho": total(rho_bt),
+        "rho_sq": total(rho_bt * rho_bt),
+        "abs_log_rho": total(abs_log_rho_bt),
+        "k3": total(rho_bt - 1.0 - jax.lax.stop_gradient(log_rho_bt)),
+        "kl_ref": jax.lax.stop_gradient(kl_ref),
+        "rho_max": jnp.max(jnp.where(counted_bt, rho_bt, 0.0)),
+        "abs_log_rho_max": jnp.max(jnp.where(counted_bt, abs_log_rho_bt, 0.0)),
+        "seq_ratio_max": jnp.max(jnp.where(has_tokens_b, seq_ratio_b, 0.0)),
+        "seq_ratio_min": jnp.min(jnp.where(has_tokens_b, seq_ratio_b, jnp.inf)),
+    }
+    return loss, sums
+
+
+def combine_sums(a: dict, b: dict) -> dict:
+    """Two slices' `loss_sums` as one: maxima stay maxima, minima minima, the rest add."""
+
+    def one(key):
+        if key.endswith("_max"):
+            return jnp.maximum(a[key], b[key])
+        if key.endswith("_min"):
+            return jnp.minimum(a[key], b[key])
+        return a[key] + b[key]
+
+    return {key: one(key) for key in a}
+
+
+def metrics_from_sums(sums: dict) -> dict:
+    """Diagnostics over the counted tokens:
+    clip_fraction: capped (CISPO) or outside the band in the advantage's direction (clip forms);
+    rho_mean, rho_max: importance ratios pi_theta / pi_behaviour;
+    mismatch, mismatch_max: mean and max |log pi_theta - log pi_behaviour| (sampler vs trainer);
+    ess_fraction: effective sample size of the ratios as a fraction of the tokens,
+      (sum rho)^2 / (n sum rho^2), 1 when every ratio is equal;
+    seq_ratio_min, seq_ratio_max: range of the per-sequence geometric-mean ratios
+      exp(mean_t log rho_t) (GSPO's sequence ratio);
+    approx_kl: k3 estimate of KL(behaviour || current); kept_tokens; kl_ref (GRPO's penalty)."""
+    count = sums["count"]
+    has_rows = jnp.isfinite(sums["seq_ratio_min"])
+    return {
+        "clip_fraction": _safe_div(sums["clipped"], count),
+        "rho_mean": _safe_div(sums["rho"], count),
+        "rho_max": sums["rho_max"],
+        "mismatch": _safe_div(sums["abs_log_rho"], count),
+        "mismatch_max": sums["abs_log_rho_max"],
+        "ess_fraction": _safe_div(sums["rho"] ** 2, count * sums["rho_sq"]),
+        "seq_ratio_min": jnp.where(has_rows, sums["seq_ratio_min"], 0.0),
+        "seq_ratio_max": sums["seq_ratio_max"],
+        "approx_kl": _safe_div(sums["k3"], count),
+        "kept_tokens": count,
+        "kl_ref": sums["kl_ref"],
+    }
 
 
 def policy_loss(
@@ -99,59 +249,19 @@ def policy_loss(
       group_size: G; B must be a multiple of it.
       kind: "cispo" (eps_max 5), "dapo" (eps_low 0.2, eps_high 0.28), "gspo" (eps_low 3e-4,
         eps_high 4e-4) or "grpo" (eps_low = eps_high = 0.2, kl_coef 0); override via `hyper`.
-      aggregation: "prompt", "sample" or "token" (see `aggregate`).
+      aggregation: "prompt", "sample" or "token" (see `aggregation_weights`; GSPO weighs a
+        prompt's sequences equally).
       ref_logp_bt: reference-policy log-probs for GRPO's k3 KL penalty (needs kl_coef > 0).
 
     Returns:
-      (loss, metrics): scalar loss; metrics of the counted tokens: clip_fraction (capped, for
-      CISPO; outside the band in the advantage's direction, for clip forms), rho_mean, rho_max,
-      mismatch (mean |log rho|), approx_kl (k3 of behaviour vs current), kept_tokens, kl_ref.
+      (loss, metrics): scalar loss; metrics as `metrics_from_sums` describes.
     """
-    h = _hyper(kind, hyper)
-    surrogate = KINDS[kind]
-    mask_bt = jnp.asarray(mask_bt, jnp.float32)
-    adv_b1 = jnp.asarray(adv_b, jnp.float32)[:, None]
-    log_rho_bt = logp_bt - behavior_logp_bt
     if logp_bt.shape[0] % group_size:
         raise ValueError(
             f"batch of {logp_bt.shape[0]} rows does not split into groups of {group_size}"
         )
-
-    if surrogate.ratio == "sequence":
-        n_b1 = jnp.sum(mask_bt, axis=1, keepdims=True)
-        mean_log_rho_b1 = _safe_div(jnp.sum(log_rho_bt * mask_bt, axis=1, keepdims=True), n_b1)
-        ratio_bt = jnp.broadcast_to(jnp.exp(mean_log_rho_b1), logp_bt.shape)
-    else:
-        ratio_bt = jnp.exp(log_rho_bt)
-
-    if surrogate.form == "capped_is":
-        weight_bt = jax.lax.stop_gradient(jnp.clip(ratio_bt, 0.0, h["eps_max"]))
-        objective_bt = weight_bt * adv_b1 * logp_bt
-        clipped_bt = ratio_bt > h["eps_max"]
-    else:
-        low, high = 1.0 - h["eps_low"], 1.0 + h["eps_high"]
-        objective_bt = jnp.minimum(ratio_bt * adv_b1, jnp.clip(ratio_bt, low, high) * adv_b1)
-        clipped_bt = ((adv_b1 > 0) & (ratio_bt > high)) | ((adv_b1 < 0) & (ratio_bt < low))
-
-    loss = -aggregate(objective_bt, mask_bt, group_size, aggregation)
-    kl_ref = jnp.zeros(())
-    if h.get("kl_coef", 0.0):
-        if ref_logp_bt is None:
-            raise ValueError("kl_coef > 0 needs ref_logp_bt")
-        delta_bt = ref_logp_bt - logp_bt
-        kl_ref = aggregate(jnp.exp(delta_bt) - delta_bt - 1.0, mask_bt, group_size, aggregation)
-        loss = loss + h["kl_coef"] * kl_ref
-
-    count = jnp.sum(mask_bt)
-    token_mean = lambda x: _safe_div(jnp.sum(x * mask_bt), count)  # noqa: E731
-    rho_bt = jnp.exp(log_rho_bt)
-    metrics = {
-        "clip_fraction": token_mean(clipped_bt.astype(jnp.float32)),
-        "rho_mean": token_mean(rho_bt),
-        "rho_max": jnp.max(jnp.where(mask_bt > 0, rho_bt, 0.0)),
-        "mismatch": token_mean(jnp.abs(log_rho_bt)),
-        "approx_kl": token_mean(rho_bt - 1.0 - log_rho_bt),
-        "kept_tokens": count,
-        "kl_ref": kl_ref,
-    }
-    return loss, jax.tree.map(jax.lax.stop_gradient, metrics)
+    weights_bt = loss_weights(mask_bt, group_size, kind, aggregation)
+    loss, sums = loss_sums(
+        logp_bt, behavior_logp_bt, adv_b, mask_bt, weights_bt, kind, ref_logp_bt, **hyper
+    )
+    return loss, metrics_from_sums(sums)

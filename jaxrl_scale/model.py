@@ -17,6 +17,15 @@ from flax import nnx
 from jaxrl_scale.config import ModelConfig, RopeScalingConfig
 
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+# model.matmul_precision -> the precision every matmul of the forward pass asks XLA for. On CPU
+# every float32 matmul is exact; on GPUs the default for float32 is TF32 and on TPUs one bf16
+# pass; HIGH is 3 bf16 passes (TPU) and HIGHEST is full float32 (6 passes on a TPU). "default"
+# leaves the choice to jax's `jax_default_matmul_precision`.
+PRECISIONS = {
+    "default": None,
+    "high": jax.lax.Precision.HIGH,
+    "highest": jax.lax.Precision.HIGHEST,
+}
 
 
 INIT_STD = 0.02  # normal init of every matrix, as the HF families use
@@ -39,7 +48,7 @@ def _zeros(shape: tuple[int, ...], axes: tuple[str | None, ...]):
 # --------------------------------------------------------------------------- pieces
 
 
-def dense(x, kernel, n_in: int = 1):
+def dense(x, kernel, n_in: int = 1, precision=None):
     """x [..., in] @ kernel [*in_dims (n_in of them), *out_dims] -> [..., *out_dims].
 
     Written as one 2-D matmul over flattened leading axes: XLA's CPU backend runs the backward
@@ -49,7 +58,7 @@ def dense(x, kernel, n_in: int = 1):
     lead = x.shape[: x.ndim - n_in]
     x2 = x.reshape(math.prod(lead), math.prod(in_shape))
     k2 = kernel.reshape(math.prod(in_shape), math.prod(out_shape))
-    return (x2 @ k2).reshape(*lead, *out_shape)
+    return jnp.matmul(x2, k2, precision=precision).reshape(*lead, *out_shape)
 
 
 def rms_norm(x, weight, eps: float, out_dtype):
@@ -98,13 +107,17 @@ def default_positions(mask_bt):
 
 
 def head_logits(h_xd, kernel_dv, head_dtype: str):
-    """LM head -> float32 logits. float32: float32 inputs and accumulation (ScaleRL's FP32 head);
+    """LM head -> float32 logits. float32: float32 inputs, float32 accumulation and HIGHEST
+    precision, so the product is float32 on every backend (ScaleRL's FP32 head; DEFAULT would be
+    TF32 on GPUs and a single bf16 pass on TPUs, whatever `model.matmul_precision` says);
     bfloat16: a bf16 matmul with bf16 output, cast afterwards (the ablation's other arm)."""
     dtype = _DTYPES[head_dtype]
+    precision = jax.lax.Precision.HIGHEST if head_dtype == "float32" else None
     lead = h_xd.shape[:-1]
     logits = jnp.dot(
         h_xd.reshape(-1, h_xd.shape[-1]).astype(dtype),
         kernel_dv.astype(dtype),
+        precision=precision,
         preferred_element_type=dtype,
     ).reshape(*lead, kernel_dv.shape[-1])
     return logits.astype(jnp.float32)
@@ -135,9 +148,10 @@ class Attention(nnx.Module):
         (mask_bts is then [B, T, S]); returns (out, updated kv), kv None without a cache."""
         cfg = self.cfg
         dtype = x_btd.dtype
+        precision = PRECISIONS[cfg.matmul_precision]
 
         def project(kernel_dhe, bias_name):
-            y_bthe = dense(x_btd, kernel_dhe[...].astype(dtype))
+            y_bthe = dense(x_btd, kernel_dhe[...].astype(dtype), precision=precision)
             if cfg.qkv_bias:
                 y_bthe = y_bthe + getattr(self, bias_name)[...].astype(dtype)
             return y_bthe
@@ -158,11 +172,13 @@ class Attention(nnx.Module):
                 for cache, new in zip(kv, (k_bkte, v_bkte), strict=True)
             )
             k_bkte, v_bkte = (c.astype(dtype) for c in kv)
-        out_bthe = attend(q_bthe, k_bkte, v_bkte, mask_bts, scale=cfg.resolved_head_dim**-0.5)
-        return dense(out_bthe, self.o_kernel[...].astype(dtype), n_in=2), kv
+        out_bthe = attend(
+            q_bthe, k_bkte, v_bkte, mask_bts, scale=cfg.resolved_head_dim**-0.5, precision=precision
+        )
+        return dense(out_bthe, self.o_kernel[...].astype(dtype), n_in=2, precision=precision), kv
 
 
-def attend(q_bthe, k_bkse, v_bkse, mask_bts, *, scale: float):
+def attend(q_bthe, k_bkse, v_bkse, mask_bts, *, scale: float, precision=None):
     """Grouped-query attention: query head h reads kv head h // (H / K). Keys and values are
     heads-major [B, K, S, E] (the cache's layout: a decode step reads each head's slots
     contiguously, which XLA's CPU backend runs ~3x faster than [B, S, K, E]). Scores and
@@ -170,10 +186,16 @@ def attend(q_bthe, k_bkse, v_bkse, mask_bts, *, scale: float):
     b, t, h, e = q_bthe.shape
     k = k_bkse.shape[1]
     q_bkgte = q_bthe.reshape(b, t, k, h // k, e).transpose(0, 2, 3, 1, 4)
-    scores = jnp.einsum("bkgte,bkse->bkgts", q_bkgte, k_bkse, preferred_element_type=jnp.float32)
+    scores = jnp.einsum(
+        "bkgte,bkse->bkgts",
+        q_bkgte,
+        k_bkse,
+        precision=precision,
+        preferred_element_type=jnp.float32,
+    )
     scores = jnp.where(mask_bts[:, None, None], scores * scale, jnp.finfo(jnp.float32).min)
     probs = jax.nn.softmax(scores, axis=-1).astype(v_bkse.dtype)
-    out_bkgte = jnp.einsum("bkgts,bkse->bkgte", probs, v_bkse)
+    out_bkgte = jnp.einsum("bkgts,bkse->bkgte", probs, v_bkse, precision=precision)
     return out_bkgte.transpose(0, 3, 1, 2, 4).reshape(b, t, h, e)
 
 
@@ -182,15 +204,16 @@ class MLP(nnx.Module):
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
         d, f = cfg.hidden_size, cfg.intermediate_size
+        self.precision = PRECISIONS[cfg.matmul_precision]
         self.gate_kernel = _param(rngs, (d, f), ("embed", "mlp"))
         self.up_kernel = _param(rngs, (d, f), ("embed", "mlp"))
         self.down_kernel = _param(rngs, (f, d), ("mlp", "embed"))
 
     def __call__(self, x_btd):
-        dtype = x_btd.dtype
-        gate = jax.nn.silu(dense(x_btd, self.gate_kernel[...].astype(dtype)))
-        up = dense(x_btd, self.up_kernel[...].astype(dtype))
-        return dense(gate * up, self.down_kernel[...].astype(dtype))
+        dtype, precision = x_btd.dtype, self.precision
+        gate = jax.nn.silu(dense(x_btd, self.gate_kernel[...].astype(dtype), precision=precision))
+        up = dense(x_btd, self.up_kernel[...].astype(dtype), precision=precision)
+        return dense(gate * up, self.down_kernel[...].astype(dtype), precision=precision)
 
 
 class Block(nnx.Module):

@@ -24,7 +24,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from jaxrl_scale.model import KVCache, Policy, head_logits
+from jaxrl_scale.model import KVCache, Policy
 from jaxrl_scale.sharding import LOGICAL_RULES, state_shardings
 
 FINISH_REASONS = ("eos", "length", "interrupted")
@@ -212,7 +212,7 @@ def _decode_step(
     model: Policy, s: DecodeState, version, *, sampling, eos_ids, pad_id, interruption, prompt_len
 ):
     n_new = s.tokens.shape[1]
-    logits_bv = head_logits(s.h_bd, model.head_kernel(), model.cfg.lm_head_dtype)
+    logits_bv = model.logits(s.h_bd)
     sampled_b, logp_b = sample_token(logits_bv, jax.random.fold_in(s.key, s.step), sampling)
     active = ~s.done
     forcing = active & (s.phase == FORCING)

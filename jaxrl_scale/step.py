@@ -14,7 +14,7 @@ import optax
 from flax import nnx
 
 from jaxrl_scale.config import LossConfig, TrainConfig
-from jaxrl_scale.losses import policy_loss
+from jaxrl_scale.losses import combine_sums, loss_sums, loss_weights, metrics_from_sums
 from jaxrl_scale.model import completion_logprobs, token_logprobs
 
 
@@ -89,8 +89,19 @@ def init_train_state(
 
 
 def _rl_loss(
-    params, ref_params, batch: Batch, *, graphdef, group_size, loss_cfg: LossConfig, temperature
+    params,
+    ref_params,
+    batch: Batch,
+    weights_bt,
+    *,
+    graphdef,
+    group_size,
+    loss_cfg: LossConfig,
+    temperature,
 ):
+    """The loss of a slice of whole prompt groups under the whole batch's token weights, and
+    its additive sums (losses.loss_sums)."""
+
     def logprobs(p):
         return completion_logprobs(
             nnx.merge(graphdef, p),
@@ -102,22 +113,21 @@ def _rl_loss(
         )
 
     ref_logp = None if ref_params is None else jax.lax.stop_gradient(logprobs(ref_params))
-    return policy_loss(
+    return loss_sums(
         logprobs(params),
         batch.behavior_logp,
         batch.adv,
         batch.loss_mask,
-        group_size,
-        kind=loss_cfg.kind,
-        aggregation=loss_cfg.aggregation,
-        ref_logp_bt=ref_logp,
+        weights_bt,
+        loss_cfg.kind,
+        ref_logp,
         **loss_cfg.hyper(),
     )
 
 
-def _micro(batch: Batch, m: int) -> Batch:
+def _micro(tree, m: int):
     """[B, ...] -> [m, B / m, ...]; slices hold whole prompt groups (B / m is a multiple of G)."""
-    return jax.tree.map(lambda x: x.reshape(m, x.shape[0] // m, *x.shape[1:]), batch)
+    return jax.tree.map(lambda x: x.reshape(m, x.shape[0] // m, *x.shape[1:]), tree)
 
 
 def train_step(
@@ -132,7 +142,12 @@ def train_step(
     micro_batches: int = 1,
 ):
     """One optimizer step on the RL loss. A non-finite loss or gradient leaves the parameters
-    and optimizer state unchanged and counts the skip (metrics["skipped"])."""
+    and optimizer state unchanged and counts the skip (metrics["skipped"]).
+
+    With `micro_batches` = m, the batch runs as m slices of whole prompt groups (memory / m),
+    each under the token weights of the whole batch (losses.loss_weights), so the summed
+    slice losses and gradients equal the whole batch's whatever filtering left in each slice.
+    """
     loss_fn = functools.partial(
         _rl_loss,
         graphdef=graphdef,
@@ -141,25 +156,35 @@ def train_step(
         temperature=temperature,
     )
     grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
+    weights_bt = loss_weights(batch.loss_mask, group_size, loss_cfg.kind, loss_cfg.aggregation)
     if micro_batches == 1:
-        (loss, metrics), grads = grad_fn(state.params, state.ref_params, batch)
-    else:  # gradient accumulation: the mean of per-slice gradients
+        (loss, sums), grads = grad_fn(state.params, state.ref_params, batch, weights_bt)
+    else:  # gradient accumulation: the slices' unnormalised contributions add up
 
         def accumulate(carry, micro):
-            (loss, metrics), grads = grad_fn(state.params, state.ref_params, micro)
-            return jax.tree.map(jnp.add, carry, (loss, metrics, grads)), None
+            (loss, sums), grads = grad_fn(state.params, state.ref_params, *micro)
+            c_loss, c_sums, c_grads = carry
+            return (
+                c_loss + loss,
+                combine_sums(c_sums, sums),
+                jax.tree.map(jnp.add, c_grads, grads),
+            ), None
 
-        zeros = jax.eval_shape(
-            grad_fn,
-            state.params,
-            state.ref_params,
-            jax.tree.map(lambda x: x[0], _micro(batch, micro_batches)),
+        slices = _micro((batch, weights_bt), micro_batches)
+        (loss, sums), grads = jax.eval_shape(
+            grad_fn, state.params, state.ref_params, *jax.tree.map(lambda x: x[0], slices)
         )
-        zeros = jax.tree.map(
-            lambda s: jnp.zeros(s.shape, s.dtype), (zeros[0][0], zeros[0][1], zeros[1])
+        identity = lambda key, s: jnp.full(  # noqa: E731
+            s.shape,
+            -jnp.inf if key.endswith("_max") else jnp.inf if key.endswith("_min") else 0,
+            s.dtype,
         )
-        total, _ = jax.lax.scan(accumulate, zeros, _micro(batch, micro_batches))
-        loss, metrics, grads = jax.tree.map(lambda x: x / micro_batches, total)
+        zeros = (
+            jnp.zeros(loss.shape, loss.dtype),
+            {key: identity(key, s) for key, s in sums.items()},
+            jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), grads),
+        )
+        (loss, sums, grads), _ = jax.lax.scan(accumulate, zeros, slices)
     grad_norm = optax.tree.norm(grads)
     finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
     updates, opt_state = tx.update(grads, state.opt_state, state.params)
@@ -173,7 +198,7 @@ def train_step(
         ref_params=state.ref_params,
     )
     metrics = {
-        **metrics,
+        **metrics_from_sums(sums),
         "loss": loss,
         "grad_norm": grad_norm,
         "skipped": 1 - finite.astype(jnp.int32),

@@ -67,6 +67,7 @@ class Trainer:
                 mesh=mesh,
                 dtype=cfg.model.dtype,
                 lm_head_dtype=cfg.model.lm_head_dtype,
+                matmul_precision=cfg.model.matmul_precision,
                 logits_chunk_size=cfg.model.logits_chunk_size,
             )
             model_cfg = dataclasses.replace(model.cfg, init_from=cfg.model.init_from)

@@ -7,7 +7,14 @@ import pytest
 
 from jaxrl_scale import sharding
 from jaxrl_scale.config import MeshConfig
-from jaxrl_scale.losses import aggregate, policy_loss
+from jaxrl_scale.losses import (
+    aggregate,
+    combine_sums,
+    loss_sums,
+    loss_weights,
+    metrics_from_sums,
+    policy_loss,
+)
 
 LN2, LN8 = math.log(2.0), math.log(8.0)
 
@@ -84,6 +91,74 @@ def test_gspo_sequence_ratio_by_hand():
     loss, m = _loss("gspo", "sample")
     assert float(loss) == pytest.approx(-2.0012 / 3, abs=1e-6)
     assert float(m["clip_fraction"]) == pytest.approx(3 / 6)  # rows 0 and 2 clipped
+
+
+def test_gspo_prompt_aggregation_weighs_a_prompts_sequences_equally_by_hand():
+    # Sequence objectives (as above): row 0 1.0004, row 1 -1, row 2 2.0008; row 3 has no tokens.
+    # GSPO's 1/G per group: prompt 0 (1.0004 - 1) / 2 = 0.0002, prompt 1 2.0008 (its only row
+    # with tokens) -> mean 1.0005. Token weighting would give (2 * 1.0004 - 3) / 5 for prompt 0.
+    loss, _ = _loss("gspo", "prompt")
+    assert float(loss) == pytest.approx(-1.0005, abs=1e-6)
+
+
+def test_mismatch_telemetry_by_hand():
+    # Counted ratios [1, 2, 1, 1, 1, 8]: |log rho| max ln 8; ESS (14)^2 / (6 * 72) = 196 / 432;
+    # per-sequence geometric means sqrt(2), 1, 8 (row 3 has no tokens): range [1, 8].
+    _, m = _loss("cispo")
+    assert float(m["mismatch_max"]) == pytest.approx(LN8, rel=1e-6)
+    assert float(m["ess_fraction"]) == pytest.approx(196 / 432, rel=1e-6)
+    assert float(m["seq_ratio_min"]) == pytest.approx(1.0, rel=1e-6)
+    assert float(m["seq_ratio_max"]) == pytest.approx(8.0, rel=1e-5)
+    _, on_policy = policy_loss(LOGP, LOGP, ADV, MASK, 2)
+    assert float(on_policy["ess_fraction"]) == pytest.approx(1.0)
+    assert float(on_policy["mismatch_max"]) == 0.0
+
+
+@pytest.mark.parametrize("kind", ["cispo", "dapo", "gspo", "grpo"])
+@pytest.mark.parametrize("aggregation", ["prompt", "sample", "token"])
+def test_slices_with_whole_batch_weights_add_up_to_the_whole_batch(kind, aggregation):
+    """Micro-batching: zero-variance groups leave the slices uneven (slice 0 keeps one prompt,
+    slice 1 three); with the whole batch's weights their losses, gradients and metrics
+    combine into exactly the whole batch's."""
+    rng = np.random.default_rng(1)
+    g, b, t = 2, 16, 5
+    logp = rng.normal(-2, 0.5, (b, t)).astype(np.float32)
+    behaviour = (logp + rng.normal(0, 0.3, (b, t))).astype(np.float32)
+    ref = (logp + rng.normal(0, 0.2, (b, t))).astype(np.float32)
+    adv = rng.normal(size=b).astype(np.float32)
+    mask = (rng.random((b, t)) < 0.7).astype(np.float32)
+    mask[0:6] = 0.0  # prompts 0-2 filtered out: slice 0 (rows 0-7) keeps prompt 3 only
+    hyper = {"kl_coef": 0.1} if kind == "grpo" else {}
+    ref_of = lambda s: ref[s] if kind == "grpo" else None  # noqa: E731
+
+    def whole(lp):
+        return policy_loss(lp, behaviour, adv, mask, g, kind, aggregation, ref_of(...), **hyper)
+
+    (want, want_metrics), want_grad = jax.value_and_grad(whole, has_aux=True)(jnp.asarray(logp))
+    weights = loss_weights(mask, g, kind, aggregation)
+    halves = (slice(0, 8), slice(8, 16))
+
+    def sliced(lp):
+        parts = [
+            loss_sums(lp[s], behaviour[s], adv[s], mask[s], weights[s], kind, ref_of(s), **hyper)
+            for s in halves
+        ]
+        return parts[0][0] + parts[1][0], combine_sums(parts[0][1], parts[1][1])
+
+    (got, sums), got_grad = jax.value_and_grad(sliced, has_aux=True)(jnp.asarray(logp))
+    np.testing.assert_allclose(got, want, rtol=1e-6)
+    np.testing.assert_allclose(got_grad, want_grad, rtol=1e-5, atol=1e-8)
+    got_metrics = metrics_from_sums(sums)
+    for key, value in want_metrics.items():
+        np.testing.assert_allclose(got_metrics[key], value, rtol=1e-5, err_msg=key)
+    # The old way, a mean of per-slice normalised losses, weighs the lone prompt differently.
+    per_slice = [
+        policy_loss(
+            logp[s], behaviour[s], adv[s], mask[s], g, kind, aggregation, ref_of(s), **hyper
+        )
+        for s in halves
+    ]
+    assert abs(float(np.mean([loss for loss, _ in per_slice])) - float(want)) > 1e-3
 
 
 def test_grpo_k3_kl_penalty_by_hand():

@@ -207,3 +207,113 @@ def test_fp32_head_is_float32_accurate_and_bf16_head_is_not(tiny_model_config):
         errors[head] = np.abs(np.asarray(logits) - exact).max()
     assert errors["float32"] < 1e-5
     assert errors["bfloat16"] > 100 * errors["float32"]
+
+
+def _dots(hlo: str) -> list[str]:
+    """The dot_general lines of a lowered StableHLO program."""
+    return [line for line in hlo.splitlines() if "stablehlo.dot_general" in line]
+
+
+def _head_dots(hlo: str, vocab: int) -> list[str]:
+    """dot_generals producing [..., V] logits (the vocabulary head)."""
+    return [d for d in _dots(hlo) if f"x{vocab}x" in d.split("->")[-1]]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_fp32_head_requests_full_precision_in_the_lowered_program(tiny_model_config, dtype):
+    """On GPUs DEFAULT float32 is TF32 and on TPUs one bf16 pass; only an explicit HIGHEST
+    (read here from the program XLA receives) keeps the FP32 head float32 on every backend."""
+    vocab = 96  # a size no other matmul in the model has
+    for head in ("float32", "bfloat16"):
+        cfg = dataclasses.replace(
+            tiny_model_config, dtype=dtype, lm_head_dtype=head, vocab_size=vocab
+        )
+        graphdef, params = nnx.split(init_policy(cfg))
+        tokens = jnp.ones((2, 8), jnp.int32)
+        hlo = (
+            jax.jit(lambda p, t: token_logprobs(nnx.merge(graphdef, p), t))  # noqa: B023
+            .lower(params, tokens)
+            .as_text()
+        )
+        heads = _head_dots(hlo, vocab)
+        assert heads, hlo
+        for line in heads:
+            operands = line.split(":")[-1].split("->")[0]
+            if head == "float32":
+                assert "precision = [HIGHEST, HIGHEST]" in line, line
+                assert "bf16" not in operands, line
+            else:
+                assert "HIGHEST" not in line and operands.count("bf16") == 2, line
+
+
+def test_matmul_precision_reaches_every_matmul_of_sampler_and_trainer(tiny_model_config):
+    """model.matmul_precision is applied identically in the decode step and the train step."""
+    import optax
+
+    from jaxrl_scale.config import LossConfig
+    from jaxrl_scale.sampler import Sampling, decode, prefill
+    from jaxrl_scale.step import Batch, compile_train_step, init_train_state
+
+    counts = {}
+    for precision in ("default", "highest"):
+        cfg = dataclasses.replace(tiny_model_config, matmul_precision=precision)
+        graphdef, params = nnx.split(init_policy(cfg))
+        tokens, mask = jnp.ones((2, 4), jnp.int32), jnp.ones((2, 4), bool)
+        state = prefill(
+            graphdef,
+            params,
+            tokens,
+            mask,
+            jax.random.key(0),
+            n_new=3,
+            interruption=None,
+            mesh=None,
+            repeat=2,
+        )
+        decode_hlo = decode.lower(
+            graphdef,
+            params,
+            state,
+            0,
+            3,
+            sampling=Sampling(),
+            eos_ids=(),
+            pad_id=0,
+            interruption=None,
+            prompt_len=4,
+        ).as_text()
+        tx = optax.sgd(0.1)
+        b = 4
+        batch = Batch(
+            prompt_tokens=jnp.ones((b, 4), jnp.int32),
+            prompt_mask=jnp.ones((b, 4), bool),
+            tokens=jnp.ones((b, 3), jnp.int32),
+            mask=jnp.ones((b, 3), bool),
+            loss_mask=jnp.ones((b, 3), jnp.float32),
+            behavior_logp=jnp.zeros((b, 3)),
+            adv=jnp.ones((b,)),
+        )
+        step = compile_train_step(
+            graphdef, tx, group_size=2, loss_cfg=LossConfig(), temperature=1.0
+        )
+        train_hlo = step.lower(init_train_state(params, tx), batch).as_text()
+        for name, hlo in (("decode", decode_hlo), ("train", train_hlo)):
+            dots = _dots(hlo)
+            assert dots
+            counts[precision, name] = (
+                sum("precision = [HIGHEST, HIGHEST]" in d for d in dots),
+                len(dots),
+            )
+    for name in ("decode", "train"):
+        highest, total = counts["highest", name]
+        assert highest == total, (name, counts)
+        default_highest, default_total = counts["default", name]
+        assert default_total == total
+        assert 0 < default_highest < total  # only the FP32 head asks for HIGHEST by default
+
+
+def test_matmul_precision_needs_float32_compute():
+    from jaxrl_scale.config import ConfigError, ModelConfig
+
+    with pytest.raises(ConfigError, match="model.matmul_precision"):
+        ModelConfig(dtype="bfloat16", matmul_precision="highest")
