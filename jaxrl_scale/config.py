@@ -199,16 +199,36 @@ class TaskConfig:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class InterruptionConfig:
-    """ScaleRL's forced length interruption (see sampler.Interruption)."""
+    """ScaleRL's forced length interruption (see sampler.Interruption): a row still thinking
+    after a budget drawn from [think_min, think_max] tokens gets `text` inserted and answers
+    within `answer_budget` tokens. A row that samples `think_end` itself has closed its
+    thinking and is never interrupted (null: no marker, every token counts as thinking)."""
 
     text: str
     think_min: int
     think_max: int
     answer_budget: int
+    think_end: str | None = "</think>"
+
+    def __post_init__(self):
+        key = "sampler.interruption"
+        _require(bool(self.text), f"{key}.text", "must not be empty")
+        _require(
+            1 <= self.think_min <= self.think_max,
+            f"{key}.think_min",
+            f"need 1 <= think_min <= think_max, got {self.think_min}, {self.think_max}",
+        )
+        _require(self.answer_budget >= 1, f"{key}.answer_budget", "must be >= 1")
+        _require(self.think_end is None or bool(self.think_end), f"{key}.think_end", "empty")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class SamplerConfig:
+    """How the generator samples for RL. `top_p` / `top_k` exist to be refused with the reason:
+    the trainer's log-probs are over the full softmax, the sampler's over the truncated one, so
+    every importance ratio of a truncated sampler is biased below 1 (generate() still offers
+    truncation for evaluation and inference)."""
+
     max_new_tokens: int = 8
     temperature: float = 1.0
     top_p: float = 1.0
@@ -219,9 +239,23 @@ class SamplerConfig:
     def __post_init__(self):
         _require(self.max_new_tokens >= 1, "sampler.max_new_tokens", "must be >= 1")
         _require(self.temperature > 0, "sampler.temperature", "must be > 0 for RL sampling")
-        _require(0 < self.top_p <= 1, "sampler.top_p", f"must be in (0, 1], got {self.top_p}")
-        _require(self.top_k >= 0, "sampler.top_k", "must be >= 0")
+        truncation = (
+            "RL samples from the full distribution: the trainer computes log-probs over the "
+            "full softmax, so a truncated sampler's importance ratios are biased (rho <= 1 on "
+            "every token)"
+        )
+        _require(self.top_p == 1, "sampler.top_p", f"must be 1.0, got {self.top_p}: {truncation}")
+        _require(self.top_k == 0, "sampler.top_k", f"must be 0, got {self.top_k}: {truncation}")
         _require(self.chunk_size >= 0, "sampler.chunk_size", "must be >= 0")
+        if self.interruption is not None:
+            i = self.interruption
+            # The text is at least one token; the trainer re-checks with its tokenized length.
+            _require(
+                i.think_max + 1 + i.answer_budget <= self.max_new_tokens,
+                "sampler.max_new_tokens",
+                f"{self.max_new_tokens} cannot hold interruption.think_max ({i.think_max}) + "
+                f"the interruption text + answer_budget ({i.answer_budget})",
+            )
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -29,7 +29,10 @@ from jaxrl_scale.sharding import LOGICAL_RULES, state_shardings
 
 FINISH_REASONS = ("eos", "length", "interrupted")
 EOS, LENGTH, INTERRUPTED = range(3)
-THINKING, FORCING, ANSWERING = range(3)
+# A row thinks until it closes its thinking itself (-> CLOSED: it answers freely, no budget) or
+# runs over its thinking budget (-> FORCING the interruption text -> ANSWERING within the
+# answer budget; such a row finishes "interrupted").
+THINKING, FORCING, ANSWERING, CLOSED = range(4)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,12 +56,18 @@ class Sampling:
 class Interruption:
     """ScaleRL's forced length interruption: after a thinking budget drawn uniformly from
     [think_min, think_max] tokens without EOS, `token_ids` (e.g. "Okay, time is up. ...
-    </think>") are inserted and the row may answer for `answer_budget` more tokens."""
+    </think>") are inserted and the row may answer for `answer_budget` more tokens.
+
+    The budget is on thinking only: a row that samples `think_end_ids` (the ids of "</think>")
+    itself has closed its thinking and is never interrupted afterwards; it answers until EOS or
+    the length limit. Matching is on token ids, exact for a marker the tokenizer keeps as one
+    special token (Qwen3's </think>); () turns the check off."""
 
     token_ids: tuple[int, ...]
     think_min: int
     think_max: int
     answer_budget: int
+    think_end_ids: tuple[int, ...] = ()
 
     def __post_init__(self):
         if not self.token_ids:
@@ -111,8 +120,9 @@ class DecodeState:
     position: jax.Array  # [B] position of the next token
     done: jax.Array  # [B]
     finish: jax.Array  # [B]
-    phase: jax.Array  # [B] THINKING / FORCING / ANSWERING
-    counts: jax.Array  # [B, 3] tokens emitted in each phase
+    phase: jax.Array  # [B] THINKING / FORCING / ANSWERING / CLOSED
+    counts: jax.Array  # [B, 4] tokens emitted in each phase
+    matched: jax.Array  # [B] leading tokens of the think-end marker just sampled
     think_budget: jax.Array  # [B]
     key: jax.Array
 
@@ -202,7 +212,8 @@ def prefill(
         done=jnp.zeros((b,), jnp.bool_),
         finish=jnp.full((b,), LENGTH, jnp.int32),
         phase=jnp.full((b,), THINKING, jnp.int32),
-        counts=jnp.zeros((b, 3), jnp.int32),
+        counts=jnp.zeros((b, 4), jnp.int32),
+        matched=jnp.zeros((b,), jnp.int32),
         think_budget=think_budget,
         key=key,
     )
@@ -230,19 +241,31 @@ def _decode_step(
     mask = s.mask.at[:, col].set(sampled.astype(jnp.float32))
     versions = s.versions.at[:, col].set(jnp.where(sampled, version, -1))
 
-    counts = s.counts + (active[:, None] & (s.phase[:, None] == jnp.arange(3))).astype(jnp.int32)
+    counts = s.counts + (active[:, None] & (s.phase[:, None] == jnp.arange(4))).astype(jnp.int32)
     is_eos = sampled & jnp.isin(token_b, jnp.asarray(eos_ids, jnp.int32))
-    phase = s.phase
+    phase, matched = s.phase, s.matched
     if interruption is not None:
-        over_budget = (phase == THINKING) & (counts[:, THINKING] >= s.think_budget) & ~is_eos
+        thinking = phase == THINKING
+        if interruption.think_end_ids:
+            end = jnp.asarray(interruption.think_end_ids, jnp.int32)
+            extends = token_b == end[jnp.minimum(matched, len(end) - 1)]
+            matched = jnp.where(extends, matched + 1, (token_b == end[0]).astype(jnp.int32))
+            matched = jnp.where(sampled & thinking, matched, 0)
+            closed = thinking & (matched >= len(end))
+        else:
+            closed = jnp.zeros_like(thinking)
+        over_budget = thinking & ~closed & (counts[:, THINKING] >= s.think_budget) & ~is_eos
         forced_all = (phase == FORCING) & (counts[:, FORCING] >= len(interruption.token_ids))
-        phase = jnp.where(over_budget, FORCING, jnp.where(forced_all, ANSWERING, phase))
+        phase = jnp.select(
+            [closed, over_budget, forced_all], [CLOSED, FORCING, ANSWERING], default=phase
+        )
         answered = (phase == ANSWERING) & (counts[:, ANSWERING] >= interruption.answer_budget)
     else:
         answered = jnp.zeros_like(is_eos)
     full = col + 1 >= n_new
     finishing = active & (is_eos | answered | full)
-    reason = jnp.where(phase != THINKING, INTERRUPTED, jnp.where(is_eos, EOS, LENGTH))
+    forced = (phase == FORCING) | (phase == ANSWERING)
+    reason = jnp.where(forced, INTERRUPTED, jnp.where(is_eos, EOS, LENGTH))
     finish = jnp.where(finishing, reason, s.finish)
 
     h_btd, cache = model.extend(
@@ -261,6 +284,7 @@ def _decode_step(
         finish=finish,
         phase=phase,
         counts=counts,
+        matched=matched,
         think_budget=s.think_budget,
         key=s.key,
     )

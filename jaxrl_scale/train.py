@@ -87,12 +87,7 @@ class Trainer:
         _check_divisible(cfg, self.mesh, self.gen_mesh)
         self.graphdef, params = nnx.split(model)
         self.sampling = Sampling(cfg.sampler.temperature, cfg.sampler.top_p, cfg.sampler.top_k)
-        self.interruption = None
-        if cfg.sampler.interruption is not None:
-            i = cfg.sampler.interruption
-            self.interruption = Interruption(
-                tuple(self.tok.encode(i.text)), i.think_min, i.think_max, i.answer_budget
-            )
+        self.interruption = _interruption(cfg, self.tok)
         # ------------------------------------------------------------------ optimisation
         self.tx = make_optimizer(cfg.train.learning_rate, cfg.train)
         # GRPO's KL penalty pulls towards the policy RL starts from (after the warm start).
@@ -603,6 +598,31 @@ def _state_sharding(state, mesh):
         return s if isinstance(s, jax.sharding.NamedSharding) and s.mesh == mesh else replicated
 
     return jax.tree.map(one, state)
+
+
+def _interruption(cfg: ExperimentConfig, tok) -> Interruption | None:
+    """The sampler's Interruption from config, its texts tokenized, checked against the budget:
+    think_max + the text's tokens + answer_budget must fit in sampler.max_new_tokens."""
+    i = cfg.sampler.interruption
+    if i is None:
+        return None
+    encoded = {}
+    for name in ("text", "think_end"):
+        text = getattr(i, name)
+        try:
+            encoded[name] = tuple(tok.encode(text)) if text else ()
+        except ValueError as e:
+            raise ConfigError(f"sampler.interruption.{name}: cannot be tokenized: {e}") from None
+    needed = i.think_max + len(encoded["text"]) + i.answer_budget
+    if needed > cfg.sampler.max_new_tokens:
+        raise ConfigError(
+            f"sampler.max_new_tokens: {cfg.sampler.max_new_tokens} is below "
+            f"interruption.think_max ({i.think_max}) + the text's {len(encoded['text'])} tokens "
+            f"+ answer_budget ({i.answer_budget}) = {needed}"
+        )
+    return Interruption(
+        encoded["text"], i.think_min, i.think_max, i.answer_budget, encoded["think_end"]
+    )
 
 
 def _check_divisible(cfg: ExperimentConfig, mesh, gen_mesh) -> None:

@@ -68,10 +68,26 @@ def test_wrong_type_names_key(override, key):
         ("model.rms_norm_eps=-1", "model.rms_norm_eps"),
         ("mesh.tensor=0", "mesh.tensor"),
         ("model.rope_scaling.factor=0.5", "model.rope_scaling.factor"),
+        ("model.matmul_precision=fastest", "model.matmul_precision"),
+        (
+            "sampler.interruption={text: '12', think_min: 4, think_max: 5, answer_budget: 2}",
+            "sampler.max_new_tokens",
+        ),
+        (
+            "sampler.interruption={text: '12', think_min: 3, think_max: 2, answer_budget: 2}",
+            "sampler.interruption.think_min",
+        ),
     ],
 )
 def test_out_of_range_names_key(override, key):
     with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
+        load_config(DEMO, [override])
+
+
+@pytest.mark.parametrize("override", ["sampler.top_p=0.95", "sampler.top_k=50"])
+def test_truncated_sampling_is_refused_for_rl_with_the_reason(override):
+    key = override.split("=")[0]
+    with pytest.raises(ConfigError, match=key.replace(".", r"\.") + ".*biased"):
         load_config(DEMO, [override])
 
 

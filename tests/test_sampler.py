@@ -152,6 +152,37 @@ def test_forced_interruption_inserts_the_text_at_the_drawn_budget(qwen2):
         generate(qwen2, PROMPTS, max_new_tokens=8, interruption=intr)
 
 
+def test_a_row_that_closes_its_thinking_itself_is_never_interrupted(qwen2):
+    """The budget is on thinking only. Greedy rows are deterministic, so the marker is taken
+    from a reference decode: rows that sample it before the budget answer on untouched."""
+    n, budget = 12, 5
+    reference = np.asarray(
+        generate(qwen2, PROMPTS, max_new_tokens=n, temperature=0.0).completion_tokens
+    )
+    marker = tuple(int(t) for t in reference[0, 1:3])  # row 0 closes at its third token
+    intr = Interruption(
+        token_ids=(90, 91, 92),
+        think_min=budget,
+        think_max=budget,
+        answer_budget=2,
+        think_end_ids=marker,
+    )
+    ro = generate(qwen2, PROMPTS, max_new_tokens=n, temperature=0.0, interruption=intr)
+    tokens, mask = np.asarray(ro.completion_tokens), np.asarray(ro.completion_mask)
+    closers = 0
+    for i, row in enumerate(reference):
+        windows = [tuple(row[j : j + 2]) for j in range(budget - 1)]
+        if marker in windows:  # closed within its thinking budget: left alone
+            closers += 1
+            np.testing.assert_array_equal(tokens[i], row)
+            assert np.all(mask[i] == 1) and ro.finish_names()[i] == "length"
+        else:
+            np.testing.assert_array_equal(tokens[i, :budget], row[:budget])
+            assert tuple(tokens[i, budget : budget + 3]) == (90, 91, 92)
+            assert ro.finish_names()[i] == "interrupted" and int(ro.lengths[i]) == budget + 5
+    assert 1 <= closers < len(PROMPTS)
+
+
 def test_sample_token_truncation_by_hand():
     # probabilities 0.5, 0.3, 0.15, 0.05
     logits = jnp.log(jnp.array([[0.5, 0.3, 0.15, 0.05]] * 2000))

@@ -40,9 +40,7 @@ def _setup(n_prompts=2):
     loss_mask = mask.astype(np.float32)
     logp = _full_logprobs(graphdef, params, prompts, prompt_mask, tokens, mask)
     behavior = logp + rng.normal(0, 0.1, (b, n)).astype(np.float32)  # rho != 1
-    adv = jnp.asarray(
-        np.resize([1.0, -1.0, 0.5, -0.5, 2.0, -1.0, -0.5, -0.5], b), jnp.float32
-    )
+    adv = jnp.asarray(np.resize([1.0, -1.0, 0.5, -0.5, 2.0, -1.0, -0.5, -0.5], b), jnp.float32)
     batch = Batch(*map(jnp.asarray, (prompts, prompt_mask, tokens, mask, loss_mask, behavior)), adv)
     return graphdef, params, batch
 

@@ -276,6 +276,13 @@ def test_config_errors_are_named(tmp_path):
         Trainer(_cfg("pipeline.generator_devices=8"), tmp_path)
     with pytest.raises(ConfigError, match="task.num_eval x train.eval_samples: 6 does not split"):
         Trainer(_cfg("pipeline.generator_devices=4", "task.num_eval=3"), tmp_path)
+    # The interruption budget with the text's real token count (3 characters, 3 tokens):
+    # 1 + 3 + 1 > sampler.max_new_tokens = 4, though 1 + (at least 1) + 1 fits.
+    interrupt = "{text: '123', think_min: 1, think_max: 1, answer_budget: 1, think_end: null}"
+    with pytest.raises(ConfigError, match=r"sampler.max_new_tokens: 4 is below .* = 5"):
+        Trainer(_cfg(f"sampler.interruption={interrupt}"), tmp_path)
+    with pytest.raises(ConfigError, match="sampler.interruption.think_end: cannot be tokenized"):
+        Trainer(_cfg(f"sampler.interruption={interrupt.replace('null', 'x')}"), tmp_path)
 
 
 def test_train_cli_prints_the_run(tmp_path, capsys):
