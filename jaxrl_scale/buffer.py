@@ -2,8 +2,10 @@
 
 Each batch carries the policy version of every sampled token (-1 where nothing was sampled).
 The consumer asks with its current version v; a batch whose oldest sampled token is older than
-v - k is dropped (and counted) instead of returned. `put` blocks while the buffer is full, which
-is what keeps a fast generator from running more than `capacity` batches ahead.
+v - k is dropped instead of returned: counted, and kept for the consumer to account for
+(`take_dropped`), never lost silently. `put` blocks while the buffer is full. The bound itself is
+the producer's to keep (pipeline.PipelineFeeder starts a batch only when it cannot arrive more
+than k versions late); dropping is the last line of defence.
 """
 
 from __future__ import annotations
@@ -30,7 +32,9 @@ class RolloutBuffer:
         self.k = max_staleness
         self._queue: queue.Queue = queue.Queue(maxsize=capacity or max(max_staleness, 1))
         self._error: BaseException | None = None
+        # Touched only by the consumer thread (in `get` and `take_dropped`).
         self.dropped = 0
+        self._dropped_items: list[Any] = []
 
     def put(self, item: Any, versions, *, halt: threading.Event | None = None) -> bool:
         """Add a batch tagged with its per-token `versions`, waiting while the buffer is full.
@@ -65,3 +69,9 @@ class RolloutBuffer:
             if oldest is None or current_version - oldest <= self.k:
                 return item
             self.dropped += 1
+            self._dropped_items.append(item)
+
+    def take_dropped(self) -> list[Any]:
+        """The batches dropped as stale since the last call (their work is still the run's)."""
+        items, self._dropped_items = self._dropped_items, []
+        return items

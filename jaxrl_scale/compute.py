@@ -1,31 +1,61 @@
-"""Analytic FLOPs of the policy: the x-axis of scaling curves.
+"""Compute accounting: the x-axis of scaling curves, in analytic FLOPs and in device-seconds.
 
-N counts the weights of every matmul a token passes through (attention and MLP projections of all
-layers plus the vocabulary head; the embedding lookup is free). A forward pass over a sequence of
-T tokens costs 2 N T for the matmuls plus the attention itself: per layer, per head, each query
-at position p scores and mixes p + 1 keys (causal), 2 * 2 * E FLOPs per key, summed over
-p = 0..T-1 gives 4 E T (T + 1) / 2. Training (forward + backward) costs 3x the forward pass:
-6 N per token plus 3x the attention. Generation costs the forward pass of the finished sequence
-(a KV cache computes each position once): 2 N per token plus attention.
+FLOPs. N counts the weights of every matmul a token passes through in the decoder layers
+(attention and MLP projections), H_v = D * V those of the vocabulary head; the embedding lookup
+is free. With a = 4 * layers * heads * head_dim (a query scoring and mixing one key: 2 * 2 * E
+FLOPs per head and layer), one forward pass over an RL batch of P prompts of real length L_p,
+each continued by G completions of n_b emitted tokens, costs
+
+    F = sum_p [ 2 N L_p + a L_p (L_p + 1) / 2 ]                  each prompt once (shared prefix)
+      + sum_b [ 2 N n_b + 2 H_v n_b + a (n_b L_p + n_b (n_b + 1) / 2) ]     each completion
+
+The head runs on completion positions only (the prompt's last position predicts the first
+completion token, and the last completion token predicts nothing), and completion token j of
+a row sits at position L_p + j, attending L_p + j + 1 keys. Padding is not counted: F is the
+algorithm's work, independent of how rows are batched. Generation (prefill once per prompt +
+KV-cached decoding of every emitted token, interruption text included) costs F; a training
+step costs 3 F (forward + backward, the prompt run once per group), plus F for the frozen
+reference's forward when GRPO's KL term is on. A batch generated but never trained on (dropped)
+still costs its F. Held-out evaluation is not training compute and is not counted.
+
+Device-seconds (`RunClock`): wall time of the RL loop times every device the run holds
+(generators included, as the paper counts GPU-hours), from the first RL step on: the warm
+start, the step-0 evaluation, held-out evaluations, checkpoint writes and XLA compilation are
+left out.
 """
 
 from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from collections.abc import Sequence
+
+import jax
 
 from jaxrl_scale.config import ModelConfig
 
 
 def matmul_params(cfg: ModelConfig) -> int:
-    """N: weights of all matmuls per token (layers + head), excluding the embedding lookup."""
+    """Weights of all matmuls per token (layers + head), excluding the embedding lookup."""
+    return layer_params(cfg) + cfg.hidden_size * cfg.vocab_size
+
+
+def layer_params(cfg: ModelConfig) -> int:
+    """N: weights of the decoder layers' matmuls (attention and MLP projections)."""
     d, f, e = cfg.hidden_size, cfg.intermediate_size, cfg.resolved_head_dim
     attn = d * cfg.num_heads * e * 2 + d * cfg.num_kv_heads * e * 2  # q, o and k, v
-    mlp = 3 * d * f
-    return cfg.num_layers * (attn + mlp) + d * cfg.vocab_size
+    return cfg.num_layers * (attn + 3 * d * f)
+
+
+def _attention(cfg: ModelConfig) -> int:
+    """a: FLOPs of one query scoring and mixing one key, over all heads and layers."""
+    return 4 * cfg.num_layers * cfg.num_heads * cfg.resolved_head_dim
 
 
 def forward_flops(cfg: ModelConfig, seq_len: int) -> float:
-    """FLOPs of one forward pass over `seq_len` tokens (causal attention)."""
-    attention = 4 * cfg.num_layers * cfg.num_heads * cfg.resolved_head_dim
-    return 2.0 * matmul_params(cfg) * seq_len + attention * seq_len * (seq_len + 1) / 2
+    """FLOPs of one forward pass over `seq_len` tokens with logits at every position."""
+    return 2.0 * matmul_params(cfg) * seq_len + _attention(cfg) * seq_len * (seq_len + 1) / 2
 
 
 def train_flops(cfg: ModelConfig, seq_len: int) -> float:
@@ -33,6 +63,87 @@ def train_flops(cfg: ModelConfig, seq_len: int) -> float:
     return 3.0 * forward_flops(cfg, seq_len)
 
 
-def generate_flops(cfg: ModelConfig, seq_len: int) -> float:
-    """FLOPs to produce a sequence of `seq_len` tokens (prompt + completion) with a KV cache."""
-    return forward_flops(cfg, seq_len)
+def batch_forward_flops(
+    cfg: ModelConfig, prompt_lens: Sequence[int], completion_lens: Sequence[int]
+) -> float:
+    """F of the module docstring: one forward pass over P prompts (real lengths) and their
+    P x G completions (emitted lengths; the G of a prompt consecutive)."""
+    p, b = len(prompt_lens), len(completion_lens)
+    if p == 0 or b % p:
+        raise ValueError(f"{b} completions do not split into groups over {p} prompts")
+    g = b // p
+    n_layers, head, a = layer_params(cfg), cfg.hidden_size * cfg.vocab_size, _attention(cfg)
+    total = 0.0
+    for i, length in enumerate(prompt_lens):
+        total += 2.0 * n_layers * length + a * length * (length + 1) / 2
+        for n in completion_lens[i * g : (i + 1) * g]:
+            total += 2.0 * (n_layers + head) * n + a * (n * length + n * (n + 1) / 2)
+    return total
+
+
+def batch_flops(
+    cfg: ModelConfig,
+    prompt_lens: Sequence[int],
+    completion_lens: Sequence[int],
+    *,
+    reference: bool = False,
+) -> dict[str, float]:
+    """{"gen_flops": F, "train_flops": 3 F (+ F for a KL reference)} of one RL batch."""
+    forward = batch_forward_flops(cfg, prompt_lens, completion_lens)
+    return {"gen_flops": forward, "train_flops": (4.0 if reference else 3.0) * forward}
+
+
+_COMPILE_EVENTS = (
+    "/jax/core/compile/jaxpr_trace_duration",
+    "/jax/core/compile/jaxpr_to_mlir_module_duration",
+    "/jax/core/compile/backend_compile_duration",
+)
+
+
+class RunClock:
+    """Device-seconds of RL work (module docstring). `excluded()` brackets work that does not
+    count (evaluation, checkpoints); XLA compilation is taken from jax.monitoring's compile
+    events. Compilation on a generator thread overlapping training is subtracted too: a small
+    undercount, early in a run."""
+
+    def __init__(self, devices: int, *, seconds: float = 0.0):
+        self.devices = devices
+        self._base = seconds  # device-seconds of earlier (resumed) sessions
+        self._start: float | None = None
+        # Compile listeners run on whichever thread compiles (trainer or generator).
+        self._lock = threading.Lock()
+        self._left_out = 0.0
+        self._excluding = 0  # open `excluded()` blocks: compiles inside them are already out
+
+    def _on_event(self, event: str, duration: float, **_) -> None:
+        if event in _COMPILE_EVENTS:
+            with self._lock:
+                if not self._excluding:
+                    self._left_out += duration
+
+    def start(self) -> None:
+        self._start = time.perf_counter()
+        jax.monitoring.register_event_duration_secs_listener(self._on_event)
+
+    def stop(self) -> None:
+        if self._start is not None:
+            jax.monitoring.unregister_event_duration_listener(self._on_event)
+
+    @contextlib.contextmanager
+    def excluded(self):
+        begin = time.perf_counter()
+        with self._lock:
+            self._excluding += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._excluding -= 1
+                self._left_out += time.perf_counter() - begin
+
+    def device_seconds(self) -> float:
+        if self._start is None:
+            return self._base
+        with self._lock:
+            counted = time.perf_counter() - self._start - self._left_out
+        return self._base + max(counted, 0.0) * self.devices

@@ -5,12 +5,16 @@
 - `pipeline_rl` (PipelineRL-k): a generator thread samples continuously into a
   `RolloutBuffer`; the trainer publishes parameters after every step and the generator picks
   them up between decode chunks (in flight), so one completion may carry several versions.
+  As in PipelineRL, the side that is ahead waits: the generator starts batch n only once the
+  trainer has published n - k updates, so no batch arrives more than k versions old and none
+  is generated only to be thrown away.
 
 A producer is `rollouts(params_source, key) -> batch` where `params_source()` returns the newest
 (version, params) and the batch has a `versions` array (per-token policy version, -1 if none).
 
 Every feeder has `next()` (the batch to train on) and `trained(state)`, called as soon as the
-train step on that batch is dispatched (before its result is read), and `stop()`. In
+train step on that batch is dispatched (before its result is read), `take_dropped()` (batches
+generated but never to be trained on, for the run to count and charge), and `stop()`. In
 `pipeline_rl` with `lockstep` (always so across processes) there is no generator thread: the
 next batch is generated inside `trained`, on the generator's devices, while the dispatched step
 runs on the trainer's.
@@ -67,6 +71,9 @@ class SyncFeeder:
     def trained(self, state) -> None:
         self.source.publish(int(state.step), state.params)
 
+    def take_dropped(self) -> list[Any]:
+        return []
+
     def next(self) -> Any:
         if not self.pending:
             version, params = self.source()
@@ -82,15 +89,25 @@ class SyncFeeder:
 
 
 class PipelineFeeder:
-    """pipeline_rl: a generator thread fills a buffer of at most k batches from the newest
-    published parameters. The trainer never gets a batch older than k versions: the bounded
-    buffer keeps the generator at most k batches ahead, and stale batches are dropped."""
+    """pipeline_rl: a generator thread fills a buffer from the newest published parameters.
+
+    The staleness bound is kept by making the side that is ahead wait: batch n (counting from
+    0 in this feeder) is the (n + 1)-th the trainer takes, after n updates, so its oldest token
+    is at most k versions old if it starts with the parameters of update n - k or later. The
+    generator therefore waits until `trained` has published n - k updates before it starts
+    batch n; the trainer waits on an empty buffer. The buffer still drops (and keeps for
+    `take_dropped`) anything staler, which this schedule never produces."""
 
     def __init__(
         self, produce: Producer, source: ParamsSource, key, *, k: int, version: Callable[[], int]
     ):
         self.produce, self.source, self.key, self.version = produce, source, key, version
+        self.k = k
         self.buffer = RolloutBuffer(k)
+        # Updates published so far: written by the trainer thread (`trained`), waited on by
+        # the generator thread, so it lives behind the condition's lock.
+        self._published = 0
+        self._progress = threading.Condition()
         self.halt = threading.Event()
         self.thread = threading.Thread(target=self._run, name="generator", daemon=True)
         self.thread.start()
@@ -99,10 +116,19 @@ class PipelineFeeder:
     def dropped(self) -> int:
         return self.buffer.dropped
 
+    def _wait_for_update(self, n: int) -> bool:
+        """Block until n updates have been published (False if halted meanwhile)."""
+        with self._progress:
+            while self._published < n:
+                if self.halt.is_set():
+                    return False
+                self._progress.wait(timeout=0.1)
+        return not self.halt.is_set()
+
     def _run(self) -> None:
         n = 0
         try:
-            while not self.halt.is_set():
+            while self._wait_for_update(n - self.k):
                 batch = self.produce(self.source, jax.random.fold_in(self.key, 2**20 + n))
                 n += 1
                 if not self.buffer.put(batch, batch.versions, halt=self.halt):
@@ -113,8 +139,14 @@ class PipelineFeeder:
     def next(self) -> Any:
         return self.buffer.get(self.version())
 
+    def take_dropped(self) -> list[Any]:
+        return self.buffer.take_dropped()
+
     def trained(self, state) -> None:
         self.source.publish(int(state.step), state.params)
+        with self._progress:
+            self._published += 1
+            self._progress.notify_all()
 
     def stop(self) -> None:
         self.halt.set()
@@ -143,6 +175,9 @@ class LockstepFeeder:
         batch = self.produce(params_source, jax.random.fold_in(self.key, 2**20 + self.n))
         self.n += 1
         return batch
+
+    def take_dropped(self) -> list[Any]:
+        return []
 
     def next(self) -> Any:
         if not self.pending:  # the first batch: nothing to overlap it with

@@ -29,7 +29,7 @@ from flax import nnx
 from jaxrl_scale import distributed, sharding
 from jaxrl_scale.advantages import group_advantages
 from jaxrl_scale.checkpoint import Checkpointer, abstract_like
-from jaxrl_scale.compute import generate_flops, train_flops
+from jaxrl_scale.compute import RunClock, batch_flops
 from jaxrl_scale.config import ConfigError, ExperimentConfig, MeshConfig
 from jaxrl_scale.curriculum import Curriculum
 from jaxrl_scale.forecast import OnlineForecast
@@ -120,6 +120,7 @@ class Trainer:
             "device_seconds": 0.0,
             "tokens": 0,
             "skipped_updates": 0,
+            "dropped_batches": 0,
         }
         # ------------------------------------------------------------------ resume
         self.checkpointer = Checkpointer(self.out, keep=cfg.checkpoint.keep)
@@ -129,7 +130,7 @@ class Trainer:
             step, self.state, extra = restored
             self.curriculum.load_state_dict(extra["curriculum"])
             self.key = jax.random.wrap_key_data(jnp.asarray(extra["key"], jnp.uint32))
-            self.totals = extra["totals"]
+            self.totals = {"dropped_batches": 0, **extra["totals"]}
             self.start_step = step
         # Batches the interrupted run had generated but not trained on (deterministic modes).
         self._resumed = self._rollouts_from_arrays(
@@ -251,7 +252,7 @@ class Trainer:
             batch = Batch.from_rollout(ro, adv, keep)
         batch = self._to_trainer(batch)
         lengths = distributed.to_host(ro.lengths)
-        seq_lens = distributed.to_host(ro.prompt_mask).sum(axis=1) + lengths
+        prompt_lens = distributed.to_host(ro.prompt_mask)[::g].sum(axis=1)
         stats = {
             "reward_mean": float(rewards.mean()),
             "pass_rate": float((pass_rates).mean()),
@@ -260,8 +261,7 @@ class Trainer:
             "kept_fraction": float(np.asarray(keep).mean()),
             "retired": int(self.curriculum.retired.sum()),
             "gen_tokens": int(lengths.sum()),
-            "gen_flops": float(sum(generate_flops(cfg.model, int(n)) for n in seq_lens)),
-            "train_flops": float(sum(train_flops(cfg.model, int(n)) for n in seq_lens)),
+            **batch_flops(cfg.model, prompt_lens, lengths, reference=self.reference),
             "gen_seconds": time.perf_counter() - start,
         }
         return Rollouts(batch, indices, distributed.to_host(ro.versions), stats)
@@ -326,18 +326,14 @@ class Trainer:
 
     # ---------------------------------------------------------------------- the loop
 
-    def _log_step(
-        self, step: int, metrics, ro: Rollouts, *, staleness, idle, wall_start, eval_rate
-    ):
+    def _log_step(self, step: int, metrics, ro: Rollouts, *, staleness, idle, eval_rate):
         t = self.totals
         stats = ro.stats
         t["compute_flops"] += stats["gen_flops"] + stats["train_flops"]
         t["tokens"] += stats["gen_tokens"]
         t["skipped_updates"] += int(metrics["skipped"])
+        t["device_seconds"] = self.clock.device_seconds()
         now = time.perf_counter()
-        t["device_seconds"] = t.get("device_seconds_base", 0.0) + (now - wall_start) * len(
-            self.mesh.devices.flat
-        )
         tokens_per_s = stats["gen_tokens"] / max(now - self._last_log, 1e-9)
         self._last_log = now
         row = {
@@ -357,6 +353,7 @@ class Trainer:
             "trainer_idle_fraction": idle,
             "tokens_per_s": tokens_per_s,
             "skipped_updates": t["skipped_updates"],
+            "dropped_batches": t["dropped_batches"],
         }
         if eval_rate is not None:
             row["eval_pass_rate"] = eval_rate
@@ -417,14 +414,15 @@ class Trainer:
         cfg = self.cfg
         k = 0 if cfg.pipeline.mode == "sync" else cfg.pipeline.max_staleness
         rows: list[dict[str, Any]] = []
-        wall_start = time.perf_counter()
-        self.totals["device_seconds_base"] = self.totals.get("device_seconds", 0.0)
         self.stopped_early: str | None = None
         step = self.start_step
         if self.start_step == 0:
             self.supervised_warm_start()
             rows.append(self._initial_eval())
         self._last_log = time.perf_counter()
+        # The compute clock runs from the first RL step: warm start and step-0 eval are out.
+        self.clock = RunClock(self._devices(), seconds=self.totals["device_seconds"])
+        self.clock.start()
         source = self._make_source()
         feeder = self._feeder(source, k)
         try:
@@ -432,6 +430,7 @@ class Trainer:
                 wait_start = time.perf_counter()
                 ro = feeder.next()
                 waited = time.perf_counter() - wait_start
+                self._charge_dropped(feeder.take_dropped())
                 step_start = time.perf_counter()
                 staleness = self._staleness(ro.versions)
                 if staleness[1] > k:
@@ -450,9 +449,10 @@ class Trainer:
                 eval_rate = None
                 on_schedule = bool(cfg.train.eval_every) and step % cfg.train.eval_every == 0
                 if on_schedule or step == cfg.train.steps:
-                    eval_rate = self.evaluate(
-                        self.state.params, jax.random.fold_in(self.key, 10**9 + step)
-                    )
+                    with self.clock.excluded():
+                        eval_rate = self.evaluate(
+                            self.state.params, jax.random.fold_in(self.key, 10**9 + step)
+                        )
                 rows.append(
                     self._log_step(
                         step,
@@ -460,7 +460,6 @@ class Trainer:
                         ro,
                         staleness=staleness,
                         idle=idle,
-                        wall_start=wall_start,
                         eval_rate=eval_rate,
                     )
                 )
@@ -475,13 +474,33 @@ class Trainer:
                     self.stopped_early = stop
                     break
                 if cfg.checkpoint.every and step % cfg.checkpoint.every == 0:
-                    self._save(step, feeder)
+                    with self.clock.excluded():
+                        self._save(step, feeder)
             self._save(step, feeder)
         finally:
             feeder.stop()
+            self.clock.stop()
             self.checkpointer.close()
             self.metrics.close()
         return rows
+
+    def _devices(self) -> int:
+        """Every device the run holds: the trainer's and the generator's."""
+        meshes = [self.mesh] + ([self.gen_mesh] if self.gen_mesh is not None else [])
+        return sum(m.devices.size for m in meshes)
+
+    def _charge_dropped(self, batches: list[Rollouts]) -> None:
+        """Batches generated but never trained on: counted, logged, and their generation
+        compute charged to the x-axis."""
+        for ro in batches:
+            self.totals["dropped_batches"] += 1
+            self.totals["compute_flops"] += ro.stats["gen_flops"]
+        if batches and distributed.is_main():
+            print(
+                f"dropped {len(batches)} stale batch(es); {self.totals['dropped_batches']} so far",
+                file=sys.stderr,
+                flush=True,
+            )
 
     def _initial_eval(self) -> dict[str, Any]:
         row = {
@@ -520,7 +539,10 @@ class Trainer:
     def _feeder(self, source, k: int):
         mode = self.cfg.pipeline.mode
         # Batches generated before an interruption, unless too stale for this run's k.
-        resumed = [ro for ro in self._resumed if self._staleness(ro.versions)[1] <= k]
+        resumed, stale = [], []
+        for ro in self._resumed:
+            (resumed if self._staleness(ro.versions)[1] <= k else stale).append(ro)
+        self._charge_dropped(stale)
         self._resumed = []
         if self._lockstep:
             if k < 1:

@@ -1,8 +1,19 @@
+import time
+
 import jax
+import jax.numpy as jnp
+import pytest
 import numpy as np
 from flax import nnx
 
-from jaxrl_scale.compute import forward_flops, generate_flops, matmul_params, train_flops
+from jaxrl_scale.compute import (
+    RunClock,
+    batch_flops,
+    batch_forward_flops,
+    forward_flops,
+    matmul_params,
+    train_flops,
+)
 from jaxrl_scale.config import ModelConfig
 from jaxrl_scale.model import init_policy
 
@@ -32,18 +43,51 @@ def test_flops_by_hand():
     # T = 10: 2 * N * 10 + 512 * 10 * 11 / 2 = 1,556,480 + 28,160 = 1,584,640
     assert forward_flops(cfg, 10) == 1_584_640
     assert train_flops(cfg, 10) == 3 * 1_584_640
-    assert generate_flops(cfg, 10) == 1_584_640
 
 
-def test_forward_flops_match_xla_cost_analysis_within_ten_percent():
-    """XLA's own count of the compiled forward pass agrees with the analytic one."""
-    cfg = ModelConfig(hidden_size=128, intermediate_size=256, vocab_size=256)
-    model = init_policy(cfg)
-    graphdef, state = nnx.split(model)
-    tokens = jax.ShapeDtypeStruct((1, 64), np.int32)
-    fn = jax.jit(lambda s, t: nnx.merge(graphdef, s)(t))
-    cost = fn.lower(state, tokens).compile().cost_analysis()
-    cost = cost[0] if isinstance(cost, list) else cost
-    analytic = forward_flops(cfg, 64)
-    # XLA counts full (unmasked) attention and elementwise ops, so it sits a little above.
-    assert 0.9 * analytic < cost["flops"] < 1.25 * analytic, (cost["flops"], analytic)
+def test_rl_batch_flops_by_hand():
+    """One prompt of 3 real tokens, two completions of 2 and 4 emitted tokens.
+    Layers N = 2 * (2 * 64 * 64 + 2 * 64 * 32 + 3 * 64 * 128) = 73,728; head 64 * 64 = 4,096;
+    a = 4 * 2 layers * 4 heads * 16 = 512 per (query, key).
+      prompt, once:   2 * 73,728 * 3 = 442,368; attention 512 * (1 + 2 + 3) = 3,072
+      completions:    6 tokens: layers 2 * 73,728 * 6 = 884,736, head 2 * 4,096 * 6 = 49,152
+                      attention: positions 3, 4 see 4 + 5 keys; positions 3..6 see 4 + 5 + 6 + 7:
+                      512 * (9 + 22) = 15,872
+      forward F = 1,395,200 (running each row on its own would count 1,889,792)."""
+    cfg = ModelConfig()
+    assert batch_forward_flops(cfg, [3], [2, 4]) == 1_395_200
+    assert batch_flops(cfg, [3], [2, 4]) == {"gen_flops": 1_395_200, "train_flops": 4_185_600}
+    with_reference = batch_flops(cfg, [3], [2, 4], reference=True)
+    assert with_reference["train_flops"] == 4 * 1_395_200  # + the KL reference's forward
+    # Two prompts: each group attends to its own prompt only.
+    two = batch_forward_flops(cfg, [3, 1], [2, 4, 1, 1])
+    assert two == 1_395_200 + batch_forward_flops(cfg, [1], [1, 1])
+    with pytest.raises(ValueError, match="groups"):
+        batch_forward_flops(cfg, [3, 1], [2, 4, 1])
+
+
+def _slow_to_compile(x):
+    for i in range(150):
+        x = jnp.sin(x) * (i + 1.0) + jnp.cos(x[::-1])
+    return x
+
+
+def test_run_clock_counts_every_device_and_leaves_out_evaluation_and_compiles():
+    clock = RunClock(devices=4, seconds=10.0)
+    assert clock.device_seconds() == 10.0  # not started: only earlier sessions
+    clock.start()
+    try:
+        begin = time.perf_counter()
+        time.sleep(0.1)  # work
+        with clock.excluded():
+            time.sleep(0.2)  # an evaluation
+        compile_begin = time.perf_counter()
+        jax.jit(_slow_to_compile).lower(jnp.ones(7)).compile()
+        compiling = time.perf_counter() - compile_begin
+        wall = time.perf_counter() - begin
+        counted = clock.device_seconds() - 10.0
+    finally:
+        clock.stop()
+    assert compiling > 0.1
+    assert counted >= 4 * 0.1
+    assert counted < 4 * (wall - 0.2 - 0.8 * compiling), (counted, wall, compiling)

@@ -100,6 +100,9 @@ def test_pipeline_with_a_slow_side_stays_within_k_and_finishes(slow, tmp_path, m
     rows = result["rows"]
     assert [r["step"] for r in rows] == list(range(7))
     assert max(r["staleness_max"] for r in rows) <= 2
+    assert all(r["dropped_batches"] == 0 for r in rows[1:])  # the ahead side waited
+    if slow == "trainer":  # the generator does run the full k ahead of a slow trainer
+        assert max(r["staleness_max"] for r in rows) == 2
 
 
 def test_in_flight_update_gives_one_completion_two_versions(tmp_path):
