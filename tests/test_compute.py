@@ -2,8 +2,8 @@ import time
 
 import jax
 import jax.numpy as jnp
-import pytest
 import numpy as np
+import pytest
 from flax import nnx
 
 from jaxrl_scale.compute import (
