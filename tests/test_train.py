@@ -300,6 +300,13 @@ def test_train_cli_prints_the_run(tmp_path, capsys):
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     for key in ("step", "compute_flops", "device_seconds", "staleness_max"):
         assert all(key in r for r in rows)
+    telemetry = ("mismatch", "mismatch_max", "ess_fraction", "seq_ratio_min", "seq_ratio_max")
+    for row in rows[1:]:  # every training row
+        assert row["dropped_batches"] == 0
+        assert all(np.isfinite(row[key]) for key in telemetry)
+        assert 0 < row["ess_fraction"] <= 1 + 1e-6
+        assert 0 < row["seq_ratio_min"] <= row["seq_ratio_max"]
+        assert row["mismatch"] <= row["mismatch_max"]
 
 
 def test_rl_raises_the_reward_on_its_training_prompts(tmp_path):
