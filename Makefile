@@ -31,6 +31,8 @@ bench: $(VENV)/.installed-test
 	$(BIN)/python benchmarks/bench_losses.py
 	$(BIN)/python benchmarks/bench_sampler.py
 	$(BIN)/python benchmarks/bench_pipeline.py
+	$(BIN)/python benchmarks/bench_feeder.py
+	$(BIN)/python benchmarks/bench_mismatch.py --layers 4
 	$(BIN)/python benchmarks/bench_learning.py
 	$(BIN)/python benchmarks/bench_demo.py
 
