@@ -8,7 +8,8 @@ trainer sleeps one step per batch. Prints, for k = 1, 2, 8: batches generated, t
 dropped, the staleness histogram of trained batches, and the fraction of the trainer's time
 spent waiting for a batch (after the first). With the generator gated (it starts batch n
 only after n - k published updates) nothing is dropped; the earlier feeder, which only
-blocked on a full buffer, dropped 99 / 66 / 21 batches at k = 1 / 2 / 8 in the same 200 steps (2026-11-23).
+blocked on a full buffer, dropped 99 / 66 / 21 batches at k = 1 / 2 / 8 in the same 200
+steps (2026-11-23).
 """
 
 from __future__ import annotations
