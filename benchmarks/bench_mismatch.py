@@ -26,6 +26,7 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
+from bench_model import QWEN25_05B
 from flax import nnx
 
 from jaxrl_scale.config import ModelConfig
@@ -33,18 +34,6 @@ from jaxrl_scale.losses import policy_loss
 from jaxrl_scale.model import Policy, completion_logprobs
 from jaxrl_scale.sampler import generate
 
-QWEN25_05B = ModelConfig(
-    architecture="qwen2",
-    vocab_size=151_936,
-    hidden_size=896,
-    intermediate_size=4864,
-    num_layers=24,
-    num_heads=14,
-    num_kv_heads=2,
-    rope_theta=1_000_000.0,
-    tie_embeddings=True,
-    qkv_bias=True,
-)
 # (label, compute dtype, head dtype, matmul precision)
 LADDER = (
     ("bf16 compute + bf16 head", "bfloat16", "bfloat16", "default"),
