@@ -6,6 +6,16 @@ os.environ["XLA_FLAGS"] = (
     os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
 ).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# One persistent XLA compilation cache per test session (a fresh folder each run, inherited by
+# the subprocesses the tests start): the many small runs compile the same programs again.
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+    import tempfile
+
+    _CACHE_DIR = tempfile.mkdtemp(prefix="jaxrl-xla-cache-")
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = _CACHE_DIR
+    os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0.2"
+else:
+    _CACHE_DIR = None
 
 from pathlib import Path
 
@@ -33,6 +43,13 @@ FAST = [
     "checkpoint.every=0",
     "mesh.data=1",
 ]
+
+
+def pytest_sessionfinish(session, exitstatus):
+    if _CACHE_DIR is not None:
+        import shutil
+
+        shutil.rmtree(_CACHE_DIR, ignore_errors=True)
 
 
 @pytest.fixture

@@ -15,7 +15,7 @@ from jaxrl_scale.sweep import mean_curve
 TOY = """base: {tiny}
 model: {{hidden_size: 32, intermediate_size: 64, num_layers: 1}}
 task: {{max_digits: 1, num_train: 64, num_eval: 8}}
-train: {{prompts_per_step: 4, group_size: 4, steps: 8, eval_every: 1, eval_samples: 2,
+train: {{prompts_per_step: 4, group_size: 4, steps: 6, eval_every: 1, eval_samples: 2,
         sft_steps: 20}}
 sampler: {{max_new_tokens: 4}}
 pipeline: {{mode: sync}}
