@@ -39,7 +39,7 @@ bench: $(VENV)/.installed-test
 lint: $(VENV)/.installed-test
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
-	$(BIN)/shellcheck launch/*.sh launch/*.sbatch
+	$(BIN)/shellcheck launch/*.sh launch/*.sbatch .ci/run
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache .ruff_cache

@@ -12,12 +12,14 @@ seconds of each phase; then the mean gain per mode. A run takes about 4 minutes 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import tempfile
 import time
 from pathlib import Path
 
 from jaxrl_scale.config import load_config
-from jaxrl_scale.train import Trainer
+from jaxrl_scale.train import setup, train_run
+from jaxrl_scale.warm_start import warm_start
 
 CONFIG = Path(__file__).resolve().parent.parent / "configs" / "tiny_arithmetic.yaml"
 
@@ -25,29 +27,30 @@ CONFIG = Path(__file__).resolve().parent.parent / "configs" / "tiny_arithmetic.y
 def run(mode: str, seed: int) -> dict[str, float]:
     cfg = load_config(CONFIG, [f"pipeline.mode={mode}", f"seed={seed}", "checkpoint.every=0"])
     with tempfile.TemporaryDirectory() as out:
-        trainer = Trainer(cfg, out, resume=False)
-        warm = trainer.supervised_warm_start
-        phases: dict[str, float] = {}
-
-        def timed_warm_start():
-            start = time.perf_counter()
-            losses = warm()
-            phases["warm_s"] = time.perf_counter() - start
-            phases["warm_steps"] = len(losses)
-            return losses
-
-        trainer.supervised_warm_start = timed_warm_start
+        run = setup(cfg, out, resume=False)
+        start = time.perf_counter()  # the warm start here, timed; then RL from its policy
+        w = run.worker
+        params, losses = warm_start(
+            run.start.train.params, w.graphdef, w.task, cfg.warm_start, seed=cfg.seed
+        )
+        warm_s = time.perf_counter() - start
+        no_warm_start = dataclasses.replace(cfg.warm_start, steps=0)
+        run = dataclasses.replace(
+            run,
+            cfg=dataclasses.replace(run.cfg, warm_start=no_warm_start),
+            start=dataclasses.replace(run.start, train=run.new_train_state(params)),
+        )
         start = time.perf_counter()
-        rows = trainer.train()
-        total = time.perf_counter() - start
+        rows = train_run(run)
+        rl_s = time.perf_counter() - start
     evals = [r for r in rows if "eval_pass_rate" in r]
     return {
         "start": evals[0]["eval_pass_rate"],
         "end": evals[-1]["eval_pass_rate"],
         "best": max(r["eval_pass_rate"] for r in evals),
-        "warm_s": phases["warm_s"],
-        "warm_steps": phases["warm_steps"],
-        "rl_s": total - phases["warm_s"],
+        "warm_s": warm_s,
+        "warm_steps": len(losses),
+        "rl_s": rl_s,
         "steps": cfg.train.steps,
     }
 

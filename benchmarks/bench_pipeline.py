@@ -23,7 +23,7 @@ import numpy as np
 from bench_model import PEAK_BF16
 
 from jaxrl_scale.config import load_config
-from jaxrl_scale.train import Trainer
+from jaxrl_scale.train import setup, train_run
 
 CONFIG = Path(__file__).resolve().parent.parent / "configs" / "tiny_arithmetic.yaml"
 WORKLOAD = [
@@ -40,7 +40,7 @@ WORKLOAD = [
     "train.group_size=16",
     "sampler.max_new_tokens=16",
     "sampler.chunk_size=4",
-    "train.sft_steps=0",
+    "warm_start.steps=0",
     "train.eval_every=0",
     "task.num_eval=8",
     "train.eval_samples=1",
@@ -77,7 +77,7 @@ QWEN05B = [
     "train.group_size=16",
     "sampler.max_new_tokens=512",
     "sampler.chunk_size=64",
-    "train.sft_steps=0",
+    "warm_start.steps=0",
     "train.eval_every=0",
     "task.num_eval=8",
     "train.eval_samples=1",
@@ -89,19 +89,13 @@ QWEN05B = [
 def run(mode: str, steps: int, workload: list[str], train_repeats: int = 0) -> dict[str, float]:
     cfg = load_config(CONFIG, [*workload, *MODES[mode], f"train.steps={steps}"])
     with tempfile.TemporaryDirectory() as out:
-        trainer = Trainer(cfg, out, resume=False)
-        stamps: list[float] = []
-        write = trainer.metrics.write
-
-        def stamped(row):
-            stamps.append(time.perf_counter())
-            write(row)
-
-        trainer.metrics.write = stamped
-        rows = trainer.train()
-        train_step = _time_train_step(trainer, train_repeats) if train_repeats else {}
+        run = setup(cfg, out, resume=False)
+        train_step = _time_train_step(run, train_repeats) if train_repeats else {}
+        rows = train_run(run)
     timed = rows[3:-1]  # skip step 0 (eval), the compile steps 1-2 and the final eval step
-    seconds = (stamps[-2] - stamps[2]) / len(timed)
+    # RL-loop seconds without evaluations and compiles (the x-axis clock), per device.
+    clock = [r["device_seconds"] / run.devices for r in rows]
+    seconds = (clock[-2] - clock[2]) / len(timed)
     batch = cfg.train.prompts_per_step * cfg.train.group_size
     return {
         "samples_per_s": batch / seconds,
@@ -114,17 +108,17 @@ def run(mode: str, steps: int, workload: list[str], train_repeats: int = 0) -> d
     }
 
 
-def _time_train_step(trainer: Trainer, repeats: int) -> dict[str, float]:
+def _time_train_step(run, repeats: int) -> dict[str, float]:
     """The train step alone on one fresh batch: seconds, and model FLOP/s by the analytic count
-    the metrics use (6N + attention per token of every row, prompt included)."""
-    version, params = int(trainer.state.step), trainer.state.params
-    ro = trainer.rollouts(lambda: (version, params), jax.random.key(1))
-    state = jax.tree.map(jnp.copy, trainer.state)
-    state, metrics = trainer.train_step(state, ro.batch)  # warm
+    the metrics use (compute.py)."""
+    frozen = (run.start.step, run.start.train.params)
+    ro = run.worker.rollouts(lambda chunk: frozen, jax.random.key(1))
+    state = jax.tree.map(jnp.copy, run.start.train)  # the run's own state stays undonated
+    state, metrics = run.train_step(state, ro.batch)  # warm
     jax.block_until_ready(metrics)
     start = time.perf_counter()
     for _ in range(repeats):
-        state, metrics = trainer.train_step(state, ro.batch)
+        state, metrics = run.train_step(state, ro.batch)
     jax.block_until_ready(metrics)
     seconds = (time.perf_counter() - start) / repeats
     flops = ro.stats["train_flops"] / seconds

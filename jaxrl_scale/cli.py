@@ -9,7 +9,7 @@ from pathlib import Path
 from jaxrl_scale.config import ConfigError, load_config
 from jaxrl_scale.fit.data import CurveDataError
 
-DEFAULT_DEMO_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "demo.yaml"
+DEMO_CONFIG = "asset:demo.yaml"  # shipped inside the package (jaxrl_scale/assets/demo.yaml)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -18,7 +18,7 @@ def _parser() -> argparse.ArgumentParser:
     demo = sub.add_parser(
         "demo", help="a few minutes of RL on a CPU, then the run's fitted curve with intervals"
     )
-    demo.add_argument("--config", type=Path, default=None, help="YAML config (default: demo)")
+    demo.add_argument("--config", default=DEMO_CONFIG, help=f"YAML config (default: {DEMO_CONFIG})")
     demo.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", dest="overrides")
     demo.add_argument("--out", type=Path, default=Path("runs/demo"))
     demo.add_argument(
@@ -28,7 +28,9 @@ def _parser() -> argparse.ArgumentParser:
     )
 
     train = sub.add_parser("train", help="RL training from a YAML config")
-    train.add_argument("--config", type=Path, required=True)
+    train.add_argument(
+        "--config", required=True, help="YAML file, asset:NAME, or a run's RUN/config.yaml"
+    )
     train.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", dest="overrides")
     train.add_argument("--out", type=Path, required=True, help="run directory")
     train.add_argument(
@@ -106,10 +108,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "demo":
             from jaxrl_scale.demo import run_demo
 
-            config_path = args.config
-            if config_path is None and DEFAULT_DEMO_CONFIG.exists():
-                config_path = DEFAULT_DEMO_CONFIG
-            cfg = load_config(config_path, args.overrides)
+            cfg = load_config(args.config, args.overrides)
             run_demo(cfg, args.out, from_scratch=args.from_scratch)
         elif args.command == "train":
             from jaxrl_scale.distributed import is_main

@@ -153,23 +153,43 @@ class MeshConfig:
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class TaskConfig:
-    """The verifiable task (see jaxrl_scale/tasks); fields name the task they apply to."""
+class ArithmeticConfig:
+    """task.arithmetic: procedural integer problems (tasks/arithmetic.py)."""
 
-    name: Literal["arithmetic", "countdown", "math"] = "arithmetic"
-    num_train: int = 512  # prompts in the training pool (math: 0 = every row)
-    num_eval: int = 64  # held-out prompts
-    # arithmetic
     max_digits: int = 2  # operands have 1..max_digits digits
     ops: str = "+-"  # operators drawn from
-    # Probability that a warm-start demonstration is wrong (arithmetic: its last digit off by
-    # one), so the warm-started policy knows the answer but is unsure of it: what RL fixes.
+    # Probability that a warm-start demonstration is wrong (its last digit off by one), so the
+    # warm-started policy knows the answer but is unsure of it: what RL fixes.
     demo_noise: float = 0.0
-    # countdown
+
+    def __post_init__(self):
+        key = "task.arithmetic"
+        _require(self.max_digits >= 1, f"{key}.max_digits", f"must be >= 1, got {self.max_digits}")
+        _require(
+            bool(self.ops) and set(self.ops) <= set("+-*"), f"{key}.ops", "use characters of '+-*'"
+        )
+        _require(0 <= self.demo_noise <= 1, f"{key}.demo_noise", "must be in [0, 1]")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class CountdownConfig:
+    """task.countdown: reach a target with + - * / over given numbers (tasks/countdown.py)."""
+
     numbers: int = 3  # given numbers per problem
     max_number: int = 20  # each in 1..max_number
     max_target: int = 100  # targets in 1..max_target
-    # math
+
+    def __post_init__(self):
+        key = "task.countdown"
+        _require(2 <= self.numbers <= 6, f"{key}.numbers", f"must be in [2, 6], got {self.numbers}")
+        _require(self.max_number >= 2, f"{key}.max_number", "must be >= 2")
+        _require(self.max_target >= 1, f"{key}.max_target", "must be >= 1")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class MathConfig:
+    """task.math: word problems with reference answers, checked by math-verify (tasks/math.py)."""
+
     data: str | None = (
         None  # .jsonl / .parquet file, or a Hugging Face dataset name[:config[:split]]
     )
@@ -182,19 +202,45 @@ class TaskConfig:
     verify_timeout: float = 5.0  # seconds per math-verify call before the answer scores 0
 
     def __post_init__(self):
-        _require(self.max_digits >= 1, "task.max_digits", f"must be >= 1, got {self.max_digits}")
-        _require(
-            bool(self.ops) and set(self.ops) <= set("+-*"), "task.ops", "use characters of '+-*'"
-        )
+        _require("{question}" in self.template, "task.math.template", "must contain '{question}'")
+        _require(self.verify_timeout > 0, "task.math.verify_timeout", "must be > 0")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class TaskConfig:
+    """The verifiable task (see jaxrl_scale/tasks): what every task has, then one section per
+    task; only the section `name` picks is read."""
+
+    name: Literal["arithmetic", "countdown", "math"] = "arithmetic"
+    num_train: int = 512  # prompts in the training pool (math: 0 = every row)
+    num_eval: int = 64  # held-out prompts
+    arithmetic: ArithmeticConfig = dataclasses.field(default_factory=ArithmeticConfig)
+    countdown: CountdownConfig = dataclasses.field(default_factory=CountdownConfig)
+    math: MathConfig = dataclasses.field(default_factory=MathConfig)
+
+    def __post_init__(self):
         _require(self.num_train >= 0, "task.num_train", "must be >= 0")
         _require(self.num_train >= 1 or self.name == "math", "task.num_train", "must be >= 1")
         _require(self.num_eval >= 1, "task.num_eval", "must be >= 1")
-        _require(0 <= self.demo_noise <= 1, "task.demo_noise", "must be in [0, 1]")
-        _require(2 <= self.numbers <= 6, "task.numbers", f"must be in [2, 6], got {self.numbers}")
-        _require(self.max_number >= 2, "task.max_number", "must be >= 2")
-        _require(self.max_target >= 1, "task.max_target", "must be >= 1")
-        _require("{question}" in self.template, "task.template", "must contain '{question}'")
-        _require(self.verify_timeout > 0, "task.verify_timeout", "must be > 0")
+
+
+def check_sampling(temperature: float, top_p: float, top_k: int, key: str = "sampler") -> None:
+    """The one definition of valid sampling settings (also sampler.Sampling's)."""
+    _require(temperature >= 0, f"{key}.temperature", f"must be >= 0, got {temperature}")
+    _require(0 < top_p <= 1, f"{key}.top_p", f"must be in (0, 1], got {top_p}")
+    _require(top_k >= 0, f"{key}.top_k", f"must be >= 0, got {top_k}")
+
+
+def check_thinking_budget(
+    think_min: int, think_max: int, answer_budget: int, key: str = "sampler.interruption"
+) -> None:
+    """The one definition of a valid interruption budget (also sampler.Interruption's)."""
+    _require(
+        1 <= think_min <= think_max,
+        f"{key}.think_min",
+        f"need 1 <= think_min <= think_max, got {think_min}, {think_max}",
+    )
+    _require(answer_budget >= 1, f"{key}.answer_budget", "must be >= 1")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -213,12 +259,7 @@ class InterruptionConfig:
     def __post_init__(self):
         key = "sampler.interruption"
         _require(bool(self.text), f"{key}.text", "must not be empty")
-        _require(
-            1 <= self.think_min <= self.think_max,
-            f"{key}.think_min",
-            f"need 1 <= think_min <= think_max, got {self.think_min}, {self.think_max}",
-        )
-        _require(self.answer_budget >= 1, f"{key}.answer_budget", "must be >= 1")
+        check_thinking_budget(self.think_min, self.think_max, self.answer_budget, key)
         _require(self.think_end is None or bool(self.think_end), f"{key}.think_end", "empty")
 
 
@@ -238,6 +279,7 @@ class SamplerConfig:
 
     def __post_init__(self):
         _require(self.max_new_tokens >= 1, "sampler.max_new_tokens", "must be >= 1")
+        check_sampling(self.temperature, self.top_p, self.top_k)
         _require(self.temperature > 0, "sampler.temperature", "must be > 0 for RL sampling")
         truncation = (
             "RL samples from the full distribution: the trainer computes log-probs over the "
@@ -295,25 +337,53 @@ class LossConfig:
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class TrainConfig:
-    steps: int = 20
-    prompts_per_step: int = 8  # P
-    group_size: int = 8  # G samples per prompt
+class OptimConfig:
+    """AdamW after global-norm clipping, linear warm-up then a constant (or cosine) learning
+    rate: step.make_optimizer builds it, for RL (`optim`) and the warm start
+    (`warm_start.optim`) alike."""
+
     learning_rate: float = 3e-4
-    warmup_steps: int = 10  # linear warm-up, then constant (or cosine)
+    warmup_steps: int = 10
     schedule: Literal["constant", "cosine"] = "constant"
     weight_decay: float = 0.01
     adam_eps: float = 1e-15
     grad_clip: float = 1.0
+
+    def __post_init__(self):
+        _require(self.learning_rate > 0, "optim.learning_rate", "must be > 0")
+        _require(self.warmup_steps >= 0, "optim.warmup_steps", "must be >= 0")
+        _require(self.weight_decay >= 0, "optim.weight_decay", "must be >= 0")
+        _require(self.adam_eps > 0, "optim.adam_eps", "must be > 0")
+        _require(self.grad_clip > 0, "optim.grad_clip", "must be > 0")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class WarmStartConfig:
+    """Supervised steps on the task's demonstrations before RL (warm_start.py)."""
+
+    steps: int = 0  # at most this many; 0: no warm start
+    # Stop early once the mean demonstration loss of the last 50 steps is below this (0: run
+    # every step). A target loss lands every seed at a similar skill, where a fixed step count
+    # lands each at a different point of a steep learning curve.
+    target_loss: float = 0.0
+    batch_size: int = 128
+    optim: OptimConfig = dataclasses.field(
+        default_factory=lambda: OptimConfig(learning_rate=3e-3, warmup_steps=0)
+    )
+
+    def __post_init__(self):
+        _require(self.steps >= 0, "warm_start.steps", "must be >= 0")
+        _require(self.target_loss >= 0, "warm_start.target_loss", "must be >= 0")
+        _require(self.batch_size >= 1, "warm_start.batch_size", "must be >= 1")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class TrainConfig:
+    steps: int = 20
+    prompts_per_step: int = 8  # P
+    group_size: int = 8  # G samples per prompt
     micro_batches: int = 1  # gradient accumulation over this many slices of the batch
     max_nonfinite: int = 5  # abort after this many skipped updates in a row
-    sft_steps: int = 0  # supervised warm start on task demonstrations before RL
-    sft_learning_rate: float = 3e-3
-    sft_batch_size: int = 128
-    # Stop the warm start early once the mean demonstration loss of the last 50 steps is below
-    # this (0: run all sft_steps). A target loss lands every seed at a similar skill, where a
-    # fixed step count lands each at a different point of a steep learning curve.
-    sft_target_loss: float = 0.0
     eval_every: int = 10
     eval_samples: int = 4  # k in mean@k
     eval_temperature: float = 1.0
@@ -326,12 +396,9 @@ class TrainConfig:
             "micro_batches",
             "max_nonfinite",
             "eval_samples",
-            "sft_batch_size",
         ):
             _require(getattr(self, name) >= 1, f"train.{name}", "must be >= 1")
-        for name in ("warmup_steps", "sft_steps", "eval_every", "sft_target_loss"):
-            _require(getattr(self, name) >= 0, f"train.{name}", "must be >= 0")
-        _require(self.learning_rate > 0, "train.learning_rate", "must be > 0")
+        _require(self.eval_every >= 0, "train.eval_every", "must be >= 0")
         _require(
             self.prompts_per_step % self.micro_batches == 0,
             "train.micro_batches",
@@ -442,6 +509,8 @@ class ExperimentConfig:
     sampler: SamplerConfig = dataclasses.field(default_factory=SamplerConfig)
     loss: LossConfig = dataclasses.field(default_factory=LossConfig)
     train: TrainConfig = dataclasses.field(default_factory=TrainConfig)
+    optim: OptimConfig = dataclasses.field(default_factory=OptimConfig)
+    warm_start: WarmStartConfig = dataclasses.field(default_factory=WarmStartConfig)
     pipeline: PipelineConfig = dataclasses.field(default_factory=PipelineConfig)
     curriculum: CurriculumConfig = dataclasses.field(default_factory=CurriculumConfig)
     checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
@@ -450,6 +519,21 @@ class ExperimentConfig:
 
 
 # --------------------------------------------------------------------------- YAML plumbing
+
+OPTIM_KEYS = tuple(f.name for f in dataclasses.fields(OptimConfig))
+ASSET = "asset:"  # names a file shipped in jaxrl_scale/assets (e.g. asset:demo.yaml)
+
+
+def asset_path(name: str) -> Path:
+    """The path of a file or folder shipped in the package's assets."""
+    return Path(__file__).resolve().parent / "assets" / name.removeprefix(ASSET)
+
+
+def _resolve(path: str | Path, relative_to: Path | None = None) -> Path:
+    if str(path).startswith(ASSET):
+        return asset_path(str(path))
+    path = Path(path)
+    return path if relative_to is None else relative_to / path
 
 
 def _dataclass_of(tp: Any) -> type | None:
@@ -462,12 +546,30 @@ def _dataclass_of(tp: Any) -> type | None:
     return None
 
 
+# Keys that moved to their own section: a config written for the old layout gets the new name.
+MOVED = {
+    **{f"train.{k}": f"optim.{k}" for k in OPTIM_KEYS},
+    "train.sft_steps": "warm_start.steps",
+    "train.sft_target_loss": "warm_start.target_loss",
+    "train.sft_batch_size": "warm_start.batch_size",
+    "train.sft_learning_rate": "warm_start.optim.learning_rate",
+    **{f"task.{k}": f"task.arithmetic.{k}" for k in ("max_digits", "ops", "demo_noise")},
+    **{f"task.{k}": f"task.countdown.{k}" for k in ("numbers", "max_number", "max_target")},
+    **{
+        f"task.{k}": f"task.math.{k}"
+        for k in ("data", "eval_data", "question_key", "answer_key", "template", "verify_timeout")
+    },
+}
+
+
 def _check_keys(cls: type, data: Mapping[str, Any], prefix: str) -> None:
     """Raise for any key in `data` that `cls` lacks, suggesting the closest valid one."""
     hints = typing.get_type_hints(cls)
     names = [f.name for f in dataclasses.fields(cls)]
     for key, value in data.items():
         dotted = f"{prefix}{key}"
+        if key not in names and dotted in MOVED:
+            raise ConfigError(f"config key '{dotted}' is now '{MOVED[dotted]}'")
         if key not in names:
             close = difflib.get_close_matches(str(key), names, n=1)
             hint = f"; did you mean '{prefix}{close[0]}'?" if close else ""
@@ -564,15 +666,22 @@ def _read_yaml(path: Path, chain: tuple[Path, ...] = ()) -> dict[str, Any]:
         return data
     if not isinstance(base, str):
         raise ConfigError(f"{path}: base: expected a path to a YAML file, got {base!r}")
-    return _merge(_read_yaml(path.parent / base, (*chain, path)), data)
+    return _merge(_read_yaml(_resolve(base, path.parent), (*chain, path)), data)
 
 
 def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -> ExperimentConfig:
     """Read YAML `path` (or start from defaults), following `base:` files, and apply dotted
-    overrides."""
-    data = _read_yaml(Path(path)) if path is not None else {}
+    overrides. `asset:NAME` (as `path` or as a `base:`) is a config shipped in the package."""
+    data = _read_yaml(_resolve(path)) if path is not None else {}
     return from_dict(ExperimentConfig, apply_overrides(data, overrides))
 
 
 def to_dict(cfg: Any) -> dict[str, Any]:
     return dataclasses.asdict(cfg)
+
+
+def dump_config(cfg: ExperimentConfig, header: str = "") -> str:
+    """`cfg` as YAML that `load_config` reads back into an equal config; `header` lines become
+    comments at the top."""
+    comments = "".join(f"# {line}\n" for line in header.splitlines())
+    return comments + yaml.safe_dump(to_dict(cfg), sort_keys=False)

@@ -1,7 +1,10 @@
 """Which prompts to train on next: epochs over a shuffled pool, with No-Positive-Resampling.
 
 A prompt whose latest group pass rate reaches the threshold (0.9 in ScaleRL) is retired and never
-sampled again. The state is plain numpy and JSON-serialisable, so checkpoints carry it exactly.
+sampled again. The state is a few numpy arrays (`state_dict()` returns copies: a snapshot that
+later draws do not change), so checkpoints carry it exactly.
+
+One owner: the rollout worker's producing thread (rollout.py); other threads see snapshots.
 """
 
 from __future__ import annotations
@@ -61,20 +64,21 @@ class Curriculum:
         if self.enabled:
             self.retired[indices] |= pass_rates >= self.threshold
 
-    def state_dict(self) -> dict:
+    def state_dict(self) -> dict[str, np.ndarray]:
+        """A snapshot (copies): epoch, position, pass rates (NaN: never sampled), retired."""
         return {
-            "epoch": self.epoch,
-            "position": self.position,
-            "pass_rate": [None if np.isnan(p) else float(p) for p in self.pass_rate],
-            "retired": self.retired.tolist(),
+            "epoch": np.asarray(self.epoch, np.int64),
+            "position": np.asarray(self.position, np.int64),
+            "pass_rate": self.pass_rate.astype(np.float64),
+            "retired": self.retired.astype(np.uint8),
         }
 
     def load_state_dict(self, state: dict) -> None:
-        if len(state["retired"]) != self.n:
+        if np.shape(state["retired"]) != (self.n,):
             raise ValueError(
-                f"curriculum state is for {len(state['retired'])} prompts, not {self.n}"
+                f"curriculum state is for {np.size(state['retired'])} prompts, not {self.n}"
             )
         self.epoch, self.position = int(state["epoch"]), int(state["position"])
         self.order = self._shuffle(self.epoch)
-        self.pass_rate = np.array([np.nan if p is None else p for p in state["pass_rate"]])
+        self.pass_rate = np.array(state["pass_rate"], np.float64)
         self.retired = np.array(state["retired"], bool)

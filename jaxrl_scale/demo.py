@@ -10,7 +10,8 @@
    `scripts/make_demo_policy.py` rebuilds it (`--from-scratch` runs that warm start here
    first, about 6 more minutes).
 2. Train with CISPO, PipelineRL-8, prompt aggregation, batch normalisation, zero-variance
-   filtering, No-Positive-Resampling and the FP32 head (configs/demo.yaml), evaluating the
+   filtering, No-Positive-Resampling and the FP32 head (jaxrl_scale/assets/demo.yaml, shipped
+   in the package: `--config asset:demo.yaml`), evaluating the
    held-out split every few steps; the online forecast refits the curve as it goes.
 3. Fit the sigmoid to the whole eval curve (R0 = the eval before RL) with bootstrap intervals,
    and check the fit made at half the run against where the run ended.
@@ -22,7 +23,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -87,34 +87,30 @@ def format_summary(s: dict) -> str:
 
 def make_demo_policy(cfg: ExperimentConfig, out: Path, steps: int = WARM_START_STEPS) -> Path:
     """The supervised warm start behind the shipped demo policy: `steps` steps on the task's
-    (noisy) demonstrations from a random init (the config's train.sft_* settings), saved as a
+    (noisy) demonstrations from a random init (the config's `warm_start` settings), saved as a
     Hugging Face folder at `out`."""
     from flax import nnx
 
     from jaxrl_scale.hf import save_pretrained
-    from jaxrl_scale.train import Trainer
+    from jaxrl_scale.model import Policy
+    from jaxrl_scale.tasks import make_task
+    from jaxrl_scale.warm_start import warm_start
 
-    cfg = dataclasses.replace(
-        cfg,
-        model=dataclasses.replace(cfg.model, init_from=None),
-        train=dataclasses.replace(cfg.train, sft_steps=steps, sft_target_loss=0.0),
+    model_cfg = dataclasses.replace(cfg.model, init_from=None)
+    graphdef, params = nnx.split(Policy(model_cfg, rngs=nnx.Rngs(params=cfg.seed)))
+    task = make_task(cfg.task, seed=cfg.seed)
+    settings = dataclasses.replace(cfg.warm_start, steps=steps, target_loss=0.0)
+    start = time.perf_counter()
+    params, losses = warm_start(params, graphdef, task, settings, seed=cfg.seed)
+    print(
+        f"warm start: {len(losses)} steps in {time.perf_counter() - start:.0f} s, "
+        f"demonstration loss {np.mean(losses[-50:]):.3f}"
     )
-    with tempfile.TemporaryDirectory() as scratch:  # the trainer's run files are not kept
-        trainer = Trainer(cfg, scratch, resume=False)
-        start = time.perf_counter()
-        losses = trainer.supervised_warm_start()
-        print(
-            f"warm start: {len(losses)} steps in {time.perf_counter() - start:.0f} s, "
-            f"demonstration loss {np.mean(losses[-50:]):.3f}"
-        )
-        model = nnx.merge(trainer.graphdef, trainer.state.params)
-        trainer.metrics.close()
-        trainer.checkpointer.close()
-    return save_pretrained(model, trainer.tok, out)
+    return save_pretrained(nnx.merge(graphdef, params), task.tokenizer, out)
 
 
 def run_demo(cfg: ExperimentConfig, out: Path, *, from_scratch: bool = False) -> dict:
-    from jaxrl_scale.train import Trainer
+    from jaxrl_scale.train import train
 
     out = Path(out)
     if from_scratch:
@@ -122,7 +118,7 @@ def run_demo(cfg: ExperimentConfig, out: Path, *, from_scratch: bool = False) ->
         cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, init_from=str(policy)))
     print(f"policy: {cfg.model.init_from or 'random init'}")
     start = time.perf_counter()
-    rows = Trainer(cfg, out, resume=False).train()
+    rows = train(cfg, out, resume=False)
     train_s = time.perf_counter() - start
     print(f"\nRL: {rows[-1]['step']} steps in {train_s:.0f} s; fitting the eval curve ...")
     summary = summarise(rows, out, x=cfg.forecast.x, train_seconds=train_s)

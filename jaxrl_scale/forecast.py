@@ -24,7 +24,7 @@ import warnings
 import numpy as np
 
 from jaxrl_scale.config import ForecastConfig
-from jaxrl_scale.fit import CurveDataError, bootstrap_sigmoid
+from jaxrl_scale.fit import Curve, CurveDataError, bootstrap_sigmoid
 from jaxrl_scale.fit.curves import sigmoid
 
 NOT_IDENTIFIABLE = "not identifiable yet"
@@ -145,24 +145,20 @@ class OnlineForecast:
             return self.cfg.budget
         return self.compute[-1] * self.total_steps / max(step, 1)
 
-    def replay(self, rows) -> None:
-        """Take the evaluations of logged metrics rows without refitting (on resume)."""
-        for row in rows:
-            if row.get("eval_pass_rate") is None:
-                continue
-            compute = row.get(self.cfg.x) or 0.0
-            if row["step"] == 0 or compute <= 0:
-                self.r0 = row["eval_pass_rate"]
-            else:
-                self.compute.append(float(compute))
-                self.rate.append(float(row["eval_pass_rate"]))
+    def replay(self, curve: Curve) -> None:
+        """Take a run's eval curve so far (fit.data.curve_from_rows of its metrics, unclean)
+        without refitting (on resume)."""
+        self.r0 = curve.r0 if curve.r0 is not None else self.r0
+        self.compute += [float(c) for c in curve.compute]
+        self.rate += [float(r) for r in curve.reward]
 
     def observe(self, step: int, compute: float, rate: float) -> dict | None:
         """Record one evaluation; returns forecast fields for its metrics row when a refit is
-        due, else None. The step-0 evaluation (no RL compute yet) is R0."""
+        due, else None. An evaluation at zero compute (before any RL) is R0, as in
+        fit.data.curve_from_rows."""
         if not math.isfinite(rate):
             raise ValueError(f"eval pass rate at step {step} is {rate}")
-        if step == 0 or compute <= 0:
+        if compute <= 0:
             self.r0 = rate
             return None
         self.compute.append(float(compute))

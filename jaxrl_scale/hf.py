@@ -22,7 +22,7 @@ from jax.sharding import Mesh
 from safetensors import SafetensorError, safe_open
 from safetensors.numpy import save_file
 
-from jaxrl_scale.config import ModelConfig, RopeScalingConfig
+from jaxrl_scale.config import ModelConfig, RopeScalingConfig, asset_path
 from jaxrl_scale.model import Policy
 from jaxrl_scale.sharding import variable_sharding
 from jaxrl_scale.tokenizer import Tokenizer
@@ -34,7 +34,6 @@ ARCHITECTURES = {
 }
 _HF_NAMES = {arch: name for name, arch in ARCHITECTURES.items()}
 INDEX_FILE = "model.safetensors.index.json"
-ASSETS = Path(__file__).resolve().parent / "assets"  # checkpoints shipped with the package
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)  # buffers some old checkpoints carry
 
 
@@ -239,7 +238,7 @@ def resolve_checkpoint(path: str | Path) -> Path:
     text = str(path)
     if not text.startswith("asset:"):
         return Path(path)
-    folder = ASSETS / text.removeprefix("asset:")
+    folder = asset_path(text)
     if not (folder / "config.json").exists():
         hint = ""
         if text == "asset:demo_policy":

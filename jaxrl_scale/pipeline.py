@@ -1,4 +1,4 @@
-"""How rollouts reach the trainer: the three modes, behind one `next()` / `stop()` interface.
+"""How rollouts reach the trainer: the three modes, behind one small interface.
 
 - `sync` (k = 0): generate one batch with the current parameters, train on it, repeat.
 - `ppo_off_policy`: generate k batches with one set of parameters, then take k steps on them.
@@ -8,50 +8,59 @@
   As in PipelineRL, the side that is ahead waits: the generator starts batch n only once the
   trainer has published n - k updates, so no batch arrives more than k versions old and none
   is generated only to be thrown away.
+- `pipeline_rl` with `lockstep` (always so across processes): no generator thread; the next
+  batch is generated inside `trained`, on the generator's devices, while the step just
+  dispatched runs on the trainer's, with the new weights swapped in at a fixed chunk.
 
-A producer is `rollouts(params_source, key) -> batch` where `params_source()` returns the newest
-(version, params) and the batch has a `versions` array (per-token policy version, -1 if none).
+A producer is `produce(params_for_chunk, key) -> batch`: it calls `params_for_chunk(c)` ->
+(version, params) for the parameters to decode chunk c with (c = 0 also prefills), and the
+batch has a `versions` array (per-token policy version, -1 if none). Where new weights reach
+the generator is therefore an explicit chunk index, never a count of calls.
 
-Every feeder has `next()` (the batch to train on) and `trained(state)`, called as soon as the
-train step on that batch is dispatched (before its result is read), `take_dropped()` (batches
-generated but never to be trained on, for the run to count and charge), and `stop()`. In
-`pipeline_rl` with `lockstep` (always so across processes) there is no generator thread: the
-next batch is generated inside `trained`, on the generator's devices, while the dispatched step
-runs on the trainer's.
+The policy version is the number of train steps taken (a step whose update was skipped as
+non-finite counts: its parameters equal the previous version's, so staleness is overstated,
+never understated). It is counted on the host, so nothing here waits for the device.
+
+Every feeder has `next()` (the batch to train on), `trained(params, version)` (called as soon
+as the step that made `version` is dispatched, before its result is read), `take_dropped()`
+(batches generated but never to be trained on, for the run to count and charge), `pending`
+(batches generated but not yet handed out that a checkpoint can keep: empty for the generator
+thread, whose timing is not reproducible) and `stop()`.
 """
 
 from __future__ import annotations
 
-import itertools
 import threading
 from collections.abc import Callable
 from typing import Any
 
 import jax
 
-from jaxrl_scale.buffer import RolloutBuffer
+from jaxrl_scale.buffer import RolloutBuffer, oldest_version
+from jaxrl_scale.config import ConfigError, PipelineConfig
 
-Producer = Callable[[Callable[[], tuple[int, Any]], jax.Array], Any]
+ParamsForChunk = Callable[[int], tuple[int, Any]]
+Producer = Callable[[ParamsForChunk, jax.Array], Any]
 
 
 class ParamsSource:
     """The newest published parameters and their version, read by the generator. `place` puts
     a published (version, params) where the generator reads them (a copy, or another device
-    set); the version is an int, or a device scalar that has not been read yet."""
+    set). Written by the trainer thread, read by the generator thread: behind a lock."""
 
     def __init__(
-        self, version, params, *, place: Callable[[Any, Any], tuple] = lambda v, p: (v, p)
+        self, version: int, params, *, place: Callable[[Any], Any] = lambda params: params
     ):
         self._lock = threading.Lock()
         self._place = place
         self.publish(version, params)
 
-    def publish(self, version, params) -> None:
-        latest = self._place(version, params)
+    def publish(self, version: int, params) -> None:
+        placed = self._place(params)
         with self._lock:
-            self._latest = latest
+            self._latest = (version, placed)
 
-    def __call__(self) -> tuple[int, Any]:
+    def latest(self) -> tuple[int, Any]:
         with self._lock:
             return self._latest
 
@@ -67,20 +76,21 @@ class SyncFeeder:
         self.produce, self.source, self.key = produce, source, key
         self.per_policy, self.round = per_policy, round_
         self.pending: list[Any] = list(pending)
+        self.dropped: list[Any] = []
 
-    def trained(self, state) -> None:
-        self.source.publish(int(state.step), state.params)
+    def trained(self, params, version: int) -> None:
+        self.source.publish(version, params)
 
     def take_dropped(self) -> list[Any]:
-        return []
+        out, self.dropped = self.dropped, []
+        return out
 
     def next(self) -> Any:
         if not self.pending:
-            version, params = self.source()
-            frozen = lambda: (version, params)  # noqa: E731
+            frozen = self.source.latest()
             for i in range(self.per_policy):
                 key = jax.random.fold_in(self.key, self.round * self.per_policy + i)
-                self.pending.append(self.produce(frozen, key))
+                self.pending.append(self.produce(lambda chunk: frozen, key))
             self.round += 1
         return self.pending.pop(0)
 
@@ -98,12 +108,12 @@ class PipelineFeeder:
     batch n; the trainer waits on an empty buffer. The buffer still drops (and keeps for
     `take_dropped`) anything staler, which this schedule never produces."""
 
-    def __init__(
-        self, produce: Producer, source: ParamsSource, key, *, k: int, version: Callable[[], int]
-    ):
-        self.produce, self.source, self.key, self.version = produce, source, key, version
+    def __init__(self, produce: Producer, source: ParamsSource, key, *, k: int, version: int):
+        self.produce, self.source, self.key = produce, source, key
         self.k = k
+        self.start_version = version
         self.buffer = RolloutBuffer(k)
+        self.dropped: list[Any] = []  # stale batches handed over at start (consumer thread)
         # Updates published so far: written by the trainer thread (`trained`), waited on by
         # the generator thread, so it lives behind the condition's lock.
         self._published = 0
@@ -111,10 +121,6 @@ class PipelineFeeder:
         self.halt = threading.Event()
         self.thread = threading.Thread(target=self._run, name="generator", daemon=True)
         self.thread.start()
-
-    @property
-    def dropped(self) -> int:
-        return self.buffer.dropped
 
     def _wait_for_update(self, n: int) -> bool:
         """Block until n updates have been published (False if halted meanwhile)."""
@@ -129,21 +135,29 @@ class PipelineFeeder:
         n = 0
         try:
             while self._wait_for_update(n - self.k):
-                batch = self.produce(self.source, jax.random.fold_in(self.key, 2**20 + n))
+                newest = lambda chunk: self.source.latest()  # noqa: E731  in flight
+                batch = self.produce(newest, jax.random.fold_in(self.key, 2**20 + n))
                 n += 1
                 if not self.buffer.put(batch, batch.versions, halt=self.halt):
                     return
         except BaseException as e:  # surfaced in the trainer thread
             self.buffer.put_error(e)
 
+    @property
+    def pending(self) -> list[Any]:
+        return []  # in flight on the generator thread: regenerated on resume, not kept
+
     def next(self) -> Any:
-        return self.buffer.get(self.version())
+        with self._progress:
+            version = self.start_version + self._published
+        return self.buffer.get(version)
 
     def take_dropped(self) -> list[Any]:
-        return self.buffer.take_dropped()
+        out, self.dropped = self.dropped, []
+        return out + self.buffer.take_dropped()
 
-    def trained(self, state) -> None:
-        self.source.publish(int(state.step), state.params)
+    def trained(self, params, version: int) -> None:
+        self.source.publish(version, params)
         with self._progress:
             self._published += 1
             self._progress.notify_all()
@@ -156,10 +170,10 @@ class PipelineFeeder:
 class LockstepFeeder:
     """pipeline_rl from one thread, in an order fixed in advance (so every process issues the
     same programs in the same order). While the trainer's step v -> v + 1 runs (dispatched,
-    not yet finished), the next batch is generated: its first half of decode chunks with
-    version v, which is already on the generator, its second half with v + 1, pushed as soon
-    as the step was dispatched (an in-flight update; the generator waits for the step only if
-    it gets there first). The generator is one batch ahead, so staleness is at most 1."""
+    not yet finished), the next batch is generated: chunks before `swap_at` with version v,
+    which is already on the generator, the rest with v + 1, pushed as soon as the step was
+    dispatched (an in-flight update; the generator waits for the step only if it gets there
+    first). The generator is one batch ahead, so staleness is at most 1."""
 
     def __init__(
         self, produce: Producer, source: ParamsSource, key, *, chunks: int, start: int, pending
@@ -167,29 +181,76 @@ class LockstepFeeder:
         """`start` numbers the next batch generated (its key); `pending` holds the batch already
         generated for the next step, if any (a resumed run's)."""
         self.produce, self.source, self.key = produce, source, key
-        self.swap_after = -(-chunks // 2)  # params_source() calls that still get the old version
+        self.swap_at = -(-chunks // 2)  # the first chunk decoded with the new weights
         self.n = start
         self.pending: list[Any] = list(pending)
+        self.dropped: list[Any] = []
 
-    def _produce(self, params_source) -> Any:
-        batch = self.produce(params_source, jax.random.fold_in(self.key, 2**20 + self.n))
+    def _produce(self, params_for_chunk: ParamsForChunk) -> Any:
+        batch = self.produce(params_for_chunk, jax.random.fold_in(self.key, 2**20 + self.n))
         self.n += 1
         return batch
 
     def take_dropped(self) -> list[Any]:
-        return []
+        out, self.dropped = self.dropped, []
+        return out
 
     def next(self) -> Any:
         if not self.pending:  # the first batch: nothing to overlap it with
-            self.pending = [self._produce(self.source)]
+            frozen = self.source.latest()
+            self.pending = [self._produce(lambda chunk: frozen)]
         return self.pending.pop(0)
 
-    def trained(self, state) -> None:
-        old = self.source()
-        self.source.publish(state.step, state.params)  # the version stays on the device
-        new = self.source()
-        calls = itertools.count(1)
-        self.pending = [self._produce(lambda: old if next(calls) <= self.swap_after else new)]
+    def trained(self, params, version: int) -> None:
+        old = self.source.latest()
+        self.source.publish(version, params)
+        new = self.source.latest()
+        self.pending = [self._produce(lambda chunk: old if chunk < self.swap_at else new)]
 
     def stop(self) -> None:
         pass
+
+
+def make_feeder(
+    cfg: PipelineConfig,
+    produce: Producer,
+    source: ParamsSource,
+    key,
+    *,
+    version: int,
+    chunks: int,
+    multiprocess: bool = False,
+    resumed: list[Any] = (),
+):
+    """The feeder for `cfg.mode`, starting at policy `version` (the steps taken so far).
+    `resumed`: batches an interrupted run had generated but not trained on (deterministic
+    modes); those staler than this run's k are handed to `take_dropped`, the rest are used."""
+    k = 0 if cfg.mode == "sync" else cfg.max_staleness
+    fresh, stale = [], []
+    for batch in resumed:
+        oldest = oldest_version(batch.versions)
+        (fresh if oldest is None or version - oldest <= k else stale).append(batch)
+    if cfg.mode == "pipeline_rl" and (cfg.lockstep or multiprocess):
+        if k < 1:
+            raise ConfigError(
+                "pipeline.max_staleness: pipeline_rl in lockstep (always so across processes) "
+                "keeps the generator one batch ahead and needs k >= 1"
+            )
+        feeder = LockstepFeeder(
+            produce, source, key, chunks=chunks, start=version + len(fresh), pending=fresh
+        )
+    elif cfg.mode == "pipeline_rl":
+        feeder = PipelineFeeder(produce, source, key, k=k, version=version)
+        stale += fresh  # the generator thread's schedule starts afresh
+    else:
+        per_policy = 1 if cfg.mode == "sync" else k
+        feeder = SyncFeeder(
+            produce,
+            source,
+            key,
+            per_policy=per_policy,
+            round_=-(-version // per_policy),  # rounds begun so far
+            pending=fresh,
+        )
+    feeder.dropped = stale
+    return feeder

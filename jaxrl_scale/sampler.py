@@ -24,6 +24,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from jaxrl_scale.config import ConfigError, SamplerConfig, check_sampling, check_thinking_budget
 from jaxrl_scale.model import KVCache, Policy
 from jaxrl_scale.sharding import LOGICAL_RULES, state_shardings
 
@@ -44,12 +45,7 @@ class Sampling:
     top_k: int = 0
 
     def __post_init__(self):
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.top_k < 0:
-            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+        check_sampling(self.temperature, self.top_p, self.top_k, key="sampling")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,16 +68,37 @@ class Interruption:
     def __post_init__(self):
         if not self.token_ids:
             raise ValueError("interruption needs at least one token id")
-        if not 1 <= self.think_min <= self.think_max:
-            raise ValueError(
-                f"need 1 <= think_min <= think_max, got {self.think_min}, {self.think_max}"
-            )
-        if self.answer_budget < 1:
-            raise ValueError(f"answer_budget must be >= 1, got {self.answer_budget}")
+        check_thinking_budget(self.think_min, self.think_max, self.answer_budget, "interruption")
 
     @property
     def max_tokens(self) -> int:
         return self.think_max + len(self.token_ids) + self.answer_budget
+
+    @classmethod
+    def from_config(cls, cfg: SamplerConfig, tokenizer) -> Interruption | None:
+        """The sampler's interruption for `cfg.interruption` (None when off), its texts
+        tokenized, checked against the budget: think_max + the text's tokens + answer_budget
+        must fit in sampler.max_new_tokens."""
+        i = cfg.interruption
+        if i is None:
+            return None
+        encoded = {}
+        for name in ("text", "think_end"):
+            text = getattr(i, name)
+            try:
+                encoded[name] = tuple(tokenizer.encode(text)) if text else ()
+            except ValueError as e:
+                raise ConfigError(
+                    f"sampler.interruption.{name}: cannot be tokenized: {e}"
+                ) from None
+        out = cls(encoded["text"], i.think_min, i.think_max, i.answer_budget, encoded["think_end"])
+        if out.max_tokens > cfg.max_new_tokens:
+            raise ConfigError(
+                f"sampler.max_new_tokens: {cfg.max_new_tokens} is below "
+                f"interruption.think_max ({i.think_max}) + the text's {len(encoded['text'])} "
+                f"tokens + answer_budget ({i.answer_budget}) = {out.max_tokens}"
+            )
+        return out
 
 
 @jax.tree_util.register_dataclass
@@ -408,8 +425,12 @@ def generate(
         interruption=interruption,
         prompt_len=tokens.shape[1],
     )
-    while True:
+    for _ in range(num_chunks(max_new_tokens, chunk_size)):
         state = decode(graphdef, params, state, version, chunk, **static)
-        if bool(jnp.all(state.done)) or int(state.step) >= max_new_tokens:
-            break
     return to_rollout(tokens, mask, state)
+
+
+def num_chunks(max_new_tokens: int, chunk_size: int | None) -> int:
+    """Decode chunks for a budget. The host dispatches every chunk without reading anything
+    back: once all rows are done, a chunk's on-device loop condition exits at once."""
+    return -(-max_new_tokens // (chunk_size or max_new_tokens))

@@ -1,7 +1,9 @@
-"""Device mesh from config, logical-axis -> mesh-axis rules, and sharded placement.
+"""Device meshes from config, logical-axis -> mesh-axis rules, and sharded placement.
 
 Model code names logical axes only (`logical_axes` metadata on each parameter); this table is the
-one place that says where they live on the ("data", "fsdp", "tensor") mesh.
+one place that says where they live on the ("data", "fsdp", "tensor") mesh. The run's meshes
+(trainer, and generator when it has devices of its own), the train state's and the batch's
+layouts and the checks that batches split evenly over them are here too.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
-from jaxrl_scale.config import ConfigError, MeshConfig
+from jaxrl_scale.config import ConfigError, ExperimentConfig, MeshConfig
 
 MESH_AXES = ("data", "fsdp", "tensor")
 
@@ -102,6 +104,88 @@ def shard_module(module: nnx.Module, mesh: Mesh) -> nnx.Module:
     return nnx.merge(graphdef, jax.device_put(state, state_shardings(state, mesh)))
 
 
+def replicated(mesh: Mesh) -> NamedSharding:
+    """A full copy on every device of `mesh`."""
+    return NamedSharding(mesh, PartitionSpec())
+
+
 def batch_sharding(mesh: Mesh, ndim: int = 2) -> NamedSharding:
     """Leading axis over the batch mesh axes, the rest replicated."""
     return NamedSharding(mesh, PartitionSpec(LOGICAL_RULES["batch"], *([None] * (ndim - 1))))
+
+
+def batch_shardings(tree, mesh: Mesh):
+    """A sharding for every leaf of a batch-like tree (arrays or shapes with a leading batch
+    axis), from the leaf's rank: rows over the batch axes, the rest replicated."""
+    return jax.tree.map(lambda x: batch_sharding(mesh, np.ndim(x) if np.ndim(x) else 1), tree)
+
+
+def train_state_shardings(state, mesh: Mesh):
+    """A train state's layout: parameters (and the optimizer moments that mirror them) where
+    their logical axes put them on `mesh` (they were created there); everything else
+    (counters, scalars) replicated."""
+
+    def one(x):
+        s = getattr(x, "sharding", None)
+        ok = isinstance(s, NamedSharding) and s.mesh == mesh
+        return s if ok else replicated(mesh)
+
+    return jax.tree.map(one, state)
+
+
+def make_meshes(cfg: ExperimentConfig) -> tuple[Mesh, Mesh | None]:
+    """(trainer mesh, generator mesh or None): `pipeline.generator_devices` takes the last
+    devices for generation (batch-parallel, with the trainer's tensor axis) and leaves the rest,
+    shaped by `mesh`, to the trainer. Across processes every process gives its last
+    generator_devices / processes devices, so each holds devices of both meshes."""
+    g = cfg.pipeline.generator_devices
+    if g == 0:
+        return make_mesh(cfg.mesh), None
+    devices = jax.devices()
+    if g >= len(devices):
+        raise ConfigError(
+            f"pipeline.generator_devices: {g} leaves no device for training "
+            f"(there are {len(devices)})"
+        )
+    tensor = cfg.mesh.tensor if cfg.mesh.tensor > 0 else 1
+    if g % tensor:
+        raise ConfigError(
+            f"pipeline.generator_devices: {g} is not a multiple of mesh.tensor={tensor}"
+        )
+    per_process: dict[int, list] = {}
+    for d in devices:
+        per_process.setdefault(d.process_index, []).append(d)
+    n = len(per_process)
+    if g % n or g // n >= min(len(ds) for ds in per_process.values()):
+        raise ConfigError(
+            f"pipeline.generator_devices: {g} must take the same number of devices from each "
+            f"of the {n} processes and leave each some to train with (whole hosts that only "
+            "generate are not supported)"
+        )
+    take = g // n
+    gen = [d for p in sorted(per_process) for d in per_process[p][-take:]]
+    train = [d for p in sorted(per_process) for d in per_process[p][:-take]]
+    gen_mesh = make_mesh(MeshConfig(data=g // tensor, fsdp=1, tensor=tensor), gen)
+    return make_mesh(cfg.mesh, train), gen_mesh
+
+
+def check_divisible(cfg: ExperimentConfig, mesh: Mesh, gen_mesh: Mesh | None) -> None:
+    """Batches split evenly over the batch axes of the meshes they live on."""
+    batch = cfg.train.prompts_per_step * cfg.train.group_size
+    checks = [("train.prompts_per_step x train.group_size", batch, mesh, "mesh")]
+    if gen_mesh is not None:
+        checks += [
+            ("train.prompts_per_step x train.group_size", batch, gen_mesh, "generator"),
+            (
+                "task.num_eval x train.eval_samples",
+                cfg.task.num_eval * cfg.train.eval_samples,
+                gen_mesh,
+                "generator",
+            ),
+        ]
+    for name, size, m, where in checks:
+        ways = m.shape["data"] * m.shape["fsdp"]
+        if size % ways:
+            raise ConfigError(
+                f"{name}: {size} does not split over the {where}'s {ways} batch shards"
+            )

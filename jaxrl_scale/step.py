@@ -13,9 +13,10 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
-from jaxrl_scale.config import LossConfig, TrainConfig
+from jaxrl_scale.config import LossConfig, OptimConfig
 from jaxrl_scale.losses import combine_sums, loss_sums, loss_weights, metrics_from_sums
 from jaxrl_scale.model import completion_logprobs, token_logprobs
+from jaxrl_scale.sharding import replicated
 
 
 @jax.tree_util.register_dataclass
@@ -44,6 +45,20 @@ class Batch:
     adv: jax.Array  # [B] float32
 
     @classmethod
+    def shapes(cls, rows: int, prompt_len: int, new_tokens: int) -> Batch:
+        """Shapes and dtypes of a batch (e.g. to derive its shardings before one exists)."""
+        s = jax.ShapeDtypeStruct
+        return cls(
+            prompt_tokens=s((rows, prompt_len), jnp.int32),
+            prompt_mask=s((rows, prompt_len), jnp.bool_),
+            tokens=s((rows, new_tokens), jnp.int32),
+            mask=s((rows, new_tokens), jnp.bool_),
+            loss_mask=s((rows, new_tokens), jnp.float32),
+            behavior_logp=s((rows, new_tokens), jnp.float32),
+            adv=s((rows,), jnp.float32),
+        )
+
+    @classmethod
     def from_rollout(cls, ro, adv_b, keep_b, xp=jnp) -> Batch:
         """Only sampled tokens of kept rows count. With `xp=numpy` and host arrays, the batch
         is built on the host."""
@@ -59,15 +74,17 @@ class Batch:
         )
 
 
-def make_optimizer(learning_rate: float, cfg: TrainConfig, *, total_steps: int | None = None):
-    """AdamW after global-norm clipping, linear warm-up then constant (or cosine) learning rate."""
-    warmup = optax.linear_schedule(0.0, learning_rate, max(cfg.warmup_steps, 1))
+def make_optimizer(cfg: OptimConfig, *, total_steps: int) -> optax.GradientTransformation:
+    """The one place an optimiser is built (RL and warm start): AdamW after global-norm
+    clipping, linear warm-up, then a constant learning rate or a cosine decay that reaches 0
+    at `total_steps`."""
+    warmup = optax.linear_schedule(0.0, cfg.learning_rate, max(cfg.warmup_steps, 1))
     if cfg.schedule == "cosine":
         decay = optax.cosine_decay_schedule(
-            learning_rate, max((total_steps or cfg.steps) - cfg.warmup_steps, 1)
+            cfg.learning_rate, max(total_steps - cfg.warmup_steps, 1)
         )
     else:
-        decay = optax.constant_schedule(learning_rate)
+        decay = optax.constant_schedule(cfg.learning_rate)
     schedule = optax.join_schedules([warmup, decay], [cfg.warmup_steps])
     return optax.chain(
         optax.clip_by_global_norm(cfg.grad_clip),
@@ -202,6 +219,7 @@ def train_step(
         "loss": loss,
         "grad_norm": grad_norm,
         "skipped": 1 - finite.astype(jnp.int32),
+        "nonfinite_in_a_row": new_state.nonfinite,  # read by the loop (one step late)
     }
     return new_state, metrics
 
@@ -233,11 +251,10 @@ def compile_train_step(
     if state_sharding is None:
         return jax.jit(step, donate_argnums=0)
     mesh = jax.tree.leaves(batch_sharding)[0].mesh
-    replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
     return jax.jit(
         step,
         in_shardings=(state_sharding, batch_sharding),
-        out_shardings=(state_sharding, replicated),
+        out_shardings=(state_sharding, replicated(mesh)),
         donate_argnums=0,
     )
 

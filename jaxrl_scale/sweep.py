@@ -23,20 +23,22 @@ import numpy as np
 
 from jaxrl_scale.config import load_config
 from jaxrl_scale.fit import Curve, bootstrap_sigmoid, shared_ceiling
-from jaxrl_scale.fit.report import eval_points, fit_run
+from jaxrl_scale.fit.report import fit_run, run_curve
 from jaxrl_scale.metrics import read_metrics
 
 N_BOOT = 1000
 
 
-def mean_curve(runs: list[list[dict[str, Any]]], name: str, x: str = "compute_flops"):
-    """(R0, Curve) of several seeds' runs: eval points averaged at each eval step they share."""
-    points = [eval_points(rows, x) for rows in runs]
-    shared = sorted(set.intersection(*(set(p[1].tolist()) for p in points)))
-    picks = [np.isin(steps, shared) for _, steps, _, _ in points]  # steps are increasing
-    compute = np.mean([c[k] for (_, _, c, _), k in zip(points, picks, strict=True)], axis=0)
-    rate = np.mean([r[k] for (_, _, _, r), k in zip(points, picks, strict=True)], axis=0)
-    return float(np.mean([p[0] for p in points])), Curve(name, compute, rate)
+def mean_curve(runs: list[list[dict[str, Any]]], name: str, x: str = "compute_flops") -> Curve:
+    """Several seeds' runs as one curve: eval points averaged at each eval step they share,
+    R0 the mean of their R0s."""
+    curves = [run_curve(rows, x, name) for rows in runs]
+    shared = sorted(set.intersection(*(set(c.steps.tolist()) for c in curves)))
+    picks = [np.isin(c.steps, shared) for c in curves]  # steps are increasing
+    compute = np.mean([c.compute[k] for c, k in zip(curves, picks, strict=True)], axis=0)
+    rate = np.mean([c.reward[k] for c, k in zip(curves, picks, strict=True)], axis=0)
+    r0 = float(np.mean([c.r0 for c in curves]))
+    return Curve(name, compute, rate, r0=r0, steps=np.asarray(shared))
 
 
 def run_sweep(
@@ -48,7 +50,7 @@ def run_sweep(
     margin: float = 0.02,
     n_boot: int = N_BOOT,
 ) -> dict[str, Any]:
-    from jaxrl_scale.train import Trainer
+    from jaxrl_scale.train import train
 
     out = Path(out)
     names = [Path(c).stem for c in configs]
@@ -67,7 +69,7 @@ def run_sweep(
             cfg = load_config(path, [*overrides, f"seed={seed}"])
             print(f"{name} seed {seed}: training -> {run_dir}", flush=True)
             start = time.perf_counter()
-            Trainer(cfg, run_dir).train()  # resumes from the run's last checkpoint, if any
+            train(cfg, run_dir)  # resumes from the run's last checkpoint, if any
             result = {
                 "config": name,
                 "seed": seed,
@@ -91,22 +93,16 @@ def compare(out: Path, names, runs, *, margin: float, n_boot: int, x: str) -> di
     configs, curves, entries = [], {}, []
     for name in names:
         rows = [read_metrics(r["run_dir"]) for r in runs if r["config"] == name]
-        r0, curve = mean_curve(rows, name, x)
-        boot = bootstrap_sigmoid(curve.compute, curve.reward, n=n_boot, r0=r0)
+        curve = mean_curve(rows, name, x)
+        boot = bootstrap_sigmoid(curve.compute, curve.reward, n=n_boot, r0=curve.r0)
         curves[name] = curve
         entries.append((curve, boot, None))
         configs.append(
             {
                 "config": name,
                 "seeds": len(rows),
-                "r0": r0,
                 "final_pass_rate": float(curve.reward[-1]),
-                "a": float(boot.fit.a),
-                "a_ci": list(boot.ci["a"]),
-                "b": float(boot.fit.b),
-                "b_ci": list(boot.ci["b"]),
-                "c_mid": float(boot.fit.c_mid),
-                "identifiable": boot.identifiable,
+                **boot.to_dict(),
             }
         )
     ranking = [c["config"] for c in sorted(configs, key=lambda c: -c["a"])]

@@ -12,7 +12,7 @@ SMALL = [
     "model.hidden_size=32",
     "model.intermediate_size=64",
     "model.num_layers=1",
-    "task.max_digits=1",
+    "task.arithmetic.max_digits=1",
     "task.num_train=64",
     "task.num_eval=16",
     "train.prompts_per_step=8",
@@ -59,10 +59,56 @@ def test_demo_from_scratch_trains_fits_and_reports(tmp_path, capsys, monkeypatch
 def test_demo_without_its_policy_says_how_to_make_it(tmp_path, capsys, monkeypatch):
     import jaxrl_scale.hf as hf
 
-    monkeypatch.setattr(hf, "ASSETS", tmp_path / "missing")
+    monkeypatch.setattr(hf, "asset_path", lambda name: tmp_path / "missing" / name)
     assert main(["demo", "--out", str(tmp_path / "run")]) == 2
     err = capsys.readouterr().err
     assert "make_demo_policy.py" in err and "--from-scratch" in err
+
+
+def test_demo_without_its_config_is_an_error_not_default_settings(tmp_path, capsys, monkeypatch):
+    import jaxrl_scale.config as config
+
+    monkeypatch.setattr(config, "asset_path", lambda name: tmp_path / "missing" / name)
+    assert main(["demo", "--out", str(tmp_path / "run")]) == 2
+    assert "demo.yaml: no such config file" in capsys.readouterr().err
+    assert not (tmp_path / "run").exists()  # nothing ran
+
+
+def test_a_built_wheel_carries_what_the_demo_needs(tmp_path):
+    """The demo's config and starting policy ship in the wheel; an installed package reads
+    them from itself, not from a source tree."""
+    import shutil
+    import subprocess
+    import sys
+    import zipfile
+
+    from conftest import ROOT
+
+    source = tmp_path / "source"  # a copy: the build writes next to the sources
+    skip = shutil.ignore_patterns(".*", "runs", "build", "dist", "*.egg-info", "__pycache__")
+    shutil.copytree(ROOT, source, ignore=skip)
+    build = [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q"]
+    subprocess.run([*build, "-w", str(tmp_path), str(source)], check=True, timeout=300)
+    (wheel,) = tmp_path.glob("jaxrl_scale-*.whl")
+    site = tmp_path / "site"
+    with zipfile.ZipFile(wheel) as z:
+        names = set(z.namelist())
+        z.extractall(site)
+    for name in ("demo.yaml", "demo_policy/config.json", "demo_policy/model.safetensors"):
+        assert f"jaxrl_scale/assets/{name}" in names
+    code = (
+        "import jaxrl_scale.config as c, jaxrl_scale.hf as hf; "
+        "print(c.asset_path('demo.yaml')); print(hf.resolve_checkpoint('asset:demo_policy')); "
+        "cfg = c.load_config(c.asset_path('demo.yaml')); print(cfg.train.steps)"
+    )
+    env = {"PYTHONPATH": str(site), "PATH": "/usr/bin:/bin"}
+    out = subprocess.run(
+        [sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    config_path, policy_path, steps = out.stdout.split()
+    assert config_path.startswith(str(site)) and policy_path.startswith(str(site))
+    assert int(steps) == 300
 
 
 def test_bad_override_exits_2_naming_key(tmp_path, capsys):

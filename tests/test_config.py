@@ -3,7 +3,7 @@ from conftest import ROOT
 
 from jaxrl_scale.config import ConfigError, ExperimentConfig, RopeScalingConfig, load_config
 
-DEMO = ROOT / "configs" / "demo.yaml"
+DEMO = "asset:demo.yaml"  # shipped inside the package
 
 
 def test_demo_yaml_loads_into_typed_config():
@@ -129,7 +129,56 @@ def test_shipped_configs_and_ablation_arms_load():
     assert qwen.task.name == "math" and qwen.loss.kind == "cispo"
     assert qwen.pipeline.mode == "pipeline_rl" and qwen.pipeline.max_staleness == 8
     assert qwen.model.lm_head_dtype == "float32"
-    prompt = qwen.task.template.format(question="What is 1+1?")
+    prompt = qwen.task.math.template.format(question="What is 1+1?")
     assert "\\boxed{}" in prompt and "What is 1+1?" in prompt
     arm = load_config(ROOT / "configs" / "ablations" / "qwen2.5-0.5b_math_dapo.yaml")
-    assert arm.loss.kind == "dapo" and arm.train == qwen.train
+    assert arm.loss.kind == "dapo" and arm.train == qwen.train and arm.optim == qwen.optim
+    study = load_config(ROOT / "configs" / "study" / "sync.yaml")  # base: asset:demo.yaml
+    assert study.pipeline.mode == "sync" and study.task == load_config(DEMO).task
+
+
+@pytest.mark.parametrize(
+    "old, new",
+    [
+        ("train.learning_rate=1e-3", "optim.learning_rate"),
+        ("train.sft_steps=10", "warm_start.steps"),
+        ("train.sft_learning_rate=1e-3", "warm_start.optim.learning_rate"),
+        ("task.max_digits=1", "task.arithmetic.max_digits"),
+        ("task.numbers=4", "task.countdown.numbers"),
+        ("task.data=x.jsonl", "task.math.data"),
+    ],
+)
+def test_a_key_that_moved_section_names_its_new_place(old, new):
+    with pytest.raises(ConfigError, match=f"'{old.split('=')[0]}' is now '{new}'"):
+        load_config(DEMO, [old])
+
+
+def test_task_sections_and_the_optimisers_are_their_own():
+    cfg = load_config(
+        DEMO,
+        [
+            "task.countdown.numbers=4",
+            "optim.learning_rate=0.5",
+            "warm_start.optim.learning_rate=0.25",
+        ],
+    )
+    assert cfg.task.countdown.numbers == 4 and cfg.task.arithmetic.max_digits == 2
+    assert cfg.optim.learning_rate == 0.5 and cfg.warm_start.optim.learning_rate == 0.25
+    with pytest.raises(ConfigError, match="task.countdown.numbers"):
+        load_config(DEMO, ["task.countdown.numbers=9"])
+    with pytest.raises(ConfigError, match="warm_start.optim|optim.learning_rate"):
+        load_config(DEMO, ["warm_start.optim.learning_rate=0"])
+
+
+def test_dump_config_reads_back_equal():
+    import tempfile
+    from pathlib import Path
+
+    from jaxrl_scale.config import dump_config
+
+    cfg = load_config(ROOT / "configs" / "scalerl_qwen2.5-0.5b_math.yaml", ["seed=4"])
+    with tempfile.TemporaryDirectory() as d:
+        path = Path(d) / "config.yaml"
+        path.write_text(dump_config(cfg, header="a\nb"))
+        assert path.read_text().startswith("# a\n# b\n")
+        assert load_config(path) == cfg

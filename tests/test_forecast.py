@@ -4,6 +4,7 @@ import numpy as np
 import pytest
 
 from jaxrl_scale.config import ConfigError, ForecastConfig
+from jaxrl_scale.fit.data import curve_from_rows
 from jaxrl_scale.forecast import NOT_IDENTIFIABLE, OnlineForecast, fit_forecast
 
 A, B, C_MID, R0 = 0.72, 1.6, 1e12, 0.30
@@ -107,9 +108,26 @@ def test_replay_restores_history_without_refitting():
         for i, (c, r) in enumerate(zip(compute, rate, strict=True))
     ]
     forecaster = OnlineForecast(ForecastConfig(every=1, bootstrap=100), total_steps=8)
-    forecaster.replay(rows)
-    assert forecaster.r0 == R0 and forecaster.compute == list(compute)
+    forecaster.replay(curve_from_rows(rows[:4], clean=False))  # 2 points: fewer than a fit needs
+    assert forecaster.r0 == R0 and forecaster.compute == list(compute[:2])
     assert forecaster.last is None
+    # The same rule for R0 as every other reader: rows at zero compute measure it.
+    assert curve_from_rows(rows).r0 == R0 and curve_from_rows(rows).steps.tolist() == [
+        2,
+        3,
+        4,
+        5,
+        6,
+        7,
+        8,
+        9,
+    ]
+
+
+def test_observe_takes_any_zero_compute_evaluation_as_r0():
+    forecaster = OnlineForecast(ForecastConfig(every=1, bootstrap=100), total_steps=8)
+    assert forecaster.observe(3, 0.0, 0.25) is None  # no RL compute yet: R0, not a point
+    assert forecaster.r0 == 0.25 and forecaster.compute == []
 
 
 def test_bad_input():

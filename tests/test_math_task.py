@@ -1,6 +1,7 @@
 """The math task: loading, answer extraction, math-verify equivalence in a worker with a timeout."""
 
 import json
+import threading
 import time
 from pathlib import Path
 
@@ -119,3 +120,37 @@ def test_parquet_and_separate_eval_file(tmp_path):
     assert [e["question"] for e in task.train_examples] == [r["question"] for r in renamed[:8]]
     assert [e["question"] for e in task.eval_examples] == [r["question"] for r in renamed[8:11]]
     assert task.eval_examples[0]["answer"] == renamed[8]["final"]
+
+
+def test_two_threads_share_the_verifier_while_one_call_hangs():
+    """In pipeline_rl the generator thread scores rollouts while the main thread scores
+    evaluations. A hanging call replaces the worker; a call from the other thread must still
+    get its true answer, not a pool shut down under it (which scored 0)."""
+    verifier = Verifier(timeout=1.5)
+    results, errors = [], []
+
+    def hang():
+        try:
+            results.append(("hang", verifier("1", "9^{9^{9^{9^{9}}}} - 9^{9^{9^{9^{9}}}} + 1")))
+        except Exception as e:  # noqa: BLE001  reported below
+            errors.append(e)
+
+    def equivalent():
+        try:
+            for _ in range(3):
+                results.append(("equal", verifier("\\frac{1}{2}", "0.5")))
+        except Exception as e:  # noqa: BLE001
+            errors.append(e)
+
+    try:
+        assert verifier("1", "1")  # warm the worker
+        threads = [threading.Thread(target=hang), threading.Thread(target=equivalent)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=60)
+        assert not errors and not any(t.is_alive() for t in threads)
+        assert ("hang", False) in results
+        assert [ok for name, ok in results if name == "equal"] == [True, True, True]
+    finally:
+        verifier.close()

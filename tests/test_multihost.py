@@ -14,7 +14,7 @@ from conftest import FAST, TINY_CONFIG
 
 from jaxrl_scale.config import load_config
 from jaxrl_scale.metrics import read_metrics
-from jaxrl_scale.train import Trainer
+from jaxrl_scale.train import setup, train_run
 
 TINY = TINY_CONFIG
 # The fast settings over the whole mesh (all processes' devices), deterministic mode.
@@ -68,7 +68,7 @@ def _launch(out, steps, n=2, port=None, heartbeat=100):
 
 def _params(run_dir):
     cfg = load_config(TINY, [*SETTINGS, "train.steps=3"])
-    return [np.asarray(x) for x in jax.tree.leaves(Trainer(cfg, run_dir).state.params)]
+    return [np.asarray(x) for x in jax.tree.leaves(setup(cfg, run_dir).start.train.params)]
 
 
 def test_two_processes_match_one_process_with_as_many_devices(tmp_path):
@@ -90,9 +90,9 @@ def test_two_processes_match_one_process_with_as_many_devices(tmp_path):
         np.testing.assert_allclose(a, b, rtol=0, atol=1e-6)
     # The 2-process checkpoint restores here (8 devices, one process), resharded, and goes on.
     cfg = load_config(TINY, [*SETTINGS, "train.steps=5"])
-    trainer = Trainer(cfg, tmp_path / "two")
-    assert trainer.start_step == 3
-    rows = trainer.train()
+    run = setup(cfg, tmp_path / "two")
+    assert run.start.step == 3
+    rows = train_run(run)
     assert [r["step"] for r in rows] == [4, 5]
     assert [r["step"] for r in read_metrics(tmp_path / "two")] == [0, 1, 2, 3, 4, 5]
 

@@ -8,15 +8,15 @@ from conftest import ROOT
 
 from jaxrl_scale.cli import main
 from jaxrl_scale.fit import bootstrap_sigmoid
-from jaxrl_scale.fit.report import eval_points
+from jaxrl_scale.fit.report import run_curve
 from jaxrl_scale.metrics import read_metrics
 from jaxrl_scale.sweep import mean_curve
 
 TOY = """base: {tiny}
 model: {{hidden_size: 32, intermediate_size: 64, num_layers: 1}}
-task: {{max_digits: 1, num_train: 64, num_eval: 8}}
-train: {{prompts_per_step: 4, group_size: 4, steps: 6, eval_every: 1, eval_samples: 2,
-        sft_steps: 20}}
+task: {{num_train: 64, num_eval: 8, arithmetic: {{max_digits: 1}}}}
+train: {{prompts_per_step: 4, group_size: 4, steps: 6, eval_every: 1, eval_samples: 2}}
+warm_start: {{steps: 20}}
 sampler: {{max_new_tokens: 4}}
 pipeline: {{mode: sync}}
 checkpoint: {{every: 0}}
@@ -42,16 +42,16 @@ def test_sweep_runs_fits_compares_and_resumes(configs, tmp_path, monkeypatch, ca
     import jaxrl_scale.train as train_module
 
     out = tmp_path / "runs"
-    real_train = train_module.Trainer.train
+    real_train = train_module.train
     trained = []
 
-    def dies_on_the_fourth(self):
-        trained.append(self.out.name)
+    def dies_on_the_fourth(cfg, out, **kwargs):
+        trained.append(out)
         if len(trained) == 4:
             raise KeyboardInterrupt  # the sweep is killed during its 4th run
-        return real_train(self)
+        return real_train(cfg, out, **kwargs)
 
-    monkeypatch.setattr(train_module.Trainer, "train", dies_on_the_fourth)
+    monkeypatch.setattr(train_module, "train", dies_on_the_fourth)
     args = [
         "sweep",
         *map(str, configs),
@@ -68,7 +68,7 @@ def test_sweep_runs_fits_compares_and_resumes(configs, tmp_path, monkeypatch, ca
     assert len(list(out.glob("*/seed*/result.json"))) == 3
     trained.clear()
     monkeypatch.setattr(
-        train_module.Trainer, "train", lambda self: trained.append(1) or real_train(self)
+        train_module, "train", lambda *a, **kw: trained.append(1) or real_train(*a, **kw)
     )
     assert main(args) == 0
     assert len(trained) == 3  # only the runs not yet finished
@@ -87,15 +87,18 @@ def test_sweep_runs_fits_compares_and_resumes(configs, tmp_path, monkeypatch, ca
     # A config's curve is its seeds' eval curves averaged step by step, fitted with R0 held at
     # their mean step-0 eval.
     rows = [read_metrics(out / "dapo" / f"seed{s}") for s in (0, 1)]
-    points = [eval_points(r) for r in rows]
-    r0, curve = mean_curve(rows, "dapo")
-    assert r0 == pytest.approx(np.mean([p[0] for p in points]))
-    np.testing.assert_allclose(curve.reward, (points[0][3] + points[1][3]) / 2)
-    again = bootstrap_sigmoid(curve.compute, curve.reward, n=200, r0=r0)
+    step0 = [next(r["eval_pass_rate"] for r in run if r["step"] == 0) for run in rows]
+    evals = [[r["eval_pass_rate"] for r in run if r["step"] > 0] for run in rows]
+    curve = mean_curve(rows, "dapo")
+    assert curve.r0 == pytest.approx(np.mean(step0))
+    np.testing.assert_allclose(curve.reward, np.mean(evals, axis=0))
+    again = bootstrap_sigmoid(curve.compute, curve.reward, n=200, r0=curve.r0)
     assert by_config["dapo"]["a"] == pytest.approx(float(again.fit.a))
     # Per run: R0 is that run's step-0 eval.
     run = next(r for r in study["runs"] if r["config"] == "gspo" and r["seed"] == 1)
-    assert run["r0"] == eval_points(read_metrics(out / "gspo" / "seed1"))[0]
+    gspo = read_metrics(out / "gspo" / "seed1")
+    assert run["r0"] == next(r["eval_pass_rate"] for r in gspo if r["step"] == 0)
+    assert run["r0"] == run_curve(gspo).r0
 
 
 def test_duplicate_config_names_are_an_error(configs, tmp_path, capsys):

@@ -10,11 +10,13 @@ import time
 import jax
 import numpy as np
 import pytest
-from conftest import FAST, ROOT, TINY_CONFIG
+from conftest import FAST, TINY_CONFIG
 
+import jaxrl_scale
 from jaxrl_scale.config import ConfigError, load_config
 from jaxrl_scale.metrics import read_metrics
-from jaxrl_scale.train import Trainer, train
+from jaxrl_scale.sampler import Sampling
+from jaxrl_scale.train import setup, train, train_run
 
 TINY = TINY_CONFIG
 TIMING = {"device_seconds", "gen_seconds", "trainer_idle_fraction", "tokens_per_s"}
@@ -25,8 +27,8 @@ def _cfg(*extra):
 
 
 def _params(run_dir, *extra):
-    trainer = Trainer(_cfg(*extra), run_dir)  # resumes from the run's last checkpoint
-    return [np.asarray(x) for x in jax.tree.leaves(trainer.state.params)]
+    run = setup(_cfg(*extra), run_dir)  # resumes from the run's last checkpoint
+    return [np.asarray(x) for x in jax.tree.leaves(run.start.train.params)]
 
 
 @pytest.mark.parametrize("loss", ["cispo", "dapo", "gspo", "grpo", "grpo,loss.kl_coef=0.1"])
@@ -47,8 +49,8 @@ def test_every_loss_kind_trains_in_sync_mode(loss, tmp_path):
     assert any(p.name.startswith("events") for p in (tmp_path / "tensorboard").iterdir())
     if extra:  # the KL reference is the warm-started policy and survives a restart
         assert rows[1]["kl_ref"] == 0.0
-        resumed = Trainer(_cfg(f"loss.kind={kind}", "pipeline.mode=sync", *extra), tmp_path)
-        assert resumed.start_step == 3 and resumed.state.ref_params is not None
+        resumed = setup(_cfg(f"loss.kind={kind}", "pipeline.mode=sync", *extra), tmp_path)
+        assert resumed.start.step == 3 and resumed.start.train.ref_params is not None
 
 
 @pytest.mark.parametrize("mode", ["pipeline_rl", "ppo_off_policy"])
@@ -71,29 +73,37 @@ def test_sync_runs_with_one_seed_are_identical(tmp_path):
         np.testing.assert_array_equal(x, y)
 
 
+class _SlowWorker:
+    """A rollout worker whose batches take 0.2 s longer (delegates everything else)."""
+
+    def __init__(self, worker):
+        self.worker = worker
+
+    def __getattr__(self, name):
+        return getattr(self.worker, name)
+
+    def rollouts(self, params_for_chunk, key):
+        time.sleep(0.2)
+        return self.worker.rollouts(params_for_chunk, key)
+
+
 @pytest.mark.parametrize("slow", ["trainer", "generator"])
-def test_pipeline_with_a_slow_side_stays_within_k_and_finishes(slow, tmp_path, monkeypatch):
-    if slow == "generator":
-        original = Trainer.rollouts
-
-        def slow_rollouts(self, *args, **kwargs):
-            time.sleep(0.2)
-            return original(self, *args, **kwargs)
-
-        monkeypatch.setattr(Trainer, "rollouts", slow_rollouts)
-    trainer = Trainer(
+def test_pipeline_with_a_slow_side_stays_within_k_and_finishes(slow, tmp_path):
+    run = setup(
         _cfg("pipeline.mode=pipeline_rl", "pipeline.max_staleness=2", "train.steps=6"), tmp_path
     )
     if slow == "trainer":
-        step = trainer.train_step
+        step = run.train_step
 
         def slow_step(state, batch):
             time.sleep(0.2)
             return step(state, batch)
 
-        trainer.train_step = slow_step
+        run = dataclasses.replace(run, train_step=slow_step)
+    else:
+        run = dataclasses.replace(run, worker=_SlowWorker(run.worker))
     result = {}
-    worker = threading.Thread(target=lambda: result.setdefault("rows", trainer.train()))
+    worker = threading.Thread(target=lambda: result.setdefault("rows", train_run(run)))
     worker.start()
     worker.join(timeout=300)
     assert not worker.is_alive(), "pipeline deadlocked"
@@ -101,20 +111,51 @@ def test_pipeline_with_a_slow_side_stays_within_k_and_finishes(slow, tmp_path, m
     assert [r["step"] for r in rows] == list(range(7))
     assert max(r["staleness_max"] for r in rows) <= 2
     assert all(r["dropped_batches"] == 0 for r in rows[1:])  # the ahead side waited
-    if slow == "trainer":  # the generator does run the full k ahead of a slow trainer
-        assert max(r["staleness_max"] for r in rows) == 2
+    if slow == "trainer":  # a generator that never ran ahead would leave staleness at 0
+        assert [r["staleness_max"] for r in rows[3:]] == [2, 2, 2, 2]
+    else:  # the trainer waits for every batch, which it gets fresh
+        assert np.median([r["trainer_idle_fraction"] for r in rows[2:]]) > 0.5
+        assert max(r["staleness_max"] for r in rows) <= 1
+
+
+def test_a_threaded_run_checkpoints_the_curriculum_of_what_it_trained(tmp_path):
+    """The generator thread owns the curriculum and runs k batches ahead of a slow trainer;
+    the checkpoint holds the snapshot of the last batch trained, not the generator's live
+    curriculum (which has drawn k batches more), so a resumed run redraws those prompts."""
+    cfg = _cfg(
+        "pipeline.mode=pipeline_rl",
+        "pipeline.max_staleness=2",
+        "train.steps=5",
+        "train.eval_every=0",
+        "curriculum.no_positive_resampling=false",  # no prompt skipped: 4 per batch exactly
+    )
+    run = setup(cfg, tmp_path)
+    step = run.train_step
+    run = dataclasses.replace(run, train_step=lambda s, b: time.sleep(0.2) or step(s, b))
+    rows = train_run(run)
+    assert rows[-1]["staleness_max"] == 2  # the generator was k ahead when the run ended
+    live = run.worker.curriculum
+    assert live.epoch * 64 + live.position >= 4 * 7  # it drew batches 6 and 7 too
+    saved = setup(cfg, tmp_path).start.curriculum
+    assert int(saved["epoch"]) * 64 + int(saved["position"]) == 4 * 5  # five batches trained
 
 
 def test_in_flight_update_gives_one_completion_two_versions(tmp_path):
-    trainer = Trainer(_cfg("sampler.chunk_size=2"), tmp_path)
-    params = trainer.state.params
-    versions = iter(range(100))
-    source = lambda: (next(versions), params)  # noqa: E731  a new version at every chunk
-    ro = trainer._generate(
-        source, [[2, 3, 4]] * 2, jax.random.key(0), sampling=trainer.sampling, n_new=4
+    run = setup(_cfg("sampler.chunk_size=2"), tmp_path)
+    params = run.start.train.params
+    ro = run.worker.generate(
+        lambda chunk: (10 + chunk, params),  # a new version at every chunk
+        [[2, 3, 4]] * 2,
+        jax.random.key(0),
+        sampling=Sampling(1.0),
+        n_new=4,
     )
     v = np.asarray(ro.versions)
-    assert len(set(v[0][v[0] >= 0].tolist())) >= 2  # one completion, two policy versions
+    sampled = v >= 0
+    # Token j was sampled by the parameters of chunk j // 2, whatever else happened.
+    expected = np.broadcast_to(10 + np.arange(4) // 2, v.shape)
+    np.testing.assert_array_equal(v[sampled], expected[sampled])
+    assert len(set(v[0][sampled[0]].tolist())) >= 2  # one completion, two policy versions
     from jaxrl_scale.step import Batch
 
     batch = Batch.from_rollout(ro, np.ones(2), np.ones(2, bool))
@@ -176,7 +217,7 @@ def test_resume_after_sigkill_matches_an_uninterrupted_run(mode, tmp_path):
 
 def test_generator_on_its_own_devices_gets_weights_by_device_put(tmp_path):
     devices = jax.devices()
-    trainer = Trainer(
+    run = setup(
         _cfg(
             "pipeline.mode=pipeline_rl",
             "pipeline.max_staleness=2",
@@ -186,27 +227,22 @@ def test_generator_on_its_own_devices_gets_weights_by_device_put(tmp_path):
         ),
         tmp_path,
     )
-    generated, trained = [], []
-    generate, step = trainer._generate, trainer.train_step
-
-    def spy_generate(*args, **kwargs):
-        ro = generate(*args, **kwargs)
-        generated.append(ro.completion_tokens.devices())
-        return ro
-
-    def spy_step(state, batch):
-        trained.append((batch.tokens.sharding, jax.tree.leaves(state.params)[0].devices()))
-        return step(state, batch)
-
-    trainer._generate, trainer.train_step = spy_generate, spy_step
-    rows = trainer.train()
+    params = run.start.train.params
+    assert jax.tree.leaves(params)[0].devices() <= set(devices[:4])
+    pushed = run.worker.to_generator(params)
+    assert all(leaf.devices() <= set(devices[4:]) for leaf in jax.tree.leaves(pushed))
+    frozen = (0, pushed)
+    ro = run.worker.generate(
+        lambda chunk: frozen, [[2, 3]] * 4, jax.random.key(0), sampling=Sampling(1.0), n_new=4
+    )
+    assert ro.completion_tokens.devices() == set(devices[4:])
+    batch = run.worker.rollouts(lambda chunk: frozen, jax.random.key(1)).batch
+    for leaf in jax.tree.leaves(batch):  # on the trainer, split over its data axis
+        assert leaf.sharding.device_set == set(devices[:4])
+        assert not leaf.sharding.is_fully_replicated
+    rows = train_run(run)
     assert [r["step"] for r in rows] == list(range(5))
     assert max(r["staleness_max"] for r in rows) <= 2
-    assert generated and all(d == set(devices[4:]) for d in generated)
-    for batch_sharding, param_devices in trained:
-        assert param_devices <= set(devices[:4])
-        assert batch_sharding.device_set == set(devices[:4])
-        assert not batch_sharding.is_fully_replicated  # split over the trainer's data axis
 
 
 @pytest.mark.parametrize("devices", ["shared", "own"])
@@ -217,26 +253,14 @@ def test_lockstep_pipeline_overlaps_one_batch_swaps_weights_in_flight_and_repeat
     extra += ["sampler.chunk_size=2"]  # 4 new tokens: 2 chunks, the second with new weights
     if devices == "own":
         extra += ["pipeline.generator_devices=4", "mesh.data=4"]
-    trainer = Trainer(_cfg(*extra), tmp_path / "a")
-    seen = []
-    log = trainer._log_step
-
-    def spy(step, metrics, ro, **kw):
-        seen.append((int(trainer.state.step), ro.versions))
-        return log(step, metrics, ro, **kw)
-
-    trainer._log_step = spy
-    rows = trainer.train()
+    rows = train(_cfg(*extra), tmp_path / "a")
     assert [r["step"] for r in rows] == list(range(6))
     # Batch 1 is made before any step; every later batch n was generated while step n - 1
-    # ran: its first chunk by version n - 2, its second by version n - 1 (in flight).
-    for n, (after, versions) in enumerate(seen, start=1):
-        assert after == n
-        first, second = versions[:, :2], versions[:, 2:]
-        assert set(first[first >= 0].tolist()) == {max(n - 2, 0)}
-        if (second >= 0).any():
-            assert set(second[second >= 0].tolist()) == {n - 1}
-    assert max(r["staleness_max"] for r in rows) == 1
+    # ran: its first chunk by version n - 2 (lag 1), its second by version n - 1 (lag 0).
+    assert rows[1]["staleness_max"] == 0
+    for r in rows[2:]:
+        assert r["staleness_max"] == 1
+        assert 0 < r["staleness_mean"] < 1  # both versions in one batch: the in-flight swap
     if devices == "shared":
         return
     again = train(_cfg(*extra), tmp_path / "b")
@@ -249,27 +273,37 @@ def test_lockstep_pipeline_overlaps_one_batch_swaps_weights_in_flight_and_repeat
 def test_lockstep_needs_a_staleness_bound_of_at_least_one(tmp_path):
     cfg = _cfg("pipeline.mode=pipeline_rl", "pipeline.lockstep=true", "pipeline.max_staleness=0")
     with pytest.raises(ConfigError, match="pipeline.max_staleness"):
-        Trainer(cfg, tmp_path).train()
+        train(cfg, tmp_path)
 
 
 def test_repeated_non_finite_updates_abort_with_a_clear_error(tmp_path):
-    trainer = Trainer(_cfg("pipeline.mode=sync", "train.max_nonfinite=2"), tmp_path)
-    step = trainer.train_step
+    run = setup(_cfg("pipeline.mode=sync", "train.max_nonfinite=2"), tmp_path)
+    step = run.train_step
 
     def poisoned(state, batch):
         return step(state, dataclasses.replace(batch, adv=batch.adv * np.nan))
 
-    trainer.train_step = poisoned
     with pytest.raises(FloatingPointError, match="2 non-finite losses/gradients in a row"):
-        trainer.train()
+        train_run(dataclasses.replace(run, train_step=poisoned))
     skipped = [r["skipped_updates"] for r in read_metrics(tmp_path) if "skipped_updates" in r]
     assert skipped == [1]  # the first skip is logged, the second aborts
 
 
 def test_warm_start_stops_at_its_target_loss(tmp_path):
-    run = lambda target: Trainer(  # noqa: E731
-        _cfg("train.sft_steps=60", f"train.sft_target_loss={target}"), tmp_path / str(target)
-    ).supervised_warm_start()
+    from flax import nnx
+
+    from jaxrl_scale.model import Policy
+    from jaxrl_scale.tasks import make_task
+    from jaxrl_scale.warm_start import warm_start
+
+    cfg = _cfg()
+    graphdef, params = nnx.split(Policy(cfg.model, rngs=nnx.Rngs(params=cfg.seed)))
+    task = make_task(cfg.task, seed=cfg.seed)
+
+    def run(target):
+        settings = dataclasses.replace(cfg.warm_start, steps=60, target_loss=target)
+        return warm_start(params, graphdef, task, settings, seed=cfg.seed)[1]
+
     assert len(run(0)) == 60  # no target: every step
     stopped = run(1.7)  # the 50-step mean passes 1.7 between steps 55 and 60 (measured)
     assert 50 < len(stopped) < 60 and np.mean(stopped[-50:]) < 1.7
@@ -278,20 +312,20 @@ def test_warm_start_stops_at_its_target_loss(tmp_path):
 
 def test_config_errors_are_named(tmp_path):
     with pytest.raises(ConfigError, match="model.vocab_size"):
-        Trainer(_cfg("model.vocab_size=8"), tmp_path)
+        setup(_cfg("model.vocab_size=8"), tmp_path)
     with pytest.raises(ConfigError, match="loss.eps_max"):
         _cfg("loss.kind=dapo", "loss.eps_max=4")
     with pytest.raises(ConfigError, match="pipeline.generator_devices"):
-        Trainer(_cfg("pipeline.generator_devices=8"), tmp_path)
+        setup(_cfg("pipeline.generator_devices=8"), tmp_path)
     with pytest.raises(ConfigError, match="task.num_eval x train.eval_samples: 6 does not split"):
-        Trainer(_cfg("pipeline.generator_devices=4", "task.num_eval=3"), tmp_path)
+        setup(_cfg("pipeline.generator_devices=4", "task.num_eval=3"), tmp_path)
     # The interruption budget with the text's real token count (3 characters, 3 tokens):
     # 1 + 3 + 1 > sampler.max_new_tokens = 4, though 1 + (at least 1) + 1 fits.
     interrupt = "{text: '123', think_min: 1, think_max: 1, answer_budget: 1, think_end: null}"
     with pytest.raises(ConfigError, match=r"sampler.max_new_tokens: 4 is below .* = 5"):
-        Trainer(_cfg(f"sampler.interruption={interrupt}"), tmp_path)
+        setup(_cfg(f"sampler.interruption={interrupt}"), tmp_path)
     with pytest.raises(ConfigError, match="sampler.interruption.think_end: cannot be tokenized"):
-        Trainer(_cfg(f"sampler.interruption={interrupt.replace('null', 'x')}"), tmp_path)
+        setup(_cfg(f"sampler.interruption={interrupt.replace('null', 'x')}"), tmp_path)
 
 
 def test_train_cli_prints_the_run(tmp_path, capsys):
@@ -318,6 +352,21 @@ def test_train_cli_prints_the_run(tmp_path, capsys):
         assert row["mismatch"] <= row["mismatch_max"]
 
 
+def test_a_run_records_its_config_and_version_and_reruns_from_it(tmp_path):
+    from jaxrl_scale.cli import main
+
+    cfg = _cfg("pipeline.mode=sync", "train.steps=2", "seed=3")
+    rows = train(cfg, tmp_path / "first")
+    recorded = tmp_path / "first" / "config.yaml"
+    assert recorded.read_text().startswith(f"# jaxrl-scale {jaxrl_scale.__version__}, ")
+    assert jaxrl_scale.__version__ not in ("", "unknown")  # the installed package's
+    assert load_config(recorded) == cfg  # every resolved field, overrides included
+    argv = ["train", "--config", str(recorded), "--out", str(tmp_path / "again")]
+    assert main(argv) == 0
+    strip = lambda rows: [{k: v for k, v in r.items() if k not in TIMING} for r in rows]  # noqa: E731
+    assert strip(read_metrics(tmp_path / "again")) == strip(rows)
+
+
 def test_rl_raises_the_reward_on_its_training_prompts(tmp_path):
     """A guard on the sign of the whole loop (advantages, loss, optimizer): from a weak warm
     start on 1-digit sums, RL lifts the reward on the prompts it trains on."""
@@ -327,16 +376,16 @@ def test_rl_raises_the_reward_on_its_training_prompts(tmp_path):
             "model.hidden_size=64",
             "model.intermediate_size=128",
             "model.num_layers=1",
-            "task.max_digits=1",
-            "task.ops=+",
+            "task.arithmetic.max_digits=1",
+            "task.arithmetic.ops=+",
             "task.num_train=64",
             "task.num_eval=8",
             "train.prompts_per_step=16",
             "train.group_size=8",
             "train.steps=80",
             "train.eval_every=0",
-            "train.sft_steps=40",
-            "train.learning_rate=1e-3",
+            "warm_start.steps=40",
+            "optim.learning_rate=1e-3",
             "curriculum.no_positive_resampling=false",
             "pipeline.mode=sync",
             "checkpoint.every=0",
@@ -356,7 +405,7 @@ def test_rl_raises_the_held_out_pass_rate(tmp_path):
     about 0.2 by step 45; about half a minute on 2 CPU cores). The shipped tiny config's
     longer run is benchmarks/bench_learning.py."""
     cfg = load_config(
-        ROOT / "configs" / "demo.yaml",
+        "asset:demo.yaml",
         [
             "pipeline.mode=sync",
             "train.steps=45",

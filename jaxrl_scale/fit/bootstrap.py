@@ -53,6 +53,25 @@ class BootstrapResult:
             and self.ci["c_mid"][1] <= self.c_max
         )
 
+    def to_dict(self) -> dict:
+        """The one serialisation of a fit (fit.json, `jaxrl-scale fit --json`, the sweep):
+        each parameter with its interval, R0, rmse and the flags that qualify them."""
+        fit = self.fit
+        out: dict = {}
+        for name in ("a", "b", "c_mid"):
+            out[name] = float(getattr(fit, name))
+            out[f"{name}_ci"] = [float(v) for v in self.ci[name]]
+        out.update(
+            r0=float(fit.r0),
+            rmse=float(fit.rmse),
+            converged=bool(fit.converged),
+            identifiable=self.identifiable,
+            bootstrap_converged=self.converged_fraction,
+            level=self.level,
+            method=self.method,
+        )
+        return out
+
     def predict_ci(self, c, *, observation_noise: bool = False, seed: int = 0):
         """(lo, mid, hi) predicted reward at compute `c`, each shaped like `c`: percentiles over
         converged resamples, around the point fit's prediction.

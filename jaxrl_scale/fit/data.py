@@ -32,6 +32,7 @@ class Curve:
     compute: np.ndarray  # [P] float64, strictly increasing, > 0
     reward: np.ndarray  # [P] float64
     r0: float | None = None  # a measurement at zero compute (a run's step-0 eval), if any
+    steps: np.ndarray | None = None  # [P] the run's step at each point, when known
 
 
 def clean_curve(
@@ -138,6 +139,45 @@ def _rows(path: Path) -> list[tuple[str, dict]]:
     return rows
 
 
+def curve_from_rows(
+    rows: list[dict],
+    *,
+    x: str = "compute_flops",
+    y: str = "eval_pass_rate",
+    name: str = "run",
+    a_max: float | None = 1.0,
+    c_min: float | None = None,
+    clean: bool = True,
+    where: list[str] | None = None,
+) -> Curve:
+    """The one reader from logged rows (metrics.jsonl objects, CSV/JSONL rows) to a curve.
+
+    Rows lacking x or y (training steps without an evaluation) are skipped. The R0 rule: rows
+    at zero compute (a run's evaluation before any RL) are measurements of R0, which is their
+    mean (None when there are none); rows with compute > 0 are the curve's points. With
+    `clean`, the points go through `clean_curve` (errors and repairs); without, they are
+    returned as logged, however few (the online forecast's history). `where` names each row
+    in error messages (file:line).
+    """
+    where = where or [f"{name}: row {i + 1}" for i in range(len(rows))]
+    cs, rs, steps = [], [], []
+    for loc, row in zip(where, rows, strict=True):
+        cx, ry = _number(row.get(x), f"{loc}: {x}"), _number(row.get(y), f"{loc}: {y}")
+        if cx is not None and ry is not None:
+            cs.append(cx)
+            rs.append(ry)
+            steps.append(row.get("step", -1))
+    cs, rs, steps = np.array(cs, float), np.array(rs, float), np.array(steps)
+    at_zero = cs == 0
+    r0 = float(rs[at_zero].mean()) if at_zero.any() else None
+    cs, rs, steps = cs[~at_zero], rs[~at_zero], steps[~at_zero]
+    if not clean:
+        return Curve(name, cs, rs, r0, steps)
+    curve = clean_curve(cs, rs, name=name, a_max=a_max, c_min=c_min)
+    as_logged = curve.compute.size == cs.size and np.array_equal(curve.compute, cs)
+    return dataclasses.replace(curve, r0=r0, steps=steps if as_logged else None)
+
+
 def load_curve(
     path: str | Path,
     *,
@@ -146,31 +186,26 @@ def load_curve(
     a_max: float | None = 1.0,
     c_min: float | None = None,
 ) -> Curve:
-    """Read one curve from a CSV file, a JSONL file or a run directory (its metrics.jsonl).
-
-    Rows lacking either column (e.g. training steps without an evaluation) are skipped; a column
-    that no row has is an error listing the columns that exist. Rows at compute 0 (a run's eval
-    before any RL) are not points: their mean reward becomes `Curve.r0`.
-    """
+    """Read one curve from a CSV file, a JSONL file or a run directory (its metrics.jsonl),
+    by `curve_from_rows` (its R0 rule); a column that no row has is an error listing the
+    columns that exist."""
     path = Path(path)
     file = path / "metrics.jsonl" if path.is_dir() else path
     if not file.exists():
         raise CurveDataError(f"{file}: no such file")
-    rows = _rows(file)
+    located = _rows(file)
     seen: set[str] = set()
-    cs, rs = [], []
-    for where, row in rows:
+    for _, row in located:
         seen.update(row)
-        cx, ry = _number(row.get(x), f"{where}: {x}"), _number(row.get(y), f"{where}: {y}")
-        if cx is not None and ry is not None:
-            cs.append(cx)
-            rs.append(ry)
     for col in (x, y):
         if col not in seen:
             raise CurveDataError(f"{file}: no column {col!r} (columns: {', '.join(sorted(seen))})")
-    name = path.name if path.is_dir() else path.stem
-    cs, rs = np.array(cs), np.array(rs)
-    at_zero = cs == 0
-    r0 = float(rs[at_zero].mean()) if at_zero.any() else None
-    curve = clean_curve(cs[~at_zero], rs[~at_zero], name=name, a_max=a_max, c_min=c_min)
-    return dataclasses.replace(curve, r0=r0)
+    return curve_from_rows(
+        [row for _, row in located],
+        x=x,
+        y=y,
+        name=path.name if path.is_dir() else path.stem,
+        a_max=a_max,
+        c_min=c_min,
+        where=[loc for loc, _ in located],
+    )

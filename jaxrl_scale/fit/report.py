@@ -11,23 +11,16 @@ import numpy as np
 
 from jaxrl_scale.fit.bootstrap import BootstrapResult, bootstrap_sigmoid
 from jaxrl_scale.fit.comparison import shared_ceiling
-from jaxrl_scale.fit.data import Curve, CurveDataError, load_curve
+from jaxrl_scale.fit.data import Curve, CurveDataError, curve_from_rows, load_curve
 from jaxrl_scale.fit.extrapolation import ExtrapolationReport, extrapolation_check
 
 
-def eval_points(rows: list[dict[str, Any]], x: str = "compute_flops"):
-    """(R0, steps [P], compute [P], pass rate [P]) from a run's metrics rows: R0 is the step-0
-    evaluation, the points are the evaluations after it."""
-    evals = [r for r in rows if r.get("eval_pass_rate") is not None]
-    if not evals or evals[0]["step"] != 0:
-        raise CurveDataError("the run has no step-0 evaluation (R0)")
-    later = evals[1:]
-    return (
-        float(evals[0]["eval_pass_rate"]),
-        np.array([r["step"] for r in later]),
-        np.array([r[x] for r in later], float),
-        np.array([r["eval_pass_rate"] for r in later], float),
-    )
+def run_curve(rows: list[dict[str, Any]], x: str = "compute_flops", name: str = "run") -> Curve:
+    """A finished run's eval curve (fit.data.curve_from_rows), which must have its R0."""
+    curve = curve_from_rows(rows, x=x, name=name)
+    if curve.r0 is None:
+        raise CurveDataError(f"{name}: the run has no evaluation before RL (R0)")
+    return curve
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,18 +34,10 @@ class RunFit:
     half: ExtrapolationReport | None  # None when the first half has too few points
 
     def summary(self) -> dict[str, Any]:
-        fit, ci = self.final.fit, self.final.ci
         out: dict[str, Any] = {
-            "r0": self.r0,
+            **self.final.to_dict(),
             "final_pass_rate": float(self.rate[-1]),
             "gain": float(self.rate[-1] - self.r0),
-            "a": float(fit.a),
-            "a_ci": list(ci["a"]),
-            "b": float(fit.b),
-            "b_ci": list(ci["b"]),
-            "c_mid": float(fit.c_mid),
-            "c_mid_ci": list(ci["c_mid"]),
-            "identifiable": self.final.identifiable,
             "half_run": None,
         }
         h = self.half
@@ -75,7 +60,8 @@ class RunFit:
 def fit_run(rows: list[dict[str, Any]], *, x: str = "compute_flops", n_boot: int = 2000):
     """Fit a run's eval curve (R0 held at the step-0 eval) and check the forecast its first
     half makes of its last point (the paper's protocol)."""
-    r0, _, compute, rate = eval_points(rows, x)
+    curve = run_curve(rows, x)
+    r0, compute, rate = curve.r0, curve.compute, curve.reward
     final = bootstrap_sigmoid(compute, rate, n=n_boot, r0=r0)
     try:
         half = extrapolation_check(compute, rate, fit_until=0.5, n_boot=n_boot, r0=r0)
@@ -85,22 +71,7 @@ def fit_run(rows: list[dict[str, Any]], *, x: str = "compute_flops", n_boot: int
 
 
 def _run_entry(curve: Curve, boot, predict_at: float | None, extrapolation=None) -> dict[str, Any]:
-    fit = boot.fit
-    entry: dict[str, Any] = {
-        "run": curve.name,
-        "points": int(curve.compute.size),
-        "a": float(fit.a),
-        "a_ci": list(boot.ci["a"]),
-        "b": float(fit.b),
-        "b_ci": list(boot.ci["b"]),
-        "c_mid": float(fit.c_mid),
-        "c_mid_ci": list(boot.ci["c_mid"]),
-        "r0": float(fit.r0),
-        "rmse": float(fit.rmse),
-        "converged": bool(fit.converged),
-        "identifiable": boot.identifiable,
-        "bootstrap_converged": boot.converged_fraction,
-    }
+    entry: dict[str, Any] = {"run": curve.name, "points": int(curve.compute.size), **boot.to_dict()}
     if predict_at is not None:
         lo, mid, hi = (float(np.asarray(v)) for v in boot.predict_ci(predict_at))
         entry.update(predict_at=predict_at, predicted=mid, predicted_ci=[lo, hi])

@@ -29,24 +29,27 @@ def make_task(cfg, *, seed: int, tokenizer=None):
     """The task a TaskConfig describes; `tokenizer` (the model's) replaces a built-in one."""
     common = dict(num_train=cfg.num_train, num_eval=cfg.num_eval, seed=seed, tokenizer=tokenizer)
     if cfg.name == "arithmetic":
-        return ArithmeticTask(
-            max_digits=cfg.max_digits, ops=cfg.ops, demo_noise=cfg.demo_noise, **common
-        )
+        a = cfg.arithmetic
+        return ArithmeticTask(max_digits=a.max_digits, ops=a.ops, demo_noise=a.demo_noise, **common)
     if cfg.name == "countdown":
+        c = cfg.countdown
         return CountdownTask(
-            numbers=cfg.numbers, max_number=cfg.max_number, max_target=cfg.max_target, **common
+            numbers=c.numbers, max_number=c.max_number, max_target=c.max_target, **common
         )
-    if not cfg.data:
+    m = cfg.math
+    if not m.data:
         from jaxrl_scale.config import ConfigError
 
-        raise ConfigError("task.data: the math task needs a file or dataset (--set task.data=...)")
+        raise ConfigError(
+            "task.math.data: the math task needs a file or dataset (--set task.math.data=...)"
+        )
     return MathTask(
-        data=cfg.data,
-        eval_data=cfg.eval_data,
-        question_key=cfg.question_key,
-        answer_key=cfg.answer_key,
-        template=cfg.template,
-        timeout=cfg.verify_timeout,
+        data=m.data,
+        eval_data=m.eval_data,
+        question_key=m.question_key,
+        answer_key=m.answer_key,
+        template=m.template,
+        timeout=m.verify_timeout,
         **common,
     )
 

@@ -19,15 +19,16 @@ import concurrent.futures
 import json
 import multiprocessing
 import re
+import threading
 from concurrent.futures.process import BrokenProcessPool
 from pathlib import Path
 
 import numpy as np
 
-from jaxrl_scale.config import TaskConfig
+from jaxrl_scale.config import MathConfig
 from jaxrl_scale.tokenizer import Tokenizer
 
-DEFAULT_TEMPLATE = TaskConfig.template  # one definition, in the config
+DEFAULT_TEMPLATE = MathConfig.template  # one definition, in the config
 MAX_ANSWER_CHARS = 512
 _FINAL_LINE = re.compile(
     r"(?:final answer\s*(?:is)?\s*[:=]?|the answer is\s*[:=]?|^####)\s*(.+?)\s*\.?\s*$",
@@ -75,10 +76,16 @@ def _verify(gold: str, answer: str) -> bool:
 
 
 class Verifier:
-    """math-verify in a separate process, one call at a time, each with a timeout."""
+    """math-verify in a separate process, one call at a time, each with a timeout.
+
+    Shared by threads: in `pipeline_rl` the generator thread scores training rollouts while the
+    main thread scores evaluations, and either may find the worker hung and replace it. The
+    lock makes each call (submit, wait, replace) one unit, so no thread waits on a pool that
+    another has just shut down; calls are one at a time anyway (one worker)."""
 
     def __init__(self, timeout: float = 5.0):
         self.timeout = timeout
+        self._lock = threading.Lock()
         self._pool: concurrent.futures.ProcessPoolExecutor | None = None
 
     def _executor(self) -> concurrent.futures.ProcessPoolExecutor:
@@ -88,16 +95,21 @@ class Verifier:
         return self._pool
 
     def __call__(self, gold: str, answer: str) -> bool:
-        future = self._executor().submit(_verify, gold, answer)
-        try:
-            return future.result(timeout=self.timeout)
-        except (concurrent.futures.TimeoutError, BrokenProcessPool):
-            self.close(kill=True)  # the worker is stuck or dead: replace it
-            return False
-        except Exception:  # math-verify could not parse or compare: not a match
-            return False
+        with self._lock:
+            future = self._executor().submit(_verify, gold, answer)
+            try:
+                return future.result(timeout=self.timeout)
+            except (concurrent.futures.TimeoutError, BrokenProcessPool):
+                self._close(kill=True)  # the worker is stuck or dead: replace it
+                return False
+            except Exception:  # math-verify could not parse or compare: not a match
+                return False
 
     def close(self, kill: bool = False) -> None:
+        with self._lock:
+            self._close(kill)
+
+    def _close(self, kill: bool) -> None:
         if self._pool is None:
             return
         if kill:

@@ -1,0 +1,259 @@
+"""The rollout worker: prompts -> generation -> scores -> advantages -> a batch for the trainer.
+
+worker = RolloutWorker(cfg, task, graphdef, mesh=mesh, gen_mesh=None)
+ro = worker.rollouts(params_for_chunk, key)   # Rollouts: batch on the trainer's devices, ...
+rate = worker.evaluate(params, key)           # held-out mean@k
+
+It owns the task, its tokenizer, the curriculum and the sampling settings, and it is the one
+place where rollouts cross between host and device: completions come to the host to be
+decoded and scored, and the scored batch goes to the trainer's devices (each process placing
+its own rows in a multi-process run); `rollouts_to_host` / `rollouts_from_host` do the same
+for batches a checkpoint keeps.
+
+Threads. `rollouts` runs on the thread that feeds the trainer (the generator thread in
+threaded `pipeline_rl`, else the main thread) and is the only code that touches the
+curriculum after setup; every batch carries a snapshot of the curriculum taken right after it
+was drawn and scored, and checkpoints save snapshots, never the live object. `evaluate` runs
+on the main thread, concurrently with `rollouts` in threaded `pipeline_rl`: it reads only
+what never changes (held-out examples, tokenizer, sampling settings) and calls the task's
+verifier, which is safe to share (math's holds a lock; the others are pure functions).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxrl_scale import distributed, sharding
+from jaxrl_scale.advantages import group_advantages
+from jaxrl_scale.compute import batch_flops
+from jaxrl_scale.config import ConfigError, ExperimentConfig
+from jaxrl_scale.curriculum import Curriculum
+from jaxrl_scale.pipeline import ParamsForChunk
+from jaxrl_scale.sampler import (
+    INTERRUPTED,
+    Interruption,
+    Rollout,
+    Sampling,
+    decode,
+    num_chunks,
+    pad_prompts,
+    prefill,
+    to_rollout,
+)
+from jaxrl_scale.step import Batch
+
+
+@dataclasses.dataclass(frozen=True)
+class Rollouts:
+    """One scored generation round: everything the trainer needs."""
+
+    batch: Batch  # on the trainer's devices
+    indices: np.ndarray  # [P] prompt indices
+    versions: np.ndarray  # [B, N] policy version per sampled token (-1 elsewhere)
+    stats: dict[str, float]
+    curriculum: dict[str, np.ndarray]  # the curriculum right after this batch was scored
+
+
+class RolloutWorker:
+    def __init__(
+        self,
+        cfg: ExperimentConfig,
+        task,
+        graphdef,
+        *,
+        mesh: jax.sharding.Mesh,
+        gen_mesh: jax.sharding.Mesh | None = None,
+    ):
+        self.cfg, self.task, self.tok, self.graphdef = cfg, task, task.tokenizer, graphdef
+        if cfg.model.vocab_size < self.tok.vocab_size:
+            raise ConfigError(
+                f"model.vocab_size: {cfg.model.vocab_size} is below the task tokenizer's "
+                f"{self.tok.vocab_size}"
+            )
+        self.mesh, self.gen_mesh = mesh, gen_mesh
+        self.multiprocess = jax.process_count() > 1
+        s = cfg.sampler
+        self.sampling = Sampling(s.temperature, s.top_p, s.top_k)
+        self.interruption = Interruption.from_config(s, self.tok)
+        self.chunks = num_chunks(s.max_new_tokens, s.chunk_size)
+        self.reference = bool(cfg.loss.kl_coef)  # GRPO's KL term: the flops of its forward
+        self.curriculum = Curriculum(
+            len(task.train_examples),
+            seed=cfg.seed,
+            retire_threshold=cfg.curriculum.retire_threshold,
+            no_positive_resampling=cfg.curriculum.no_positive_resampling,
+        )
+
+    # ------------------------------------------------------------------ placement
+
+    def to_trainer(self, batch: Batch) -> Batch:
+        """The batch split over the trainer mesh's batch axes, from wherever it was made.
+        Across processes the batch is on the host and each process places its own rows."""
+        shardings = sharding.batch_shardings(batch, self.mesh)
+        if self.multiprocess:
+            return jax.tree.map(distributed.place, batch, shardings)
+        return jax.device_put(batch, shardings)
+
+    def to_generator(self, params):
+        """Parameters resharded onto the generator's devices (a copy), when it has its own."""
+        if self.gen_mesh is None:
+            return params
+        return distributed.transfer(params, sharding.state_shardings(params, self.gen_mesh))
+
+    # ------------------------------------------------------------------ generation
+
+    def generate(
+        self, params_for_chunk: ParamsForChunk, prompts, key, *, sampling, n_new, repeat=1
+    ) -> Rollout:
+        """Sample `repeat` completions of each prompt (consecutive rows), prefilling each
+        prompt once for its rows; chunk c decodes with `params_for_chunk(c)` (in-flight
+        updates). Nothing is read back to the host between chunks."""
+        host_tokens, host_mask = pad_prompts(prompts, self.tok.pad_id)
+        mesh = self.gen_mesh or self.mesh
+        # Unique prompts are few: every device holds them all; the rows they become are split
+        # over the mesh inside prefill. Without repetition the rows are split from the start.
+        where = sharding.batch_sharding(mesh) if repeat == 1 else sharding.replicated(mesh)
+        if self.multiprocess:
+            tokens, mask = (distributed.place(x, where) for x in (host_tokens, host_mask))
+        elif self.gen_mesh is not None:
+            tokens, mask = jax.device_put((host_tokens, host_mask), where)
+        else:
+            tokens, mask = jnp.asarray(host_tokens), jnp.asarray(host_mask)
+        version, params = params_for_chunk(0)
+        state = prefill(
+            self.graphdef,
+            params,
+            tokens,
+            mask,
+            key,
+            n_new=n_new,
+            interruption=self.interruption,
+            mesh=mesh,
+            repeat=repeat,
+        )
+        static = dict(
+            sampling=sampling,
+            eos_ids=self.tok.eos_ids,
+            pad_id=self.tok.pad_id,
+            interruption=self.interruption,
+            prompt_len=tokens.shape[1],
+        )
+        chunk_size = self.cfg.sampler.chunk_size or n_new
+        for chunk in range(num_chunks(n_new, chunk_size)):
+            if chunk:
+                version, params = params_for_chunk(chunk)
+            state = decode(self.graphdef, params, state, version, chunk_size, **static)
+        rows = lambda x: np.repeat(x, repeat, axis=0)  # noqa: E731
+        return to_rollout(rows(host_tokens), rows(host_mask), state)
+
+    def _texts(self, ro: Rollout) -> list[str]:
+        tokens, lengths = distributed.to_host(ro.completion_tokens), distributed.to_host(ro.lengths)
+        return [self.tok.decode(t[:n]) for t, n in zip(tokens, lengths, strict=True)]
+
+    def _encode(self, examples) -> list[list[int]]:
+        return [self.tok.encode(e["prompt"]) for e in examples]
+
+    def rollouts(self, params_for_chunk: ParamsForChunk, key) -> Rollouts:
+        """Draw a batch of prompts, sample G completions each, score, compute advantages."""
+        cfg, g = self.cfg, self.cfg.train.group_size
+        start = time.perf_counter()
+        indices = self.curriculum.next_batch(cfg.train.prompts_per_step)
+        examples = [self.task.train_examples[i] for i in indices]
+        ro = self.generate(
+            params_for_chunk,
+            self._encode(examples),
+            key,
+            sampling=self.sampling,
+            n_new=cfg.sampler.max_new_tokens,
+            repeat=g,
+        )
+        texts = self._texts(ro)
+        rewards = np.array([self.task.score(t, examples[i // g]) for i, t in enumerate(texts)])
+        pass_rates = rewards.reshape(-1, g).mean(axis=1)
+        self.curriculum.update(indices, pass_rates)
+        adv, keep = group_advantages(
+            rewards, g, normalize=cfg.loss.normalize, baseline=cfg.loss.baseline
+        )
+        if self.multiprocess:  # built on the host; each process then places its rows
+            ro = jax.tree.map(distributed.to_host, ro)
+            batch = Batch.from_rollout(ro, adv, keep, xp=np)
+        else:  # built where it was generated, then moved device to device
+            batch = Batch.from_rollout(ro, adv, keep)
+        batch = self.to_trainer(batch)
+        lengths, finish, versions, prompt_mask = (
+            distributed.to_host(x)
+            for x in (ro.lengths, ro.finish_reason, ro.versions, ro.prompt_mask)
+        )
+        prompt_lens = prompt_mask[::g].sum(axis=1)
+        stats = {
+            "reward_mean": float(rewards.mean()),
+            "pass_rate": float(pass_rates.mean()),
+            "gen_length_mean": float(lengths.mean()),
+            "interrupted_rate": float(np.mean(finish == INTERRUPTED)),
+            "kept_fraction": float(np.asarray(keep).mean()),
+            "retired": int(self.curriculum.retired.sum()),
+            "gen_tokens": int(lengths.sum()),
+            **batch_flops(cfg.model, prompt_lens, lengths, reference=self.reference),
+            "gen_seconds": time.perf_counter() - start,
+        }
+        return Rollouts(batch, indices, versions, stats, self.curriculum.state_dict())
+
+    def evaluate(self, params, key) -> float:
+        """mean@k pass rate on the held-out split (k = train.eval_samples)."""
+        k = self.cfg.train.eval_samples
+        examples = self.task.eval_examples
+        frozen = (-1, self.to_generator(params))
+        ro = self.generate(
+            lambda chunk: frozen,
+            self._encode(examples),
+            key,
+            sampling=Sampling(self.cfg.train.eval_temperature),
+            n_new=self.cfg.sampler.max_new_tokens,
+            repeat=k,
+        )
+        texts = self._texts(ro)
+        return float(np.mean([self.task.score(t, examples[i // k]) for i, t in enumerate(texts)]))
+
+
+# --------------------------------------------------------------------------- checkpointed batches
+
+
+def rollouts_to_host(batches: list[Rollouts]) -> dict[str, Any]:
+    """Batches as a tree of host arrays (for a checkpoint)."""
+
+    def one(ro: Rollouts) -> dict[str, Any]:
+        return {
+            "batch": {
+                f.name: distributed.to_host(getattr(ro.batch, f.name))
+                for f in dataclasses.fields(Batch)
+            },
+            "indices": np.asarray(ro.indices),
+            "versions": np.asarray(ro.versions),
+            "stats": {k: np.asarray(v) for k, v in ro.stats.items()},
+            "curriculum": dict(ro.curriculum),
+        }
+
+    return {str(i): one(ro) for i, ro in enumerate(batches)}
+
+
+def rollouts_from_host(tree: dict[str, Any], worker: RolloutWorker) -> list[Rollouts]:
+    """The inverse of `rollouts_to_host`, each batch placed on the trainer's devices."""
+    out = []
+    for i in range(len(tree)):
+        t = tree[str(i)]
+        out.append(
+            Rollouts(
+                worker.to_trainer(Batch(**t["batch"])),
+                t["indices"],
+                t["versions"],
+                {k: np.asarray(v).item() for k, v in t["stats"].items()},
+                t["curriculum"],
+            )
+        )
+    return out
