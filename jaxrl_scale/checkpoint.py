@@ -36,6 +36,26 @@ class RunState:
     pending: list[Any]  # batches generated for the next steps (rollout.Rollouts)
 
 
+class CheckpointError(ValueError):
+    """The run directory has checkpoints, but none this run can continue from."""
+
+
+class CheckpointMismatch(CheckpointError):
+    """A checkpoint holds a train state of other shapes than this run's config makes."""
+
+
+def _shapes(tree) -> dict[str, tuple]:
+    """'params/embedding/value' -> shape, for a state or its checkpoint metadata alike."""
+
+    def name(path) -> str:
+        return "/".join(
+            str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))) for k in path
+        )
+
+    flat = jax.tree_util.tree_flatten_with_path(tree)[0]
+    return {name(path): tuple(leaf.shape) for path, leaf in flat}
+
+
 def abstract_like(tree):
     """Shapes, dtypes and shardings of `tree` (a restore target)."""
     return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), tree)
@@ -65,14 +85,26 @@ class Checkpointer:
     def restore_latest(
         self, abstract_train: TrainState, pending_from_host: Callable[[dict], list]
     ) -> RunState | None:
-        """The newest readable checkpoint, or None. A corrupt or partly written newest
-        checkpoint is skipped with a warning and the one before it used."""
-        for step in sorted(self.manager.all_steps(), reverse=True):
+        """The newest readable checkpoint, or None when there is none. A corrupt or partly
+        written newest checkpoint is skipped with a warning and the one before it used; when
+        checkpoints exist but none can be read (or one is of another model) it is an error,
+        never a silent start from scratch that would overwrite the run's metrics."""
+        steps = sorted(self.manager.all_steps(), reverse=True)
+        for step in steps:
+            if (self.directory / str(step) / "state").exists():  # the format before RunState
+                raise CheckpointError(
+                    f"checkpoint {step} in {self.directory} has the layout of jaxrl-scale "
+                    "before the one-item run state: resume it with that version, or start "
+                    "over with --no-resume"
+                )
             try:
-                meta = self.manager.item_metadata(step).tree["host"]
-                host_target = jax.tree.map(lambda m: np.zeros(m.shape, m.dtype), meta)
+                meta = self.manager.item_metadata(step).tree
+                self._check_shapes(step, meta["train"], abstract_train)
+                host_target = jax.tree.map(lambda m: np.zeros(m.shape, m.dtype), meta["host"])
                 target = {"train": abstract_train, "host": host_target}
                 tree = self.manager.restore(step, args=ocp.args.StandardRestore(target))
+            except CheckpointMismatch:
+                raise
             except Exception as e:  # orbax raises many types for damaged files
                 warnings.warn(
                     f"checkpoint {step} in {self.directory} is unreadable ({e}); trying older",
@@ -88,7 +120,27 @@ class Checkpointer:
                 totals={k: np.asarray(v).item() for k, v in host["totals"].items()},
                 pending=pending_from_host(host["pending"]),
             )
+        if steps:
+            raise CheckpointError(
+                f"none of the checkpoints {steps} in {self.directory} can be read (see the "
+                "warnings): start over with --no-resume, or remove the damaged ones"
+            )
         return None
+
+    def _check_shapes(self, step: int, saved, abstract_train) -> None:
+        """Refuse a checkpoint of another model or optimiser (rather than skip it and start
+        over, which would overwrite the run's metrics)."""
+        have, want = _shapes(saved), _shapes(abstract_train)
+        if have == want:
+            return
+        diff = sorted(set(have) ^ set(want)) or [k for k in want if have[k] != want[k]]
+        first = diff[0]
+        raise CheckpointMismatch(
+            f"checkpoint {step} in {self.directory} holds a train state this config does not "
+            f"make ({first}: {have.get(first, 'absent')} in the checkpoint, "
+            f"{want.get(first, 'absent')} here; {len(diff)} entries differ): resume with the "
+            "config that wrote it (RUN/config.yaml), or start over with --no-resume"
+        )
 
     def wait(self) -> None:
         self.manager.wait_until_finished()

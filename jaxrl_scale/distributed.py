@@ -26,9 +26,9 @@ import os
 import jax
 import numpy as np
 from jax.experimental import multihost_utils
-from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxrl_scale.config import ConfigError, DistributedConfig
+from jaxrl_scale.sharding import replicated
 
 ENV = ("JAXRL_COORDINATOR", "JAXRL_NUM_PROCESSES", "JAXRL_PROCESS_ID")
 
@@ -136,7 +136,7 @@ def transfer(tree, shardings):
     """
     if jax.process_count() == 1:
         return jax.device_put(tree, shardings)
-    full = jax.tree.map(lambda x: NamedSharding(x.sharding.mesh, PartitionSpec()), tree)
+    full = jax.tree.map(lambda x: replicated(x.sharding.mesh), tree)
     tree = jax.device_put(tree, full)  # same devices, new layout: a collective if sharded
 
     def local_copy(x, target):

@@ -65,7 +65,7 @@ def variable_sharding(variable: nnx.Variable, mesh: Mesh) -> NamedSharding:
     """Where one parameter lives on `mesh`, from its `logical_axes` metadata."""
     axes = variable.get_metadata().get("logical_axes")
     if axes is None:
-        return NamedSharding(mesh, PartitionSpec())
+        return replicated(mesh)
     spec = logical_to_spec(axes)
     shape = variable.get_value().shape
     # An axis that does not divide evenly (e.g. 2 kv-heads over tensor=4) stays replicated.
@@ -83,7 +83,7 @@ def state_shardings(state: nnx.State, mesh: Mesh) -> nnx.State:
     def one(x):
         if isinstance(x, nnx.Variable):
             return x.replace(variable_sharding(x, mesh))
-        return NamedSharding(mesh, PartitionSpec())
+        return replicated(mesh)
 
     return jax.tree.map(one, state, is_leaf=lambda x: isinstance(x, nnx.Variable))
 

@@ -10,7 +10,13 @@ import optax
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec
 
-from jaxrl_scale.checkpoint import Checkpointer, RunState, abstract_like
+from jaxrl_scale.checkpoint import (
+    Checkpointer,
+    CheckpointError,
+    CheckpointMismatch,
+    RunState,
+    abstract_like,
+)
 from jaxrl_scale.config import MeshConfig
 from jaxrl_scale.curriculum import Curriculum
 from jaxrl_scale.rollout import Rollouts, rollouts_from_host, rollouts_to_host
@@ -120,13 +126,21 @@ def test_a_damaged_newest_checkpoint_falls_back_to_the_one_before(tmp_path):
         restored = _restore(tmp_path, target, lambda tree: [])
     assert restored.step == 2
     assert any("checkpoint 4" in str(w.message) and "unreadable" in str(w.message) for w in caught)
+    for f in (tmp_path / "checkpoints" / "2").rglob("*"):
+        if f.is_file():
+            f.write_bytes(b"garbage")
+    with warnings.catch_warnings():  # none readable: an error, not a fresh start
+        warnings.simplefilter("ignore")
+        with pytest.raises(CheckpointError, match=r"none of the checkpoints \[4, 2\]"):
+            _restore(tmp_path, target, lambda tree: [])
 
 
-def test_restoring_onto_a_state_of_another_shape_is_refused_not_silently_mixed(tmp_path):
+def test_a_checkpoint_of_another_model_is_refused_by_name_not_skipped(tmp_path):
+    """Skipping it would start the run over and overwrite its metrics: an error instead."""
     mesh = make_mesh(MeshConfig(data=1))
     ckpt = Checkpointer(tmp_path)
     ckpt.save(_run_state(mesh, step=1, pending=[]), rollouts_to_host)
     ckpt.close()
     other = init_train_state({"w": jnp.zeros((3, 3))}, optax.adam(1e-3))
-    with pytest.warns(UserWarning, match="unreadable"):
-        assert _restore(tmp_path, abstract_like(other), lambda t: []) is None
+    with pytest.raises(CheckpointMismatch, match=r"params/w: \(8, 4\) in the checkpoint, \(3, 3\)"):
+        _restore(tmp_path, abstract_like(other), lambda t: [])
