@@ -52,6 +52,10 @@ class RolloutBuffer:
         even on a full buffer."""
         self._error = error
 
+    def ready(self) -> bool:
+        """`get` would return (or raise) without waiting, staleness aside."""
+        return self._error is not None or not self._queue.empty()
+
     def get(self, current_version: int, *, timeout: float = 600.0) -> Any:
         """The oldest batch no more than k versions behind `current_version`; staler batches
         are dropped. Raises queue.Empty after `timeout` seconds without one."""

@@ -21,7 +21,8 @@ The policy version is the number of train steps taken (a step whose update was s
 non-finite counts: its parameters equal the previous version's, so staleness is overstated,
 never understated). It is counted on the host, so nothing here waits for the device.
 
-Every feeder has `next()` (the batch to train on), `trained(params, version)` (called as soon
+Every feeder has `next()` (the batch to train on), `ready()` (whether `next()` would return
+without generating or waiting), `trained(params, version)` (called as soon
 as the step that made `version` is dispatched, before its result is read), `take_dropped()`
 (batches generated but never to be trained on, for the run to count and charge), `pending`
 (batches generated but not yet handed out that a checkpoint can keep: empty for the generator
@@ -85,6 +86,9 @@ class SyncFeeder:
         out, self.dropped = self.dropped, []
         return out
 
+    def ready(self) -> bool:
+        return bool(self.pending)
+
     def next(self) -> Any:
         if not self.pending:
             frozen = self.source.latest()
@@ -147,6 +151,9 @@ class PipelineFeeder:
     def pending(self) -> list[Any]:
         return []  # in flight on the generator thread: regenerated on resume, not kept
 
+    def ready(self) -> bool:
+        return self.buffer.ready()
+
     def next(self) -> Any:
         with self._progress:
             version = self.start_version + self._published
@@ -194,6 +201,9 @@ class LockstepFeeder:
     def take_dropped(self) -> list[Any]:
         out, self.dropped = self.dropped, []
         return out
+
+    def ready(self) -> bool:
+        return bool(self.pending)
 
     def next(self) -> Any:
         if not self.pending:  # the first batch: nothing to overlap it with

@@ -230,8 +230,11 @@ def train_run(run: Run) -> list[dict[str, Any]]:
     try:
         for step in range(start.step + 1, cfg.train.steps + 1):
             began = time.perf_counter()
+            if not feeder.ready():  # about to wait for a batch: let the step before finish
+                jax.block_until_ready(train_state.step)  # first, so `waited` is idle time
+            ready = time.perf_counter()
             ro = feeder.next()
-            waited = time.perf_counter() - began
+            waited = time.perf_counter() - ready
             _charge_dropped(feeder.take_dropped(), totals)
             staleness = _staleness(ro.versions, version=step - 1, k=_k(cfg))
             train_state, metrics = run.train_step(train_state, ro.batch)

@@ -65,3 +65,12 @@ def test_capacity_defaults_to_k():
     assert RolloutBuffer(max_staleness=0)._queue.maxsize == 1
     with pytest.raises(ValueError, match="max_staleness"):
         RolloutBuffer(max_staleness=-1)
+
+
+def test_ready_says_whether_get_would_wait():
+    buf = RolloutBuffer(max_staleness=1)
+    assert not buf.ready()
+    buf.put("a", _versions(0))
+    assert buf.ready() and buf.get(0) == "a" and not buf.ready()
+    buf.put_error(ValueError("x"))
+    assert buf.ready()  # get raises at once
