@@ -1,7 +1,7 @@
 import numpy as np
 import pytest
 
-from jaxrl_scale.fit import bootstrap_sigmoid, sigmoid
+from jaxrl_scale.fit import CurveDataError, bootstrap_sigmoid, fit_sigmoid, sigmoid
 
 TRUTH = dict(a=0.61, b=1.92, c_mid=2542.0, r0=0.30)
 C = np.geomspace(300, 20000, 40)
@@ -65,3 +65,27 @@ def test_bad_arguments():
         bootstrap_sigmoid(C, _noisy(0), n=10, method="jackknife")
     with pytest.raises(ValueError, match="level"):
         bootstrap_sigmoid(C, _noisy(0), n=10, level=95)
+
+
+def test_a_resample_with_no_spare_points_does_not_count_as_converged():
+    """A curve of 5 points with R0 held has 3 free parameters and needs 4 distinct points to
+    leave a residual degree of freedom. A pairs resample draws 4 or 5 distinct points with
+    probability (S(5,4) 5!/1! + S(5,5) 5!) / 5^5 = 1320 / 3125 = 0.4224 (S: Stirling numbers of
+    the second kind); the other resamples fit exactly and must not count."""
+    c = np.array([1.0, 2.0, 4.0, 8.0, 16.0])
+    r = sigmoid(c, 0.8, 1.5, 4.0, 0.2) + np.array([0.01, -0.01, 0.01, -0.01, 0.01])
+    boot = bootstrap_sigmoid(c, r, n=4000, seed=3, r0=0.2)
+    assert abs(boot.converged_fraction - 0.4224) < 0.03
+
+
+def test_the_point_fit_needs_more_points_than_free_parameters():
+    c = np.array([1.0, 2.0, 4.0, 8.0, 16.0, 32.0])
+    r = sigmoid(c, 0.8, 1.5, 4.0, 0.2) + 0.004 * np.array([1, -1, 1, -1, 1, -1])
+    keep = lambda k: np.arange(6)[None, :] < k  # noqa: E731  the first k points
+    batch = np.broadcast_to(c, (1, 6)), np.broadcast_to(r, (1, 6))
+    with pytest.raises(CurveDataError, match="3 distinct points"):  # refused up front
+        fit_sigmoid(*batch, r0=0.2, mask=keep(3))
+    assert bool(fit_sigmoid(*batch, r0=0.2, mask=keep(4)).converged[0])  # 3 free parameters
+    # R0 free: 4 parameters, so 4 points fit exactly and say nothing; 5 leave one to spare.
+    free = [bool(fit_sigmoid(*batch, mask=keep(k)).converged[0]) for k in (4, 5)]
+    assert free == [False, True]

@@ -45,6 +45,7 @@ def extrapolation_check(
     r0=None,
     level: float = 0.95,
     a_max: float = 1.0,
+    method: str = "pairs",
 ) -> ExtrapolationReport:
     """Fit points with C <= c_cut (default: fit_until x the last compute), predict the last one.
 
@@ -68,6 +69,7 @@ def extrapolation_check(
         r0=r0,
         level=level,
         a_max=a_max,
+        method=method,
     )
     # The forecast is of a measured eval point, so its interval includes evaluation noise.
     lo, mid, hi = (float(np.asarray(v)) for v in boot.predict_ci(c_last, observation_noise=True))

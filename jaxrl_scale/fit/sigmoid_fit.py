@@ -193,6 +193,13 @@ def _fit_standardised(x, y, w, r0_fixed, a_fixed, spec: FitSpec):
     return a, beta, m, jnp.asarray(r0, a.dtype), rmse, stationarity(r, j), converged
 
 
+def min_support(spec: FitSpec) -> int:
+    """Distinct points a fit needs to count as converged: more than its free parameters
+    (a residual degree of freedom), and at least 4."""
+    free = 2 + int(spec.fit_a) + int(spec.fit_r0)
+    return max(4, free + 1)
+
+
 @functools.partial(jax.jit, static_argnames="spec")
 def fit_batch(log_c, y, w, r0_fixed, a_fixed, spec: FitSpec) -> FitResult:
     """Fit N curves: ln C [P] (shared by all) or [N, P], rewards and weights [N, P] (weight 0 =
@@ -211,6 +218,10 @@ def fit_batch(log_c, y, w, r0_fixed, a_fixed, spec: FitSpec) -> FitResult:
     mean, std = mean[..., 0], std[..., 0]
     c_mid = jnp.exp(mean + std * m)
     c_max = jnp.exp(jnp.max(jnp.where(w > 0, log_c, -jnp.inf), axis=-1))
+    # A curve with no more points than free parameters is fitted exactly, whatever the truth
+    # (a bootstrap resample that drew few distinct points): it says nothing, so it does not
+    # count as converged.
+    converged = converged & (jnp.sum(w > 0, axis=-1) >= min_support(spec))
     return FitResult(
         a=a,
         b=beta / std,
