@@ -23,7 +23,7 @@ import numpy as np
 
 from jaxrl_scale.config import load_config
 from jaxrl_scale.fit import Curve, bootstrap_sigmoid, shared_ceiling
-from jaxrl_scale.fit.report import fit_run, run_curve
+from jaxrl_scale.fit.report import describe_shared, fit_run, run_curve, shared_entry
 from jaxrl_scale.metrics import read_metrics
 
 N_BOOT = 1000
@@ -111,10 +111,8 @@ def compare(out: Path, names, runs, *, margin: float, n_boot: int, x: str) -> di
     for i, first in enumerate(ranking):
         for second in ranking[i + 1 :]:
             if abs(by_name[first]["a"] - by_name[second]["a"]) < margin:
-                s = shared_ceiling(curves[first], curves[second])
-                shared.append(
-                    {"runs": list(s.runs), "a": s.a, "b": list(s.b), "faster": s.more_efficient}
-                )
+                s = shared_ceiling(curves[first], curves[second], n_boot=n_boot)
+                shared.append(shared_entry(s))
     halves = [r["half_run"] for r in runs if r["half_run"] is not None]
     errors = np.array([h["error"] for h in halves])
     validity = {
@@ -152,10 +150,7 @@ def format_study(study: dict[str, Any]) -> str:
     lines.append("")
     lines.append("ranking by A: " + " > ".join(study["ranking"]))
     for s in study["shared_ceiling"]:
-        lines.append(
-            f"{s['runs'][0]} and {s['runs'][1]}: A within {study['margin']}; with a shared A = "
-            f"{s['a']:.3f}, B = {s['b'][0]:.2f} vs {s['b'][1]:.2f}: {s['faster']} is faster"
-        )
+        lines.append(describe_shared(s, study["margin"]))
     lines += [
         "",
         "| run | A [95% interval] | half-run forecast of the final eval | actual | error | "

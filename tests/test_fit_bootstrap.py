@@ -89,3 +89,12 @@ def test_the_point_fit_needs_more_points_than_free_parameters():
     # R0 free: 4 parameters, so 4 points fit exactly and say nothing; 5 leave one to spare.
     free = [bool(fit_sigmoid(*batch, mask=keep(k)).converged[0]) for k in (4, 5)]
     assert free == [False, True]
+
+
+def test_no_converged_resample_gives_no_interval_rather_than_an_error():
+    c = np.array([1.0, 2.0, 4.0, 8.0])  # R0 free: 4 parameters, no resample can converge
+    r = sigmoid(c, 0.8, 1.5, 3.0, 0.2)
+    boot = bootstrap_sigmoid(c, r + np.array([0.01, -0.01, 0.01, -0.01]), n=200)
+    assert boot.converged_fraction == 0 and not boot.identifiable
+    lo, mid, hi = boot.predict_ci(16.0)
+    assert np.isnan(lo) and np.isnan(hi) and np.isfinite(mid)

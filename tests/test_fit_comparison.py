@@ -1,7 +1,16 @@
+import dataclasses
+
 import numpy as np
 import pytest
 
-from jaxrl_scale.fit import clean_curve, compare_runs, extrapolation_check, shared_ceiling, sigmoid
+from jaxrl_scale.fit import (
+    clean_curve,
+    compare_runs,
+    extrapolation_check,
+    fit_sigmoid,
+    shared_ceiling,
+    sigmoid,
+)
 
 C = np.geomspace(300, 30000, 40)
 
@@ -14,11 +23,34 @@ def _curve(name, a, b, c_mid, seed, noise=0.004):
 
 def test_shared_ceiling_recovers_common_a_and_orders_b():
     cispo, dapo = _curve("cispo", 0.61, 2.01, 2500.0, 0), _curve("dapo", 0.61, 1.77, 2500.0, 1)
-    s = shared_ceiling(cispo, dapo)
+    s = shared_ceiling(cispo, dapo, n_boot=500)
     assert s.a == pytest.approx(0.61, abs=0.005)
     assert s.b[0] == pytest.approx(2.01, rel=0.1)
     assert s.b[1] == pytest.approx(1.77, rel=0.1)
     assert s.more_efficient == "cispo"
+    lo, hi = s.b_diff_ci
+    assert 0 < lo < 2.01 - 1.77 < hi  # the true difference, and 0 is outside: a real gap
+    assert s.distinguishable and s.verdict == "cispo"
+
+
+def test_shared_a_is_the_mean_of_the_two_ceilings_with_each_r0_held():
+    """The paper's rule: A fixed at the mean of the runs' own A, R0 held at each run's start
+    (where the curve has one), not refitted (a free R0 lets the shared A sit above both)."""
+    first = dataclasses.replace(_curve("first", 0.60, 2.0, 2500.0, 3), r0=0.3)
+    second = _curve("second", 0.62, 1.6, 2500.0, 4)  # no start measured: R0 fitted
+    s = shared_ceiling(first, second, n_boot=200)
+    own = [float(fit_sigmoid(c.compute, c.reward, r0=c.r0).a) for c in (first, second)]
+    assert s.a == pytest.approx(np.mean(own), abs=1e-6)
+    assert s.r0[0] == pytest.approx(0.3, abs=1e-6) and abs(s.r0[1] - 0.3) > 1e-4
+
+
+def test_two_runs_of_one_recipe_are_indistinguishable():
+    """Same truth, different noise: the B difference interval covers 0 (a verdict without an
+    interval would name one of them "faster")."""
+    a, b = _curve("seed0", 0.61, 1.9, 2500.0, 5, 0.01), _curve("seed1", 0.61, 1.9, 2500.0, 6, 0.01)
+    s = shared_ceiling(a, b, n_boot=500)
+    lo, hi = s.b_diff_ci
+    assert lo < 0 < hi and not s.distinguishable and s.verdict == "indistinguishable"
 
 
 def test_compare_ranks_by_a_and_refits_only_close_pairs():

@@ -82,6 +82,9 @@ class BootstrapResult:
         """
         c = jnp.asarray(c, float)
         keep = np.asarray(self.converged)
+        if not keep.any():  # no resample converged: there is no interval to give
+            nan = jnp.full(c.shape, jnp.nan)
+            return nan, self.fit.predict(c), nan
         params = [np.asarray(self.samples[k])[keep].reshape((-1,) + (1,) * c.ndim) for k in PARAMS]
         preds = sigmoid(c, *params)
         if observation_noise:
@@ -116,6 +119,16 @@ def _resample(key, y, fitted, p, *, n: int, method: str, block: int):
     residual = jnp.where(present, residual - jnp.sum(residual) / p, 0.0)  # reshuffled residuals
     draws = residual[jax.random.randint(key, (n, width), 0, p)]
     return fitted + draws, jnp.broadcast_to(present.astype(float), (n, width))
+
+
+def resample(curve, fitted, *, n: int, seed: int, method: Method = "pairs", block=None):
+    """(rewards [n, P], weights [n, P]) of n resamples of a clean curve (fit.data.Curve) whose
+    point fit predicts `fitted` [P] (used by the residual method)."""
+    p = curve.compute.size
+    block = block or max(2, round(p ** (1 / 3)))
+    y = jnp.asarray(curve.reward, float)
+    return _resample(jax.random.key(seed), y, jnp.asarray(fitted, float), p, n=n,
+                     method=method, block=block)  # fmt: skip
 
 
 def bootstrap_sigmoid(

@@ -1,6 +1,7 @@
 """Compare runs the paper's way: rank by the ceiling A with intervals; when two ceilings are
-within a margin (0.02 in the paper) they are indistinguishable, so refit both with one shared A
-and compare the efficiency B instead."""
+within a margin (0.02 in the paper) they are indistinguishable, so refit both with A held at
+the mean of their ceilings (each R0 held at its run's start) and compare the efficiency B,
+with a bootstrap interval for the difference."""
 
 from __future__ import annotations
 
@@ -10,23 +11,39 @@ import itertools
 import jax.numpy as jnp
 import numpy as np
 
-from jaxrl_scale.fit.bootstrap import BootstrapResult, bootstrap_sigmoid
+from jaxrl_scale.fit.bootstrap import BootstrapResult, bootstrap_sigmoid, resample
 from jaxrl_scale.fit.data import Curve
 from jaxrl_scale.fit.sigmoid_fit import FitSpec, fit_batch, pad_curves
 
 
 @dataclasses.dataclass(frozen=True)
 class SharedCeiling:
-    """Two runs refitted with one A: which reaches a given fraction of it with less compute."""
+    """Two runs refitted with one A (the mean of their own ceilings, R0 held at each run's
+    own start where known): which reaches a given fraction of it with less compute, and
+    whether the data can tell."""
 
     runs: tuple[str, str]
     a: float
     b: tuple[float, float]
     c_mid: tuple[float, float]
+    r0: tuple[float, float]  # each run's R0 in the refit: held at Curve.r0 where given
+    b_diff_ci: tuple[float, float]  # interval for B[0] - B[1] at `level`
+    level: float
+
+    @property
+    def distinguishable(self) -> bool:
+        lo, hi = self.b_diff_ci
+        return not lo <= 0.0 <= hi
 
     @property
     def more_efficient(self) -> str:
+        """The run with the larger B (the point estimate; see `verdict` for whether the
+        difference is more than noise)."""
         return self.runs[0] if self.b[0] >= self.b[1] else self.runs[1]
+
+    @property
+    def verdict(self) -> str:
+        return self.more_efficient if self.distinguishable else "indistinguishable"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,45 +54,59 @@ class Comparison:
     margin: float
 
 
-def shared_ceiling(first: Curve, second: Curve, *, a_max: float = 1.0) -> SharedCeiling:
-    """Least-squares fit of two curves with a common A and their own B, C_mid, r0.
+def _fits(curve: Curve, n_boot: int, seed: int, a_max: float, method: str):
+    """Point fit (row 0) and n_boot resamples (rows 1...) of one curve: its own ceilings A
+    [1 + n] with R0 held at `curve.r0` where known, and the rewards and weights to refit."""
+    log_c, y, w = (jnp.asarray(v[0]) for v in pad_curves([curve]))
+    held = jnp.full((n_boot + 1,), 0.0 if curve.r0 is None else curve.r0, float)
+    spec = FitSpec(a_max=a_max, fit_r0=curve.r0 is None)
+    point = fit_batch(log_c, y[None], w[None], held[:1], jnp.zeros(1), spec=spec)
+    ys, ws = resample(curve, point.predict(jnp.exp(log_c))[0], n=n_boot, seed=seed, method=method)
+    ys, ws = jnp.concatenate([y[None], ys]), jnp.concatenate([w[None], ws])
+    free = fit_batch(log_c, ys, ws, held, jnp.zeros(n_boot + 1), spec=spec)
+    return log_c, ys, ws, held, free
 
-    Profiles the joint sum of squares over A: a coarse grid, then a fine grid around the best
-    value, each grid evaluated as one batched fit with A held.
+
+def shared_ceiling(
+    first: Curve,
+    second: Curve,
+    *,
+    a_max: float = 1.0,
+    n_boot: int = 1000,
+    seed: int = 0,
+    level: float = 0.95,
+    method: str = "pairs",
+) -> SharedCeiling:
+    """The paper's comparison of two runs whose ceilings are within the margin.
+
+    Each run is fitted on its own (R0 held at `Curve.r0` where given, e.g. the step-0 eval);
+    the shared A is the mean of the two ceilings; each run is refitted with A held there for
+    its own B and C_mid. The interval for B[0] - B[1] comes from resampling both runs and
+    repeating all of it (the shared A moves with the resample); when it covers 0 the verdict
+    is "indistinguishable".
     """
-    log_c, y, w = pad_curves([first, second])
-    spec = FitSpec(a_max=a_max, fit_a=False)
-    lo = max(float(first.reward.max()), float(second.reward.max())) - 0.2
-    lo, hi = max(lo, 1e-3), a_max
-
-    def profile(grid):
-        k = grid.size
-        fits = fit_batch(
-            jnp.asarray(np.repeat(log_c, k, axis=0)),
-            jnp.asarray(np.repeat(y, k, axis=0)),
-            jnp.asarray(np.repeat(w, k, axis=0)),
-            jnp.zeros(2 * k, float),
-            jnp.asarray(np.tile(grid, 2), float),
-            spec=spec,
-        )
-        sse = np.asarray(fits.rmse) ** 2 * np.repeat(w.sum(axis=1), k)
-        total = sse[:k] + sse[k:]
-        total[~(np.asarray(fits.converged)[:k] & np.asarray(fits.converged)[k:])] = np.inf
-        best = int(np.argmin(total))
-        return best, fits
-
-    coarse = np.linspace(lo, hi, 64)
-    best, _ = profile(coarse)
-    step = coarse[1] - coarse[0]
-    fine = np.linspace(max(lo, coarse[best] - step), min(hi, coarse[best] + step), 64)
-    best, fits = profile(fine)
-    k = fine.size
-    b, c_mid = np.asarray(fits.b), np.asarray(fits.c_mid)
+    parts = [_fits(c, n_boot, seed + i, a_max, method) for i, c in enumerate((first, second))]
+    shared_a = (parts[0][4].a + parts[1][4].a) / 2  # [1 + n]: point, then resamples
+    held = []
+    ok = parts[0][4].converged & parts[1][4].converged
+    for (log_c, ys, ws, r0, _), curve in zip(parts, (first, second), strict=True):
+        spec = FitSpec(a_max=a_max, fit_r0=curve.r0 is None, fit_a=False)
+        fit = fit_batch(log_c, ys, ws, r0, shared_a, spec=spec)
+        held.append(fit)
+        ok = ok & fit.converged
+    b0, b1 = (np.asarray(f.b) for f in held)
+    keep = np.asarray(ok)[1:]
+    diff = (b0 - b1)[1:][keep]
+    tail = (1 - level) / 2
+    lo, hi = np.quantile(diff, [tail, 1 - tail]) if diff.size else (np.nan, np.nan)
     return SharedCeiling(
         runs=(first.name, second.name),
-        a=float(fine[best]),
-        b=(float(b[best]), float(b[k + best])),
-        c_mid=(float(c_mid[best]), float(c_mid[k + best])),
+        a=float(shared_a[0]),
+        b=(float(b0[0]), float(b1[0])),
+        c_mid=(float(held[0].c_mid[0]), float(held[1].c_mid[0])),
+        r0=(float(held[0].r0[0]), float(held[1].r0[0])),
+        b_diff_ci=(float(lo), float(hi)),
+        level=level,
     )
 
 
@@ -91,14 +122,14 @@ def compare_runs(
     if len(set(names)) != len(names):
         raise ValueError(f"run names must be unique, got {names}")
     boots = {
-        c.name: bootstrap_sigmoid(c.compute, c.reward, n=n_boot, seed=seed, a_max=a_max)
+        c.name: bootstrap_sigmoid(c.compute, c.reward, n=n_boot, seed=seed, r0=c.r0, a_max=a_max)
         for c in curves
     }
     ceiling = {name: float(b.fit.a) for name, b in boots.items()}
     ranking = sorted(names, key=lambda n: -ceiling[n])
     by_name = {c.name: c for c in curves}
     shared = [
-        shared_ceiling(by_name[i], by_name[j], a_max=a_max)
+        shared_ceiling(by_name[i], by_name[j], a_max=a_max, n_boot=n_boot, seed=seed)
         for i, j in itertools.combinations(ranking, 2)
         if abs(ceiling[i] - ceiling[j]) < margin
     ]

@@ -128,12 +128,12 @@ def fit_files(
             )
             boot, c_cut = extrapolation.boot, extrapolation.c_cut
             keep = curve.compute <= c_cut
-            fitted.append(Curve(curve.name, curve.compute[keep], curve.reward[keep]))
+            fitted.append(Curve(curve.name, curve.compute[keep], curve.reward[keep], r0=r0))
         else:
             boot = bootstrap_sigmoid(
                 curve.compute, curve.reward, n=n_boot, seed=seed, r0=r0, a_max=a_max
             )
-            fitted.append(curve)
+            fitted.append(dataclasses.replace(curve, r0=r0))
         runs.append(_run_entry(curve, boot, predict_at, extrapolation))
         plotted.append((curve, boot, c_cut))
     ranking = sorted(runs, key=lambda e: -e["a"])
@@ -142,16 +142,10 @@ def fit_files(
         for second in ranking[i + 1 :]:
             if abs(first["a"] - second["a"]) < margin:
                 by_name = {c.name: c for c in fitted}
-                s = shared_ceiling(by_name[first["run"]], by_name[second["run"]], a_max=a_max)
-                shared.append(
-                    {
-                        "runs": list(s.runs),
-                        "a": s.a,
-                        "b": list(s.b),
-                        "c_mid": list(s.c_mid),
-                        "more_efficient": s.more_efficient,
-                    }
+                s = shared_ceiling(
+                    by_name[first["run"]], by_name[second["run"]], a_max=a_max, n_boot=n_boot
                 )
+                shared.append(shared_entry(s))
     report = {
         "x": x,
         "y": y,
@@ -165,6 +159,34 @@ def fit_files(
 
         report["plot"] = str(plot_fits(plotted, plot, predict_at=predict_at, xlabel=x, ylabel=y))
     return report
+
+
+def shared_entry(s) -> dict[str, Any]:
+    """A SharedCeiling as JSON (the fit report and the sweep)."""
+    return {
+        "runs": list(s.runs),
+        "a": s.a,
+        "b": list(s.b),
+        "c_mid": list(s.c_mid),
+        "b_diff_ci": list(s.b_diff_ci),
+        "more_efficient": s.more_efficient,
+        "verdict": s.verdict,
+    }
+
+
+def describe_shared(s: dict[str, Any], margin: float) -> str:
+    """One line for a shared-A comparison."""
+    first, second = s["runs"]
+    lo, hi = s["b_diff_ci"]
+    verdict = (
+        f"{s['verdict']} is more compute-efficient"
+        if s["verdict"] != "indistinguishable"
+        else "indistinguishable (the interval covers 0)"
+    )
+    return (
+        f"{first} and {second}: A within {margin}; with a shared A = {s['a']:.3f}, B = "
+        f"{s['b'][0]:.3f} vs {s['b'][1]:.3f}, B difference [{lo:+.3f}, {hi:+.3f}] -> {verdict}"
+    )
 
 
 def _fmt(v: float) -> str:
@@ -214,11 +236,7 @@ def format_report(report: dict[str, Any]) -> str:
     if len(report["runs"]) > 1:
         lines.append("ranking by A: " + " > ".join(report["ranking"]))
     for s in report["shared_ceiling"]:
-        lines.append(
-            f"{s['runs'][0]} and {s['runs'][1]}: A within {report['margin']}; with a shared "
-            f"A = {s['a']:.3f}, B = {s['b'][0]:.3f} vs {s['b'][1]:.3f} -> "
-            f"{s['more_efficient']} is more compute-efficient"
-        )
+        lines.append(describe_shared(s, report["margin"]))
     if "plot" in report:
         lines.append(f"plot: {report['plot']}")
     return "\n".join(lines)
