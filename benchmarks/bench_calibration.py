@@ -89,7 +89,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--curves", type=int, default=200)
     parser.add_argument("--boot", type=int, default=500)
-    parser.add_argument("--methods", nargs="+", default=["pairs", "block", "residual"])
+    parser.add_argument("--methods", nargs="+", default=["auto", "pairs", "block", "residual"])
     parser.add_argument("--models", nargs="+", default=["independent", "ar0.5", "ar0.8", "offset"])
     parser.add_argument("--points", nargs="+", type=int, default=[10, 30])
     args = parser.parse_args()

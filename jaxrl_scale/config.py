@@ -458,7 +458,7 @@ class ForecastConfig:
     budget: float = 0.0  # compute to predict the pass rate at; 0 = the run's projected end
     bootstrap: int = 1000  # resamples for the intervals
     level: float = 0.95
-    method: Literal["pairs", "block", "residual"] = "pairs"
+    method: Literal["auto", "pairs", "block", "residual"] = "auto"  # fit.bootstrap_sigmoid
     min_points: int = 4  # evaluations after step 0 before the first fit
     # Stop the run once the upper bound of the gain still to come (ceiling A minus the fitted
     # pass rate now) is below this; 0 = never stop early.

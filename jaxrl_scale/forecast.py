@@ -88,7 +88,7 @@ def fit_forecast(
     *,
     n_boot: int = 1000,
     level: float = 0.95,
-    method: str = "pairs",
+    method: str = "auto",
     seed: int = 0,
     min_points: int = 4,
 ) -> Forecast:

@@ -98,3 +98,33 @@ def test_no_converged_resample_gives_no_interval_rather_than_an_error():
     assert boot.converged_fraction == 0 and not boot.identifiable
     lo, mid, hi = boot.predict_ci(16.0)
     assert np.isnan(lo) and np.isnan(hi) and np.isfinite(mid)
+
+
+def test_lag1_autocorrelation_and_the_widening_it_implies():
+    from jaxrl_scale.fit.bootstrap import lag1_autocorrelation, widening
+
+    e = np.array([1.0, 2.0, 0.0, -1.0, -2.0, 0.0])  # mean 0
+    raw = (1 * 2 + 2 * 0 + 0 * -1 + -1 * -2 + -2 * 0) / (1 + 4 + 0 + 1 + 4 + 0)  # 0.4, by hand
+    assert lag1_autocorrelation(e) == pytest.approx(raw + (1 + 3 * raw) / 6)
+    twice = np.concatenate([e, e])  # the same lag-1 sums twice, the junction adds 0 * 1
+    assert lag1_autocorrelation(twice, 3) == pytest.approx(raw + (1 + 3 * raw + 3) / 12)
+    assert lag1_autocorrelation(np.array([1.0, -1.0] * 10)) < 0  # alternating: anti-correlated
+    assert lag1_autocorrelation(np.arange(40.0)) == 0.95  # capped
+    assert widening(-0.5) == widening(0.0) == 1.0  # never narrower than pairs
+    assert widening(0.6) == pytest.approx(2.0)  # sqrt(1.6 / 0.4)
+
+
+def test_auto_widens_only_when_the_residuals_drift_together():
+    c = np.linspace(0.05, 1.0, 20)
+    truth = np.asarray(sigmoid(c, 0.8, 2.0, 0.3, 0.3))
+    drift = 0.02 * np.sin(np.linspace(0, np.pi, 20))  # slow: successive errors alike
+    alternating = 0.01 * np.array([1.0, -1.0] * 10)
+    for noise, widened in ((drift, True), (alternating, False)):
+        pairs = bootstrap_sigmoid(c, truth + noise, n=500, r0=0.3, method="pairs")
+        auto = bootstrap_sigmoid(c, truth + noise, n=500, r0=0.3)  # the default
+        assert auto.method == "auto" and (auto.inflation > 1.0) == widened
+        a_mid = float(auto.fit.a)
+        for side in (0, 1):  # each end moved away from the point by the factor (or kept)
+            want = a_mid + auto.inflation * (pairs.ci["a"][side] - a_mid)
+            want = min(want, 1.0) if side else want
+            assert auto.ci["a"][side] == pytest.approx(want, abs=1e-6)

@@ -45,7 +45,7 @@ def extrapolation_check(
     r0=None,
     level: float = 0.95,
     a_max: float = 1.0,
-    method: str = "pairs",
+    method: str = "auto",
 ) -> ExtrapolationReport:
     """Fit points with C <= c_cut (default: fit_until x the last compute), predict the last one.
 
