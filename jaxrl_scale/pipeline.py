@@ -221,6 +221,11 @@ class LockstepFeeder:
         pass
 
 
+def staleness_bound(cfg: PipelineConfig) -> int:
+    """k: how many versions behind the trainer a batch's oldest token may be (0 in sync)."""
+    return 0 if cfg.mode == "sync" else cfg.max_staleness
+
+
 def make_feeder(
     cfg: PipelineConfig,
     produce: Producer,
@@ -235,7 +240,7 @@ def make_feeder(
     """The feeder for `cfg.mode`, starting at policy `version` (the steps taken so far).
     `resumed`: batches an interrupted run had generated but not trained on (deterministic
     modes); those staler than this run's k are handed to `take_dropped`, the rest are used."""
-    k = 0 if cfg.mode == "sync" else cfg.max_staleness
+    k = staleness_bound(cfg)
     fresh, stale = [], []
     for batch in resumed:
         oldest = oldest_version(batch.versions)

@@ -48,7 +48,7 @@ from jaxrl_scale.forecast import OnlineForecast
 from jaxrl_scale.hf import load_pretrained
 from jaxrl_scale.metrics import MetricsWriter, read_metrics
 from jaxrl_scale.model import Policy
-from jaxrl_scale.pipeline import ParamsSource, make_feeder
+from jaxrl_scale.pipeline import ParamsSource, make_feeder, staleness_bound
 from jaxrl_scale.rollout import Rollouts, RolloutWorker, rollouts_from_host, rollouts_to_host
 from jaxrl_scale.step import Batch, compile_train_step, init_train_state, make_optimizer
 from jaxrl_scale.tasks import make_task
@@ -236,7 +236,7 @@ def train_run(run: Run) -> list[dict[str, Any]]:
             ro = feeder.next()
             waited = time.perf_counter() - ready
             _charge_dropped(feeder.take_dropped(), totals)
-            staleness = _staleness(ro.versions, version=step - 1, k=_k(cfg))
+            staleness = _staleness(ro.versions, version=step - 1, k=staleness_bound(cfg.pipeline))
             train_state, metrics = run.train_step(train_state, ro.batch)
             feeder.trained(train_state.params, step)  # lockstep: the next batch starts here
             if unlogged is not None:  # the step before: its metrics are ready (or nearly)
@@ -248,7 +248,9 @@ def train_run(run: Run) -> list[dict[str, Any]]:
             on_save = bool(cfg.checkpoint.every) and step % cfg.checkpoint.every == 0
             if not (on_eval or on_save):
                 continue
-            _check_finite(jax.device_get(metrics), step, cfg.train.max_nonfinite)
+            # Read now (no later step to overlap with), once: the row below reuses it.
+            unlogged = dataclasses.replace(unlogged, metrics=jax.device_get(metrics))
+            _check_finite(unlogged.metrics, step, cfg.train.max_nonfinite)
             eval_rate = None
             if on_eval:
                 with clock.excluded():
@@ -287,10 +289,6 @@ class _Step:
     staleness: tuple[float, int]
     began: float  # perf_counter when the trainer asked for the batch
     waited: float  # seconds it waited for it
-
-
-def _k(cfg: ExperimentConfig) -> int:
-    return 0 if cfg.pipeline.mode == "sync" else cfg.pipeline.max_staleness
 
 
 def _generator_placement(run: Run):
