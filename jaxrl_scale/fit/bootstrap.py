@@ -25,36 +25,78 @@ from jaxrl_scale.fit.sigmoid_fit import FitResult, FitSpec, fit_batch, pad_curve
 PARAMS = ("a", "b", "c_mid", "r0")
 Method = Literal["auto", "pairs", "residual", "block"]
 METHODS = ("auto", "pairs", "residual", "block")
-MAX_AUTOCORRELATION = 0.95  # cap on the estimate (the widening factor is then at most 6.2)
+RHO_GRID = np.linspace(-0.9, 0.97, 80)  # AR(1) coefficients "auto" weighs (a uniform prior)
 
 
-def lag1_autocorrelation(residuals, fitted_params: int = 0) -> float:
-    """Lag-1 autocorrelation of a fit's residuals in run order, bias-corrected.
+@dataclasses.dataclass(frozen=True)
+class NoiseModel:
+    """What a fit's residuals say about its evaluation noise, modelled as AR(1) along the run:
+    e_t = rho * e_{t-1} + innovation, with marginal sd sigma.
 
-    rho = sum(e_t e_{t-1}) / sum(e_t^2) of the centred residuals, plus (1 + 3 rho) / n (the
-    first-order bias for an AR(1) series with an estimated mean; Marriott and Pope 1954) and
-    `fitted_params` / n (a smooth fit absorbs the slow part of correlated noise, so residuals
-    look less correlated than the noise is). Without the corrections correlated noise reads
-    as weaker than it is. Capped at 0.95.
+    `weight` is the posterior of rho over `rho` (the grid) given the residuals, with sigma
+    integrated out; given rho, sigma^2 is `scale * dof / chi2(dof)`. Built by `noise_model`.
     """
-    e = np.asarray(residuals, float)
-    n = e.size
-    if n < 3:
-        return 0.0
-    e = e - e.mean()
-    energy = float(np.sum(e * e))
-    if energy <= 0:
-        return 0.0
-    rho = float(np.sum(e[1:] * e[:-1])) / energy
-    rho += (1 + 3 * rho + fitted_params) / n
-    return float(np.clip(rho, -0.99, MAX_AUTOCORRELATION))
+
+    rho: np.ndarray  # [G] grid of AR(1) coefficients
+    weight: np.ndarray  # [G] posterior probability of each
+    scale: np.ndarray  # [G] sigma^2 estimate at each rho
+    dof: int  # residual degrees of freedom: points minus the fit's rank
+
+    @property
+    def mean_rho(self) -> float:
+        return float(np.sum(self.weight * self.rho))
+
+    @property
+    def sd(self) -> float:
+        """Posterior-mean estimate of the noise's marginal sd."""
+        return float(np.sqrt(np.sum(self.weight * self.scale)))
 
 
-def widening(rho: float) -> float:
-    """How much wider an interval must be when the noise is AR(1) with coefficient rho than
-    when it is independent: sqrt((1 + rho) / (1 - rho)), the square root of the ratio of
-    points to effectively independent points. 1 when rho <= 0 (never narrower)."""
-    return float(np.sqrt((1 + rho) / (1 - rho))) if rho > 0 else 1.0
+def _ar1_solve(x, rho):
+    """R(rho)^-1 x for the AR(1) correlation matrix R_ij = rho^|i-j| (tridiagonal inverse):
+    x [P, ...], rho [G] -> [G, P, ...]."""
+    r = rho.reshape((-1,) + (1,) * x.ndim)
+    out = np.array(np.broadcast_to((1 + r * r) * x, (rho.size,) + x.shape))
+    out[:, 0], out[:, -1] = x[0], x[-1]
+    out[:, 1:] -= r * x[:-1]
+    out[:, :-1] -= r * x[1:]
+    return out / (1 - r * r)
+
+
+def noise_model(residuals, jacobian, grid=RHO_GRID) -> NoiseModel:
+    """The posterior of an AR(1) noise model from a fit's residuals [P] (in run order) and its
+    Jacobian [P, K] at the fit.
+
+    Restricted (REML) likelihood of the linearised model: the residuals live in the P - K
+    dimensions the fit cannot absorb, so a smooth fit that soaks up the slow part of correlated
+    noise does not make it look independent. With a flat prior on rho over `grid` and 1/sigma^2
+    on sigma^2, p(rho | e) is proportional to
+        |R|^-1/2 |J' R^-1 J|^-1/2 q(rho)^-(P-K)/2,   q = e' R^-1 e - (J' R^-1 e)' (J' R^-1 J)^-1 J' R^-1 e,
+    and sigma^2 | rho is q / chi2(P - K). A short run says little about rho, so the posterior is
+    wide and the intervals drawn from it are wide: that is the honest price of few points.
+    """
+    e = np.asarray(residuals, np.float64)
+    jac = np.asarray(jacobian, np.float64)
+    p = e.size
+    sv = np.linalg.svd(jac, compute_uv=False)
+    keep = sv > 1e-9 * max(sv[0], 1e-300)
+    if not keep.all():  # a direction the fit cannot move: drop it (an orthonormal basis)
+        u = np.linalg.svd(jac, full_matrices=False)[0]
+        jac = u[:, keep]
+    dof = p - jac.shape[1]
+    if dof < 1:
+        raise ValueError(f"{p} points and {jac.shape[1]} fitted parameters leave no noise estimate")
+    re, rj = _ar1_solve(e, grid), _ar1_solve(jac, grid)  # [G, P], [G, P, K]
+    jrj = np.einsum("pk,gpl->gkl", jac, rj)
+    jre = np.einsum("pk,gp->gk", jac, re)
+    quad = np.einsum("p,gp->g", e, re) - np.einsum(
+        "gk,gk->g", jre, np.linalg.solve(jrj, jre[..., None])[..., 0]
+    )
+    quad = np.maximum(quad, 1e-300)
+    log_det = (p - 1) * np.log1p(-grid * grid) + np.linalg.slogdet(jrj)[1]
+    log_post = -0.5 * log_det - 0.5 * dof * np.log(quad)
+    weight = np.exp(log_post - log_post.max())
+    return NoiseModel(np.asarray(grid, float), weight / weight.sum(), quad / dof, dof)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,12 +110,17 @@ class BootstrapResult:
     level: float
     method: str
     c_max: float  # the largest compute in the data
-    # "auto": the residuals' bias-corrected lag-1 autocorrelation and the factor intervals are
-    # widened by around the point estimate (1: independent noise, plain pairs intervals).
+    # "auto": the posterior-mean AR(1) coefficient of the evaluation noise along the run
+    # (0 for the other methods).
     autocorrelation: float = 0.0
-    inflation: float = 1.0
-    noise_sd: float = 0.0  # evaluation noise for forecasts: rmse with a degrees-of-freedom fix
+    noise_sd: float = 0.0  # evaluation noise sd for forecasts
     a_max: float = 1.0
+    # "auto": each resample's noise sd [n] (drawn from its posterior); forecasts add noise of
+    # that size to each resample's prediction. None: `noise_sd` for every resample.
+    noise_samples: jax.Array | None = None
+    # "auto": which scheme drew each resample [n] (0: parametric AR(1), 1: pairs). Intervals
+    # are the envelope of each scheme's percentile interval. None: one scheme.
+    groups: np.ndarray | None = None
 
     @property
     def converged_fraction(self) -> float:
@@ -107,7 +154,7 @@ class BootstrapResult:
             level=self.level,
             method=self.method,
             autocorrelation=self.autocorrelation,
-            inflation=self.inflation,
+            noise_sd=self.noise_sd,
         )
         return out
 
@@ -116,24 +163,38 @@ class BootstrapResult:
         converged resamples, around the point fit's prediction.
 
         With `observation_noise`, the interval is for a new *measurement* at `c` (the curve's
-        uncertainty plus evaluation noise with the point fit's residual spread), which is what
-        a forecast of an observed eval point must cover.
+        uncertainty plus evaluation noise: each resample's own noise sd for "auto", else the
+        point fit's), which is what a forecast of an observed eval point must cover.
         """
         c = jnp.asarray(c, float)
         keep = np.asarray(self.converged)
+        mid = self.fit.predict(c)
         if not keep.any():  # no resample converged: there is no interval to give
             nan = jnp.full(c.shape, jnp.nan)
-            return nan, self.fit.predict(c), nan
-        params = [np.asarray(self.samples[k])[keep].reshape((-1,) + (1,) * c.ndim) for k in PARAMS]
+            return nan, mid, nan
+        expand = (-1,) + (1,) * c.ndim
+        params = [np.asarray(self.samples[k])[keep].reshape(expand) for k in PARAMS]
         preds = sigmoid(c, *params)
         if observation_noise:
-            noise = jax.random.normal(jax.random.key(seed), preds.shape) * self.noise_sd
-            preds = preds + noise
-        mid = self.fit.predict(c)
-        preds = jnp.clip(mid + self.inflation * (preds - mid), 0.0, self.a_max)
-        tail = (1 - self.level) / 2
-        lo, hi = jnp.quantile(preds, jnp.array([tail, 1 - tail]), axis=0)
-        return lo, mid, hi
+            sd = self.noise_sd
+            if self.noise_samples is not None:
+                sd = np.asarray(self.noise_samples)[keep].reshape(expand)
+            preds = preds + jax.random.normal(jax.random.key(seed), preds.shape) * sd
+        preds = np.asarray(jnp.clip(preds, 0.0, self.a_max))
+        groups = np.zeros(keep.shape, int) if self.groups is None else self.groups
+        lo, hi = _envelope(preds, groups[keep], self.level)
+        return jnp.asarray(lo), mid, jnp.asarray(hi)
+
+
+def _envelope(values, groups, level: float):
+    """(lo, hi) along axis 0: the widest of each group's percentile interval at `level`
+    (NaN when no values)."""
+    tail = (1 - level) / 2
+    parts = [np.quantile(values[groups == g], [tail, 1 - tail], axis=0) for g in np.unique(groups)]
+    if not parts:
+        nan = np.full(values.shape[1:], np.nan)
+        return nan, nan
+    return np.min([q[0] for q in parts], axis=0), np.max([q[1] for q in parts], axis=0)
 
 
 def _counts(idx, p: int):
@@ -162,14 +223,55 @@ def _resample(key, y, fitted, p, *, n: int, method: str, block: int):
     return fitted + draws, jnp.broadcast_to(present.astype(float), (n, width))
 
 
+@functools.partial(jax.jit, static_argnames=("n",))
+def _simulate(key, fitted, p, rho, log_weight, scale, dof, a_max, *, n: int):
+    """Rewards [n, W], weights [n, W] and noise sds [n] for n parametric resamples: the point
+    fit's curve plus AR(1) noise, with (rho, sigma) drawn from their posterior (`NoiseModel`)
+    for each resample. Only the first `p` of W points are present."""
+    width = fitted.shape[0]
+    k_rho, k_chi, k_eps = jax.random.split(key, 3)
+    pick = jax.random.categorical(k_rho, log_weight, shape=(n,))
+    r = rho[pick]
+    chi2 = 2.0 * jax.random.gamma(k_chi, dof / 2.0, (n,))
+    sd = jnp.sqrt(scale[pick] * dof / chi2)
+    eps = jax.random.normal(k_eps, (width, n))
+    innovation = jnp.sqrt(1.0 - r * r)
+
+    def step(prev, eps_t):
+        e = r * prev + innovation * eps_t
+        return e, e
+
+    _, rest = jax.lax.scan(step, eps[0], eps[1:])
+    z = jnp.concatenate([eps[:1], rest]).T  # [n, W], unit marginal variance
+    present = jnp.arange(width) < p
+    ys = jnp.where(present, jnp.clip(fitted + sd[:, None] * z, 0.0, a_max), 0.0)
+    return ys, jnp.broadcast_to(present.astype(float), (n, width)), sd
+
+
 def resample(curve, fitted, *, n: int, seed: int, method: Method = "pairs", block=None):
     """(rewards [n, P], weights [n, P]) of n resamples of a clean curve (fit.data.Curve) whose
-    point fit predicts `fitted` [P] (used by the residual method)."""
+    point fit predicts `fitted` [P] (used by the residual method). "auto" is not a resampling
+    of the points and needs the fit itself: use `bootstrap_sigmoid`."""
+    if method not in ("pairs", "block", "residual"):
+        raise ValueError(f"resample: method must be pairs, block or residual, got {method!r}")
     p = curve.compute.size
     block = block or max(2, round(p ** (1 / 3)))
     y = jnp.asarray(curve.reward, float)
     return _resample(jax.random.key(seed), y, jnp.asarray(fitted, float), p, n=n,
                      method=method, block=block)  # fmt: skip
+
+
+def _jacobian(point: FitResult, compute, fit_r0: bool) -> np.ndarray:
+    """d curve / d (A, B, C_mid[, R0]) at the point fit, [P, K]."""
+    names = PARAMS if fit_r0 else PARAMS[:3]
+    theta = jnp.array([float(getattr(point, k)) for k in names])
+    c = jnp.asarray(compute, float)
+
+    def curve(t):
+        r0 = t[3] if fit_r0 else point.r0
+        return sigmoid(c, t[0], t[1], t[2], r0)
+
+    return np.asarray(jax.jacfwd(curve)(theta))
 
 
 def bootstrap_sigmoid(
@@ -189,14 +291,20 @@ def bootstrap_sigmoid(
 ) -> BootstrapResult:
     """Percentile bootstrap intervals for A, B, C_mid, r0 and predictions.
 
-    Methods: "pairs" resamples points with replacement; "block" resamples runs of `block`
-    consecutive points (default about P ** (1/3)); "residual" keeps the points and adds
-    resampled residuals of the point fit. "auto" (the default) is "pairs" adapted to the
-    data: it estimates how correlated the residuals are along the run
-    (`lag1_autocorrelation`) and, when they are positively correlated (successive evals
-    drifting together), widens every interval around the point estimate by `widening(rho)`
-    (in log space for B and C_mid); with independent or anti-correlated residuals it is plain
-    "pairs". benchmarks/bench_calibration.py measures each method's coverage.
+    Methods:
+      "auto" (the default): a parametric bootstrap that adapts to how the evaluation noise is
+        correlated along the run. The residuals give a posterior over an AR(1) noise model
+        (`noise_model`: independent noise is rho = 0); each resample draws (rho, sigma) from
+        it, adds such noise to the point fit's curve and refits. Correlated noise (successive
+        evals drifting together) widens the intervals, and so does a short run, which cannot
+        rule correlation out. Half the resamples are pairs resamples instead, and each interval
+        is the wider envelope of the two schemes' intervals: where the fit is barely
+        identified, resampling the points shows how far it can move.
+      "pairs" resamples points with replacement; "block" resamples runs of `block`
+        consecutive points (default about P ** (1/3)); "residual" keeps the points and adds
+        resampled residuals of the point fit. These assume independent noise (block: short
+        range) and cover far less than nominal when it is not.
+    benchmarks/bench_calibration.py measures each method's coverage.
     All n refits run in one jitted, vmapped call. `pad_to` pads the curve with weight-0 points
     to that many, so a growing curve (an online forecast) reuses one compiled program.
     """
@@ -217,40 +325,52 @@ def bootstrap_sigmoid(
         lambda v: v[0], fit_batch(log_c, y[None], w[None], held_r0[:1], jnp.zeros((1,)), spec=spec)
     )
     fitted = jnp.where(w > 0, point.predict(jnp.exp(log_c)), 0.0)
-    draw = "pairs" if method == "auto" else method
-    ys, ws = _resample(jax.random.key(seed), y, fitted, p, n=n, method=draw, block=block)
+    free = 3 + int(spec.fit_r0)  # A, B, C_mid (+ R0)
+    noise_samples, rho, groups = None, 0.0, None
+    noise_sd = float(point.rmse) * math.sqrt(p / max(p - free, 1))
+    key = jax.random.key(seed)
+    if method == "auto":
+        residuals = np.asarray(y - fitted)[:p]
+        jac = _jacobian(point, curve.compute, spec.fit_r0)
+        if not (np.isfinite(residuals).all() and np.isfinite(jac).all()) or p <= free:
+            return _no_interval(point, n, level, method, curve, a_max)
+        noise = noise_model(residuals, jac)
+        rho, noise_sd = noise.mean_rho, noise.sd
+        key, k_pairs = jax.random.split(key)
+        ys, ws, sds = _simulate(
+            key, fitted, p, jnp.asarray(noise.rho),
+            jnp.log(jnp.asarray(noise.weight) + 1e-300), jnp.asarray(noise.scale),
+            float(noise.dof), float(a_max), n=n - n // 2,
+        )  # fmt: skip
+        # Pairs resamples too: where the fit is barely identified a parametric bootstrap stays
+        # near the point fit's curve, and resampling the points shows how far it can move.
+        y_pairs, w_pairs = _resample(k_pairs, y, fitted, p, n=n // 2, method="pairs", block=block)
+        ys, ws = jnp.concatenate([ys, y_pairs]), jnp.concatenate([ws, w_pairs])
+        noise_samples = jnp.concatenate([sds, sds[: n // 2]])
+        groups = np.repeat([0, 1], [n - n // 2, n // 2])
+    else:
+        ys, ws = _resample(key, y, fitted, p, n=n, method=method, block=block)
     fits = fit_batch(log_c, ys, ws, held_r0, jnp.zeros((n,), float), spec=spec)
     samples = {k: getattr(fits, k) for k in PARAMS}
-    free = 3 + int(spec.fit_r0)  # A, B, C_mid (+ R0)
-    residuals = np.asarray(y - fitted)[:p]
-    rho = lag1_autocorrelation(residuals, free) if method == "auto" else 0.0
-    factor = widening(rho)
-    noise_sd = float(point.rmse) * math.sqrt(p / max(p - free, 1))
     keep = np.asarray(fits.converged)
-    tail = (1 - level) / 2
+    kept_groups = (np.zeros(keep.shape, int) if groups is None else groups)[keep]
     ci = {}
     for k, v in samples.items():
-        kept = np.asarray(v)[keep]
-        if not kept.size:
-            ci[k] = (math.nan, math.nan)
-            continue
-        lo, hi = np.quantile(kept, [tail, 1 - tail])
-        ci[k] = _widened(k, float(getattr(point, k)), float(lo), float(hi), factor, a_max)
+        lo, hi = _envelope(np.asarray(v)[keep], kept_groups, level)
+        ci[k] = (float(lo), float(hi))
     c_max = float(curve.compute[-1])
     return BootstrapResult(
-        point, samples, fits.converged, ci, level, method, c_max, rho, factor, noise_sd, a_max
+        point, samples, fits.converged, ci, level, method, c_max, rho, noise_sd, a_max,
+        noise_samples, groups,
+    )  # fmt: skip
+
+
+def _no_interval(point, n, level, method, curve, a_max) -> BootstrapResult:
+    """A fit with no spare point (or a non-finite one) says nothing about its noise: no
+    resample counts as converged and every interval is NaN."""
+    samples = {k: jnp.full((n,), jnp.nan) for k in PARAMS}
+    ci = dict.fromkeys(PARAMS, (math.nan, math.nan))
+    c_max = float(curve.compute[-1])
+    return BootstrapResult(
+        point, samples, jnp.zeros((n,), bool), ci, level, method, c_max, a_max=a_max
     )
-
-
-def _widened(name: str, mid: float, lo: float, hi: float, factor: float, a_max: float):
-    """A percentile interval stretched by `factor` around the point estimate: in log space
-    for the positive B and C_mid, clipped to [0, a_max] for A and R0."""
-    if factor == 1.0:
-        return lo, hi
-    if name in ("b", "c_mid"):
-        log_mid = math.log(mid)
-        stretch = lambda v: math.exp(log_mid + factor * (math.log(v) - log_mid))  # noqa: E731
-        new_lo, new_hi = stretch(lo), stretch(hi)
-    else:
-        new_lo, new_hi = max(0.0, mid - factor * (mid - lo)), min(a_max, mid + factor * (hi - mid))
-    return min(lo, new_lo), max(hi, new_hi)  # never narrower (a point outside its interval)
