@@ -7,8 +7,11 @@ finished once its `result.json` is written, so a killed sweep started again skip
 and resumes the one it was in from its last checkpoint. Per run: the final fit (A [interval],
 B, C_mid, R0 held at the step-0 eval) and the predictive check (the fit at 50% of the run's
 compute forecasts its final eval; error and whether the 95% interval covered it). Per config:
-the seeds' eval curves averaged step by step and fitted, the configs ranked by A, and any two
-whose A are within `margin` refitted with a shared A and compared by B (the paper's rule).
+the recipe's ceiling (fit.recipe: the mean of its seeds' A, with an interval that includes the
+spread between seeds), the seeds' eval curves averaged step by step and fitted, the configs
+ranked by the recipe's A, each pair's ceilings compared (an interval for the difference), and
+any two that are indistinguishable or within `margin` refitted with a shared A and compared by
+B (the paper's rule).
 Writes `<out>/study.json`, `<out>/study.md` (the tables) and `<out>/study.png` (all configs).
 """
 
@@ -23,6 +26,7 @@ import numpy as np
 
 from jaxrl_scale.config import load_config
 from jaxrl_scale.fit import Curve, bootstrap_sigmoid, shared_ceiling
+from jaxrl_scale.fit.recipe import compare_ceilings, recipe_ceiling
 from jaxrl_scale.fit.report import describe_shared, fit_run, run_curve, shared_entry
 from jaxrl_scale.metrics import read_metrics
 
@@ -87,30 +91,42 @@ def run_sweep(
 
 
 def compare(out: Path, names, runs, *, margin: float, n_boot: int, x: str) -> dict[str, Any]:
-    """Per-config fits of the seed-averaged curves, ranking, shared-A pairs, and the plot."""
+    """Per-config recipe ceilings and fits of the seed-averaged curves, the ranking by the
+    recipe's A, pairwise ceiling verdicts, shared-A comparisons, and the plot."""
     from jaxrl_scale.fit.plot import plot_fits
 
-    configs, curves, entries = [], {}, []
+    configs, curves, entries, recipes = [], {}, [], {}
     for name in names:
-        rows = [read_metrics(r["run_dir"]) for r in runs if r["config"] == name]
-        curve = mean_curve(rows, name, x)
+        mine = [r for r in runs if r["config"] == name]
+        recipe = recipe_ceiling(name, [r["a"] for r in mine], [r["a_ci"] for r in mine])
+        recipes[name] = recipe
+        curve = mean_curve([read_metrics(r["run_dir"]) for r in mine], name, x)
         boot = bootstrap_sigmoid(curve.compute, curve.reward, n=n_boot, r0=curve.r0)
         curves[name] = curve
         entries.append((curve, boot, None))
         configs.append(
             {
                 "config": name,
-                "seeds": len(rows),
+                "seeds": len(mine),
                 "final_pass_rate": float(curve.reward[-1]),
-                **boot.to_dict(),
+                "recipe_a": recipe.a,
+                "recipe_a_ci": list(recipe.ci),
+                "between_seed_sd": recipe.between_sd,
+                **boot.to_dict(),  # the fit of the seed-averaged curve
             }
         )
-    ranking = [c["config"] for c in sorted(configs, key=lambda c: -c["a"])]
+    ranking = sorted(names, key=lambda n: -recipes[n].a)
     by_name = {c["config"]: c for c in configs}
-    shared = []
+    ceilings, shared = [], []
     for i, first in enumerate(ranking):
         for second in ranking[i + 1 :]:
-            if abs(by_name[first]["a"] - by_name[second]["a"]) < margin:
+            d = compare_ceilings(recipes[first], recipes[second])
+            ceilings.append(
+                {"configs": [first, second], "diff": d.diff, "diff_ci": list(d.ci),
+                 "verdict": d.verdict}
+            )  # fmt: skip
+            close = abs(by_name[first]["recipe_a"] - by_name[second]["recipe_a"]) < margin
+            if close or d.verdict == "indistinguishable":
                 s = shared_ceiling(curves[first], curves[second], n_boot=n_boot)
                 shared.append(shared_entry(s))
     halves = [r["half_run"] for r in runs if r["half_run"] is not None]
@@ -129,6 +145,7 @@ def compare(out: Path, names, runs, *, margin: float, n_boot: int, x: str) -> di
         "runs": runs,
         "configs": configs,
         "ranking": ranking,
+        "ceilings": ceilings,
         "shared_ceiling": shared,
         "predictive_validity": validity,
         "plot": str(plot),
@@ -137,18 +154,35 @@ def compare(out: Path, names, runs, *, margin: float, n_boot: int, x: str) -> di
 
 def format_study(study: dict[str, Any]) -> str:
     lines = [
-        "| config | seeds | R0 | final | A [95% interval] | B | C_mid |",
-        "|---|---|---|---|---|---|---|",
+        "Recipe A: the mean of the seeds' own ceilings, its interval including the spread "
+        "between seeds. Mean-curve fit: the seeds' eval curves averaged, then fitted (its "
+        "interval is for that averaged run only).",
+        "",
+        "| config | seeds | R0 | final | recipe A [95% interval] | between-seed sd | "
+        "mean-curve A [95%] | B | C_mid |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for c in study["configs"]:
         lo, hi = c["a_ci"]
+        r_lo, r_hi = c["recipe_a_ci"]
         flag = "" if c["identifiable"] else " (not identified)"
         lines.append(
             f"| {c['config']} | {c['seeds']} | {c['r0']:.3f} | {c['final_pass_rate']:.3f} | "
+            f"{c['recipe_a']:.3f} [{r_lo:.3f}, {r_hi:.3f}] | {c['between_seed_sd']:.3f} | "
             f"{c['a']:.3f} [{lo:.3f}, {hi:.3f}]{flag} | {c['b']:.2f} | {c['c_mid']:.3g} |"
         )
     lines.append("")
-    lines.append("ranking by A: " + " > ".join(study["ranking"]))
+    lines.append("ranking by the recipe's A: " + " > ".join(study["ranking"]))
+    for d in study["ceilings"]:
+        first, second = d["configs"]
+        lo, hi = d["diff_ci"]
+        verdict = d["verdict"]
+        if verdict in (first, second):
+            verdict = f"{verdict} has the higher ceiling"
+        lines.append(
+            f"{first} - {second}: recipe A difference {d['diff']:+.3f} [{lo:+.3f}, {hi:+.3f}]"
+            f" -> {verdict}"
+        )
     for s in study["shared_ceiling"]:
         lines.append(describe_shared(s, study["margin"]))
     lines += [

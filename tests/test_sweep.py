@@ -73,7 +73,7 @@ def test_sweep_runs_fits_compares_and_resumes(configs, tmp_path, monkeypatch, ca
     assert main(args) == 0
     assert len(trained) == 3  # only the runs not yet finished
     printed = capsys.readouterr().out
-    assert "finished earlier, skipped" in printed and "ranking by A" in printed
+    assert "finished earlier, skipped" in printed and "ranking by the recipe's A" in printed
 
     study = json.loads((out / "study.json").read_text())
     assert [(r["config"], r["seed"]) for r in study["runs"]] == [
@@ -83,7 +83,15 @@ def test_sweep_runs_fits_compares_and_resumes(configs, tmp_path, monkeypatch, ca
     assert study["predictive_validity"]["runs"] == 6
     assert sorted(study["ranking"]) == ["cispo", "dapo", "gspo"]
     by_config = {c["config"]: c for c in study["configs"]}
-    assert study["ranking"] == sorted(by_config, key=lambda k: -by_config[k]["a"])
+    # The recipe's A is the mean of its seeds' own A; configs are ranked by it, and every pair
+    # of configs gets a ceiling verdict.
+    for name, c in by_config.items():
+        seeds_a = [r["a"] for r in study["runs"] if r["config"] == name]
+        assert c["recipe_a"] == pytest.approx(np.mean(seeds_a))
+        lo, hi = c["recipe_a_ci"]
+        assert lo <= c["recipe_a"] <= hi
+    assert study["ranking"] == sorted(by_config, key=lambda k: -by_config[k]["recipe_a"])
+    assert len(study["ceilings"]) == 3
     # A config's curve is its seeds' eval curves averaged step by step, fitted with R0 held at
     # their mean step-0 eval.
     rows = [read_metrics(out / "dapo" / f"seed{s}") for s in (0, 1)]

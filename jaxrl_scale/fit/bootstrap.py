@@ -71,7 +71,8 @@ def noise_model(residuals, jacobian, grid=RHO_GRID) -> NoiseModel:
     dimensions the fit cannot absorb, so a smooth fit that soaks up the slow part of correlated
     noise does not make it look independent. With a flat prior on rho over `grid` and 1/sigma^2
     on sigma^2, p(rho | e) is proportional to
-        |R|^-1/2 |J' R^-1 J|^-1/2 q(rho)^-(P-K)/2,   q = e' R^-1 e - (J' R^-1 e)' (J' R^-1 J)^-1 J' R^-1 e,
+        |R|^-1/2 |J' R^-1 J|^-1/2 q(rho)^-(P-K)/2,
+        q = e' R^-1 e - (J' R^-1 e)' (J' R^-1 J)^-1 J' R^-1 e,
     and sigma^2 | rho is q / chi2(P - K). A short run says little about rho, so the posterior is
     wide and the intervals drawn from it are wide: that is the honest price of few points.
     """
