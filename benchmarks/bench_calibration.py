@@ -9,6 +9,9 @@ evaluations at equal compute intervals (an eval every N steps), R0 held at the s
 
 - independent: every eval's error drawn afresh;
 - AR(1) phi: errors correlated along the run (successive checkpoints drift together);
+- transient: independent noise plus an early transient the sigmoid does not describe (a
+  quick early gain of 0.03-0.10 that fades with compute scale 2-6% of the run, as when a
+  policy first learns the answer format);
 - run offset: one offset for the whole run (sd 0.015) plus independent noise (sd 0.01). The
   run's own ceiling is A + offset: "this run's A" covers it, the recipe's A is A itself, which
   no interval from one run can be expected to cover (that is what several seeds are for).
@@ -32,7 +35,7 @@ import zlib
 import numpy as np
 
 from jaxrl_scale.fit import bootstrap_sigmoid, sigmoid
-from jaxrl_scale.fit.extrapolation import extrapolation_check
+from jaxrl_scale.fit.extrapolation import early_cut, extrapolation_check
 from jaxrl_scale.fit.recipe import recipe_ceiling
 
 SD = 0.015
@@ -49,6 +52,8 @@ def noise(rng, model: str, n: int) -> tuple[np.ndarray, float]:
         for t in range(1, n):
             e[t] = phi * e[t - 1] + np.sqrt(1 - phi**2) * SD * rng.standard_normal()
         return e, 0.0
+    if model == "transient":
+        return SD * rng.standard_normal(n), 0.0  # the transient itself is added in curve()
     if model == "offset":
         offset = SD * rng.standard_normal()
         return offset + 0.01 * rng.standard_normal(n), offset
@@ -67,19 +72,30 @@ def curve(rng, model: str, points: int, recipe=None):
     a, b, c_mid, r0 = recipe or truth(rng)
     compute = np.arange(1, points + 1) / points
     errors, offset = noise(rng, model, points + 1)  # errors[0] is the step-0 eval's
-    rates = np.clip(np.asarray(sigmoid(compute, a, b, c_mid, r0)) + errors[1:], 0.0, 1.0)
+    mean = np.asarray(sigmoid(compute, a, b, c_mid, r0))
+    if model == "transient":
+        height, scale = rng.uniform(0.03, 0.10), rng.uniform(0.02, 0.06)
+        mean = mean + height * np.exp(-compute / scale)
+    rates = np.clip(mean + errors[1:], 0.0, 1.0)
     return compute, rates, float(np.clip(r0 + errors[0], 0.0, 1.0)), a + offset
 
 
 def row(
-    model: str, points: int, method: str, curves: int, n_boot: int, seeds: int = 1
+    model: str,
+    points: int,
+    method: str,
+    curves: int,
+    n_boot: int,
+    seeds: int = 1,
+    c_min_fraction: float = 0.0,
 ) -> dict[str, float]:
     rng = np.random.default_rng([points, zlib.crc32(model.encode())])  # one stream per row
     a_in, a_width, f_in, f_width, ident, r_in, r_width = [], [], [], [], [], [], []
     for i in range(curves):
         recipe = truth(rng)
         compute, rates, r0, run_a = curve(rng, model, points, recipe)
-        boot = bootstrap_sigmoid(compute, rates, n=n_boot, seed=i, r0=r0, method=method)
+        late = compute >= early_cut(compute, c_min_fraction)
+        boot = bootstrap_sigmoid(compute[late], rates[late], n=n_boot, seed=i, r0=r0, method=method)
         lo, hi = boot.ci["a"]
         if seeds > 1:
             fits = [boot]
@@ -98,7 +114,14 @@ def row(
         a_width.append(hi - lo)
         ident.append(boot.identifiable)
         half = extrapolation_check(
-            compute, rates, fit_until=0.5, n_boot=n_boot, seed=i, r0=r0, method=method
+            compute,
+            rates,
+            fit_until=0.5,
+            n_boot=n_boot,
+            seed=i,
+            r0=r0,
+            method=method,
+            c_min_fraction=c_min_fraction,
         )
         f_in.append(half.covered)
         f_width.append(half.hi - half.lo)
@@ -120,6 +143,7 @@ def main() -> None:
     parser.add_argument("--methods", nargs="+", default=["auto", "pairs", "block", "residual"])
     parser.add_argument("--models", nargs="+", default=["independent", "ar0.5", "ar0.8", "offset"])
     parser.add_argument("--points", nargs="+", type=int, default=[10, 30])
+    parser.add_argument("--c-min-fraction", type=float, default=0.0, help="early cut-off")
     parser.add_argument("--seeds", type=int, default=1, help="seeds per recipe (> 1: recipe A)")
     args = parser.parse_args()
     print(
@@ -137,7 +161,15 @@ def main() -> None:
         for model in args.models:
             for points in args.points:
                 for method in args.methods:
-                    r = row(model, points, method, args.curves, args.boot, args.seeds)
+                    r = row(
+                        model,
+                        points,
+                        method,
+                        args.curves,
+                        args.boot,
+                        args.seeds,
+                        args.c_min_fraction,
+                    )
                     recipe = f"{r['r_cover']:>14.1%}{r['r_width']:>14.3f}" if args.seeds > 1 else ""
                     print(
                         f"{model:<12}{points:>4}  {method:<9}{r['a_cover']:>9.1%}"

@@ -6,7 +6,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from jaxrl_scale.config import ConfigError, load_config
+from jaxrl_scale.config import ConfigError, ForecastConfig, load_config
 from jaxrl_scale.fit.data import CurveDataError
 
 DEMO_CONFIG = "asset:demo.yaml"  # shipped inside the package (jaxrl_scale/assets/demo.yaml)
@@ -60,6 +60,14 @@ def _parser() -> argparse.ArgumentParser:
     fit.add_argument("--r0", type=float, default=None, help="hold R0 at this value")
     fit.add_argument("--c-min", type=float, default=None, help="drop points with compute below")
     fit.add_argument(
+        "--c-min-fraction",
+        type=float,
+        default=ForecastConfig.c_min_fraction,
+        metavar="F",
+        help="leave out early points below F x the last fitted compute (early transients; "
+        f"default {ForecastConfig.c_min_fraction}, as forecast.c_min_fraction)",
+    )
+    fit.add_argument(
         "--fit-until",
         type=float,
         default=None,
@@ -89,6 +97,7 @@ def _fit(args) -> None:
             y=args.y,
             r0=args.r0,
             c_min=args.c_min,
+            c_min_fraction=args.c_min_fraction,
             fit_until=args.fit_until,
             predict_at=args.predict_at,
             n_boot=args.bootstrap,

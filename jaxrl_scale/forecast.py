@@ -26,6 +26,7 @@ import numpy as np
 from jaxrl_scale.config import ForecastConfig
 from jaxrl_scale.fit import Curve, CurveDataError, bootstrap_sigmoid
 from jaxrl_scale.fit.curves import sigmoid
+from jaxrl_scale.fit.extrapolation import early_cut
 
 NOT_IDENTIFIABLE = "not identifiable yet"
 
@@ -91,9 +92,13 @@ def fit_forecast(
     method: str = "auto",
     seed: int = 0,
     min_points: int = 4,
+    c_min_fraction: float = 0.0,
 ) -> Forecast:
-    """Fit eval points (compute > 0) with R0 held at `r0`; predict the pass rate at `budget`."""
+    """Fit eval points (compute > 0) with R0 held at `r0`; predict the pass rate at `budget`.
+    Points below `c_min_fraction` of the latest compute are left out (fit.early_cut)."""
     compute, rate = np.asarray(compute, float), np.asarray(rate, float)
+    late = compute >= early_cut(compute, c_min_fraction, min_points)
+    compute, rate = compute[late], rate[late]
     points = int(compute.size)
     if points < min_points:
         return Forecast("too few points", points, budget)
@@ -176,6 +181,7 @@ class OnlineForecast:
             method=self.cfg.method,
             seed=self.seed + n,
             min_points=self.cfg.min_points,
+            c_min_fraction=self.cfg.c_min_fraction,
         )
         return self.last.row()
 

@@ -99,3 +99,17 @@ def test_fit_cli_on_a_run_directory_holds_r0_at_the_step_0_eval(tmp_path, capsys
     assert entry["a"] == pytest.approx(0.8, abs=1e-3)
     assert main(["fit", str(run), "--json", "--bootstrap", "100", "--r0", "0.2"]) == 0
     assert json.loads(capsys.readouterr().out)["runs"][0]["r0"] == pytest.approx(0.2)
+
+
+def test_fit_cli_c_min_fraction_leaves_out_early_points(tmp_path, capsys):
+    run = _run_dir(tmp_path, "cispo", 0.61, 2.0, 0)
+    base = [str(run), "--bootstrap", "200", "--json"]
+    assert main(["fit", *base, "--c-min-fraction", "0"]) == 0
+    everything = json.loads(capsys.readouterr().out)["runs"][0]
+    assert main(["fit", *base, "--c-min-fraction", "0.1"]) == 0
+    out = capsys.readouterr()
+    late = json.loads(out.out)["runs"][0]
+    # C is geometric from 300 to 30000: 0.1 x 30000 = 3000 leaves out the points below it.
+    assert everything["points"] == C.size
+    assert late["points"] == int(np.sum(C >= 3000.0)) < C.size
+    assert "left out" in out.err

@@ -12,10 +12,8 @@ T2 = 4.302652729911275  # Student t, 2 degrees of freedom, 97.5% quantile (table
 
 
 def test_three_seeds_by_hand():
-    # Each seed's interval is +-0.02, so its standard error is 0.02 / Z = 0.010204 and the
-    # within-run variance 1.0412e-4; the seeds' ceilings have sample variance
-    # (0.02^2 + 0 + 0.02^2) / 2 = 4e-4, the larger, so se = sqrt(4e-4 / 3) = 0.011547 and the
-    # interval is 0.82 +- 4.3027 * 0.011547 = 0.82 +- 0.049683.
+    # The seeds' ceilings have sample variance (0.02^2 + 0 + 0.02^2) / 2 = 4e-4, so
+    # se = sqrt(4e-4 / 3) = 0.011547 and the interval is 0.82 +- 4.3027 * 0.011547.
     r = recipe_ceiling("x", [0.80, 0.82, 0.84], [[0.78, 0.82], [0.80, 0.84], [0.82, 0.86]])
     assert r.a == pytest.approx(0.82)
     assert r.se == pytest.approx(math.sqrt(4e-4 / 3))
@@ -23,17 +21,10 @@ def test_three_seeds_by_hand():
     assert r.between_sd == pytest.approx(0.02)
 
 
-def test_seeds_that_agree_keep_at_least_one_runs_uncertainty():
-    # Identical ceilings: the between-seed variance is 0, the floor is the within-run variance
-    # (0.03 / Z)^2, so the interval is 0.7 +- T2 * (0.03 / Z) / sqrt(3).
-    r = recipe_ceiling("x", [0.7] * 3, [[0.67, 0.73]] * 3)
-    half = T2 * (0.03 / Z) / math.sqrt(3)
-    assert r.ci == pytest.approx((0.7 - half, 0.7 + half), abs=1e-6)
-
-
 def test_one_seed_has_no_recipe_interval_and_bad_input_is_named():
     r = recipe_ceiling("solo", [0.7], [[0.65, 0.75]])
     assert r.seeds == 1 and all(math.isnan(v) for v in r.ci)
+    assert r.se == pytest.approx(0.05 / Z)  # the run's own standard error
     d = compare_ceilings(r, r)
     assert "2 or more seeds" in d.verdict
     with pytest.raises(ValueError, match="bad: need one interval per seed"):

@@ -141,3 +141,32 @@ def test_bad_input():
     # A rate outside [0, 1] is a fit failure the row reports, not a crash of the run.
     result = fit_forecast([1, 2, 3, 4, 5], [0.1, 0.2, 1.5, 0.3, 0.4], 0.1, 10.0, n_boot=20)
     assert result.status.startswith("fit failed") and "reward[2]" in result.status
+
+
+def test_early_cut_by_hand():
+    from jaxrl_scale.fit.extrapolation import early_cut
+
+    c = np.arange(1.0, 11.0)  # 1 ... 10
+    assert early_cut(c, 0.0) == 0.0  # off
+    assert early_cut(c, 0.25) == 2.5  # 0.25 x 10: points 1 and 2 go
+    assert early_cut(c, 0.9) == 7.0  # 9 would leave 2 points; never fewer than 4
+    assert early_cut(c[:4], 0.5) == 0.0  # 4 points: nothing to spare
+    with pytest.raises(ValueError, match="c_min_fraction"):
+        early_cut(c, 1.0)
+    with pytest.raises(ConfigError, match="forecast.c_min_fraction"):
+        ForecastConfig(c_min_fraction=-0.1)
+
+
+def test_the_forecast_leaves_out_early_evals_below_the_cut():
+    compute, rate = _stream(n=24)
+    kept = compute >= 0.2 * compute[-1]
+    cut = fit_forecast(compute, rate, R0, 1e13, n_boot=200, c_min_fraction=0.2)
+    assert cut.points == int(kept.sum()) < compute.size
+    # The same as fitting the late points alone.
+    alone = fit_forecast(compute[kept], rate[kept], R0, 1e13, n_boot=200)
+    assert cut.a == pytest.approx(alone.a) and cut.a_ci == pytest.approx(alone.a_ci)
+    forecaster = OnlineForecast(ForecastConfig(c_min_fraction=0.2, bootstrap=200), 24)
+    forecaster.observe(0, 0.0, R0)
+    for step, (c, r) in enumerate(zip(compute, rate, strict=True), start=1):
+        row = forecaster.observe(step, float(c), float(r))
+    assert row["forecast_points"] == cut.points

@@ -14,6 +14,17 @@ from jaxrl_scale.fit.bootstrap import BootstrapResult, bootstrap_sigmoid
 from jaxrl_scale.fit.data import CurveDataError, clean_curve
 
 
+def early_cut(compute, fraction: float, min_points: int = 4) -> float:
+    """The compute below which points are dropped as early transients: `fraction` of the last
+    compute, lowered when that would leave fewer than `min_points` (0: keep everything)."""
+    c = np.sort(np.asarray(compute, float))
+    if not 0 <= fraction < 1:
+        raise ValueError(f"c_min_fraction must be in [0, 1), got {fraction}")
+    if fraction == 0 or c.size <= min_points:
+        return 0.0
+    return float(min(fraction * c[-1], c[-min_points]))
+
+
 @dataclasses.dataclass(frozen=True)
 class ExtrapolationReport:
     c_cut: float  # points with compute <= c_cut were fitted
@@ -46,11 +57,13 @@ def extrapolation_check(
     level: float = 0.95,
     a_max: float = 1.0,
     method: str = "auto",
+    c_min_fraction: float = 0.0,
 ) -> ExtrapolationReport:
     """Fit points with C <= c_cut (default: fit_until x the last compute), predict the last one.
 
-    The interval is for the observed reward at the last point: the curve's bootstrap
-    uncertainty plus evaluation noise.
+    Points below `c_min_fraction` x c_cut are left out of the fit (early transients, see
+    `early_cut`). The interval is for the observed reward at the last point: the curve's
+    bootstrap uncertainty plus evaluation noise.
     """
     curve = clean_curve(compute, reward, a_max=a_max)
     c_last = float(curve.compute[-1])
@@ -58,9 +71,10 @@ def extrapolation_check(
         if fit_until is None or not 0 < fit_until < 1:
             raise ValueError(f"fit_until must be a fraction in (0, 1), got {fit_until}")
         c_cut = fit_until * c_last
-    early = curve.compute <= c_cut
-    if early.all():
+    fitted = curve.compute <= c_cut
+    if fitted.all():
         raise CurveDataError(f"c_cut {c_cut:g} keeps every point; nothing is left to predict")
+    early = fitted & (curve.compute >= early_cut(curve.compute[fitted], c_min_fraction))
     boot = bootstrap_sigmoid(
         curve.compute[early],
         curve.reward[early],

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -11,8 +12,14 @@ import numpy as np
 
 from jaxrl_scale.fit.bootstrap import BootstrapResult, bootstrap_sigmoid
 from jaxrl_scale.fit.comparison import shared_ceiling
-from jaxrl_scale.fit.data import Curve, CurveDataError, curve_from_rows, load_curve
-from jaxrl_scale.fit.extrapolation import ExtrapolationReport, extrapolation_check
+from jaxrl_scale.fit.data import (
+    Curve,
+    CurveDataError,
+    CurveDataWarning,
+    curve_from_rows,
+    load_curve,
+)
+from jaxrl_scale.fit.extrapolation import ExtrapolationReport, early_cut, extrapolation_check
 
 
 def run_curve(rows: list[dict[str, Any]], x: str = "compute_flops", name: str = "run") -> Curve:
@@ -70,6 +77,23 @@ def fit_run(rows: list[dict[str, Any]], *, x: str = "compute_flops", n_boot: int
     return RunFit(r0, compute, rate, final, half)
 
 
+def _drop_early(curve: Curve, fraction: float) -> Curve:
+    cut = early_cut(curve.compute, fraction)
+    keep = curve.compute >= cut
+    if keep.all():
+        return curve
+    warnings.warn(
+        f"{curve.name}: left out {int((~keep).sum())} early points with compute < {cut:.4g} "
+        f"({fraction} of the last)",
+        CurveDataWarning,
+        stacklevel=3,
+    )
+    steps = None if curve.steps is None else curve.steps[keep]
+    return dataclasses.replace(
+        curve, compute=curve.compute[keep], reward=curve.reward[keep], steps=steps
+    )
+
+
 def _run_entry(curve: Curve, boot, predict_at: float | None, extrapolation=None) -> dict[str, Any]:
     entry: dict[str, Any] = {"run": curve.name, "points": int(curve.compute.size), **boot.to_dict()}
     if predict_at is not None:
@@ -96,6 +120,7 @@ def fit_files(
     y: str = "eval_pass_rate",
     r0: float | None = None,
     c_min: float | None = None,
+    c_min_fraction: float = 0.0,
     fit_until: float | None = None,
     predict_at: float | None = None,
     n_boot: int = 2000,
@@ -106,8 +131,11 @@ def fit_files(
 ) -> dict[str, Any]:
     """Fit every file's curve and compare them; returns the JSON-ready report. R0 is held at
     `r0` when given, else at a file's own zero-compute measurement (a run's step-0 eval), else
-    fitted."""
+    fitted. Points below `c_min` (compute units) are dropped on loading; points below
+    `c_min_fraction` of the last fitted compute are left out of each fit (early transients)."""
     curves = [load_curve(p, x=x, y=y, a_max=a_max, c_min=c_min) for p in paths]
+    if c_min_fraction and fit_until is None:  # with fit_until, the cut is of the fitted part
+        curves = [_drop_early(c, c_min_fraction) for c in curves]
     names = [c.name for c in curves]
     if len(set(names)) != len(names):  # two runs/metrics.jsonl: name them by their path
         curves = [dataclasses.replace(c, name=str(p)) for p, c in zip(paths, curves, strict=True)]
@@ -125,6 +153,7 @@ def fit_files(
                 seed=seed,
                 r0=r0,
                 a_max=a_max,
+                c_min_fraction=c_min_fraction,
             )
             boot, c_cut = extrapolation.boot, extrapolation.c_cut
             keep = curve.compute <= c_cut
