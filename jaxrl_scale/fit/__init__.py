@@ -12,10 +12,17 @@ from jaxrl_scale.fit.curves import power_law, sigmoid
 from jaxrl_scale.fit.data import Curve, CurveDataError, CurveDataWarning, clean_curve, load_curve
 from jaxrl_scale.fit.extrapolation import ExtrapolationReport, extrapolation_check
 from jaxrl_scale.fit.power_law_fit import PowerLawFit, fit_power_law
+from jaxrl_scale.fit.recipe import (
+    CeilingDifference,
+    RecipeCeiling,
+    compare_ceilings,
+    recipe_ceiling,
+)
 from jaxrl_scale.fit.sigmoid_fit import FitResult, fit_sigmoid, influence
 
 __all__ = [
     "BootstrapResult",
+    "CeilingDifference",
     "Comparison",
     "Curve",
     "CurveDataError",
@@ -23,9 +30,11 @@ __all__ = [
     "ExtrapolationReport",
     "FitResult",
     "PowerLawFit",
+    "RecipeCeiling",
     "SharedCeiling",
     "bootstrap_sigmoid",
     "clean_curve",
+    "compare_ceilings",
     "compare_runs",
     "extrapolation_check",
     "fit_power_law",
@@ -33,6 +42,7 @@ __all__ = [
     "influence",
     "load_curve",
     "power_law",
+    "recipe_ceiling",
     "shared_ceiling",
     "sigmoid",
 ]
