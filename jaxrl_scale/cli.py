@@ -62,10 +62,11 @@ def _parser() -> argparse.ArgumentParser:
     fit.add_argument(
         "--c-min-fraction",
         type=float,
-        default=ForecastConfig.c_min_fraction,
+        default=0.0,
         metavar="F",
         help="leave out early points below F x the last fitted compute (early transients; "
-        f"default {ForecastConfig.c_min_fraction}, as forecast.c_min_fraction)",
+        f"the online forecast uses {ForecastConfig.c_min_fraction} for evals at equal step "
+        "intervals; on a geometric compute grid a fraction drops far more points)",
     )
     fit.add_argument(
         "--fit-until",

@@ -46,3 +46,11 @@ def test_difference_interval_welch_by_hand():
     assert compare_ceilings(second, first).verdict == "a"
     close = recipe_ceiling("c", [0.79, 0.83], [[0.78, 0.80], [0.82, 0.84]])
     assert compare_ceilings(first, close).verdict == "indistinguishable"
+
+
+def test_seeds_that_all_agree_give_a_point_interval_not_an_error():
+    same = recipe_ceiling("s", [0.5, 0.5], [[0.4, 0.6], [0.4, 0.6]])
+    assert same.ci == (0.5, 0.5)
+    other = recipe_ceiling("o", [0.7, 0.7], [[0.6, 0.8], [0.6, 0.8]])
+    d = compare_ceilings(other, same)
+    assert d.ci == pytest.approx((0.2, 0.2)) and d.verdict == "o"

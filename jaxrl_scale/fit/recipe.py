@@ -89,6 +89,8 @@ def compare_ceilings(first: RecipeCeiling, second: RecipeCeiling) -> CeilingDiff
     if min(first.seeds, second.seeds) < 2:
         return CeilingDifference((first.name, second.name), diff, (math.nan, math.nan), first.level)
     v1, v2 = first.se**2, second.se**2
+    if v1 + v2 == 0:  # every seed of both recipes reached the same ceiling
+        return CeilingDifference((first.name, second.name), diff, (diff, diff), first.level)
     dof = (v1 + v2) ** 2 / (v1**2 / (first.seeds - 1) + v2**2 / (second.seeds - 1))
     half = float(stats.t.ppf((1 + first.level) / 2, dof)) * math.sqrt(v1 + v2)
     return CeilingDifference(
