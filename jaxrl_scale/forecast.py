@@ -45,6 +45,7 @@ class Forecast:
     at_budget: float | None = None
     at_budget_ci: tuple[float, float] | None = None
     gain_left_hi: float | None = None  # upper bound of A minus the fitted pass rate now
+    left_out: int = 0  # early evaluations below the c_min_fraction cut, not fitted
 
     @property
     def ok(self) -> bool:
@@ -56,6 +57,7 @@ class Forecast:
             "forecast_status": self.status,
             "forecast_points": self.points,
             "forecast_budget": self.budget,
+            "forecast_left_out": self.left_out,
         }
         if self.ok:
             out.update(
@@ -98,10 +100,11 @@ def fit_forecast(
     Points below `c_min_fraction` of the latest compute are left out (fit.early_cut)."""
     compute, rate = np.asarray(compute, float), np.asarray(rate, float)
     late = compute >= early_cut(compute, c_min_fraction, min_points)
+    left_out = int((~late).sum())
     compute, rate = compute[late], rate[late]
     points = int(compute.size)
     if points < min_points:
-        return Forecast("too few points", points, budget)
+        return Forecast("too few points", points, budget, left_out=left_out)
     width = max(8, 1 << (points - 1).bit_length())
     try:
         with warnings.catch_warnings():  # repairs (sorting, averaging) are fine here
@@ -110,9 +113,9 @@ def fit_forecast(
                 compute, rate, n=n_boot, seed=seed, r0=r0, level=level, method=method, pad_to=width
             )
     except CurveDataError as e:
-        return Forecast(f"fit failed: {e}", points, budget)
+        return Forecast(f"fit failed: {e}", points, budget, left_out=left_out)
     if not boot.identifiable:
-        return Forecast(NOT_IDENTIFIABLE, points, budget)
+        return Forecast(NOT_IDENTIFIABLE, points, budget, left_out=left_out)
     lo, mid, hi = (float(np.asarray(v)) for v in boot.predict_ci(budget))
     keep = np.asarray(boot.converged)
     s = {k: np.asarray(v)[keep] for k, v in boot.samples.items()}
@@ -130,6 +133,7 @@ def fit_forecast(
         at_budget=mid,
         at_budget_ci=(lo, hi),
         gain_left_hi=float(np.quantile(gain_left, 1 - (1 - level) / 2)),
+        left_out=left_out,
     )
 
 

@@ -116,7 +116,6 @@ def compare(out: Path, names, runs, *, margin: float, n_boot: int, x: str) -> di
             }
         )
     ranking = sorted(names, key=lambda n: -recipes[n].a)
-    by_name = {c["config"]: c for c in configs}
     ceilings, shared = [], []
     for i, first in enumerate(ranking):
         for second in ranking[i + 1 :]:
@@ -125,7 +124,7 @@ def compare(out: Path, names, runs, *, margin: float, n_boot: int, x: str) -> di
                 {"configs": [first, second], "diff": d.diff, "diff_ci": list(d.ci),
                  "verdict": d.verdict}
             )  # fmt: skip
-            close = abs(by_name[first]["recipe_a"] - by_name[second]["recipe_a"]) < margin
+            close = abs(d.diff) < margin
             if close or d.verdict == "indistinguishable":
                 s = shared_ceiling(curves[first], curves[second], n_boot=n_boot)
                 shared.append(shared_entry(s))

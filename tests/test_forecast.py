@@ -162,6 +162,7 @@ def test_the_forecast_leaves_out_early_evals_below_the_cut():
     kept = compute >= 0.2 * compute[-1]
     cut = fit_forecast(compute, rate, R0, 1e13, n_boot=200, c_min_fraction=0.2)
     assert cut.points == int(kept.sum()) < compute.size
+    assert cut.row()["forecast_left_out"] == compute.size - cut.points  # counted in the row
     # The same as fitting the late points alone.
     alone = fit_forecast(compute[kept], rate[kept], R0, 1e13, n_boot=200)
     assert cut.a == pytest.approx(alone.a) and cut.a_ci == pytest.approx(alone.a_ci)
