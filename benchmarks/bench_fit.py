@@ -72,13 +72,13 @@ def bench_jaxopt_lm(y, counts):
 
     @jax.jit
     def solve(y, w):
-        def one(y, w):
-            theta0 = _grid_start(x, y, w, zero, zero, spec)
+        def one(theta0, y, w):
             theta = lm.run(theta0, y, w).params
             r, j = _residual_and_jac(theta, x, y, w, zero, zero, spec)
             return theta, r, j
 
-        return jax.vmap(one)(y, w)
+        zeros = jnp.zeros(y.shape[0], y.dtype)
+        return jax.vmap(one)(_grid_start(x, y, w, zeros, zeros, spec), y, w)
 
     ys = jnp.broadcast_to(jnp.asarray(y, jnp.float32), counts.shape)
     ws = jnp.asarray(counts, jnp.float32)

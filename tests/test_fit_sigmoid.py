@@ -98,6 +98,33 @@ def test_batched_fits_equal_one_at_a_time_including_ragged():
     )
 
 
+@pytest.mark.parametrize("shared_x", [True, False])
+def test_a_large_batch_split_into_blocks_and_threads_equals_small_batches(shared_x):
+    # More curves than two CPU blocks, not a multiple of one: the batch is padded, split into
+    # per-core parts and fitted block by block; every curve must come back in its place.
+    from jaxrl_scale.fit.sigmoid_fit import CPU_BLOCK, FitSpec, fit_batch
+
+    n = 2 * CPU_BLOCK + 37
+    c = np.geomspace(100, 20000, 30)
+    rng = np.random.default_rng(0)
+    truths = [TRUTHS[i % len(TRUTHS)] for i in range(n)]
+    y = np.stack([_noisy(t, c, 0.01, i) for i, t in enumerate(truths)])
+    w = rng.integers(0, 3, size=y.shape).astype(float)  # bootstrap-like counts
+    log_c = np.log(c) if shared_x else np.broadcast_to(np.log(c), y.shape)
+    r0 = np.array([t["r0"] for t in truths])  # held at the truth, as at a measured step 0
+    spec = FitSpec(fit_r0=False)
+    big = fit_batch(log_c, y, w, r0, np.zeros(n), spec=spec)
+    assert big.a.shape == (n,)
+    for i in (0, 1, CPU_BLOCK - 1, CPU_BLOCK, n // 2, n - 1):
+        small = fit_batch(
+            log_c if shared_x else log_c[i : i + 1],
+            y[i : i + 1], w[i : i + 1], r0[i : i + 1], np.zeros(1), spec=spec,
+        )  # fmt: skip
+        assert bool(small.converged[0]) and bool(big.converged[i])
+        for field in ("a", "b", "c_mid"):
+            np.testing.assert_allclose(getattr(big, field)[i], getattr(small, field)[0], rtol=1e-4)
+
+
 def test_converges_when_midpoint_is_in_the_last_third_of_the_data():
     truth = dict(a=0.61, b=1.92, c_mid=6000.0, r0=0.3)
     c = np.geomspace(100, 20000, 50)  # ln C_mid sits at 77% of the ln C range
