@@ -174,7 +174,7 @@ def main() -> None:
         f"{'method':<26}{'fits/s':>12}{'x scipy':>10}{'converged':>11}  |A - A_scipy| median / p99"
     )
     rows = [
-        ("ours (jit+vmap LM)", rate, conv.mean(), diff),
+        ("ours (batched LM)", rate, conv.mean(), diff),
         ("jaxopt LevenbergMarquardt", rate_lm, conv_lm.mean(), np.abs(a_lm[:m] - a_sp)[ok_sp]),
         ("scipy curve_fit loop", rate_sp, ok_sp.mean(), np.zeros(1)),
         ("grid(A, C_mid) + polyfit", rate_grid, 1.0, np.abs(a_grid - a_sp[: a_grid.size])),
