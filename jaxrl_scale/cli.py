@@ -52,6 +52,9 @@ def _parser() -> argparse.ArgumentParser:
     sweep.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", dest="overrides")
     sweep.add_argument("--margin", type=float, default=0.02, help="A difference below which tie")
     sweep.add_argument("--bootstrap", type=int, default=1000, metavar="N", help="resamples")
+    sweep.add_argument(
+        "--refit", action="store_true", help="fit finished runs again from their metrics"
+    )
 
     fit = sub.add_parser("fit", help="fit scaling curves to CSV / JSONL files or run directories")
     fit.add_argument("files", nargs="+", type=Path, metavar="FILE")
@@ -143,6 +146,8 @@ def main(argv: list[str] | None = None) -> int:
                 seeds=args.seeds,
                 overrides=args.overrides,
                 margin=args.margin,
+                n_boot=args.bootstrap,
+                refit=args.refit,
             )
             print(format_study(study))
             print(f"\nwrote {args.out / 'study.json'}, {args.out / 'study.md'}, {study['plot']}")

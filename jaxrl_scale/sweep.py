@@ -4,7 +4,8 @@
 
 For every config and seed, `<out>/<config>/seed<S>/` is a normal run directory; a run counts as
 finished once its `result.json` is written, so a killed sweep started again skips finished runs
-and resumes the one it was in from its last checkpoint. Per run: the final fit (A [interval],
+and resumes the one it was in from its last checkpoint (`--refit` fits finished runs again
+from their metrics, training nothing). Per run: the final fit (A [interval],
 B, C_mid, R0 held at the step-0 eval) and the predictive check (the fit at 50% of the run's
 compute forecasts its final eval; error and whether the 95% interval covered it). Per config:
 the recipe's ceiling (fit.recipe: the mean of its seeds' A, with an interval that includes the
@@ -53,7 +54,10 @@ def run_sweep(
     overrides: list[str] = (),
     margin: float = 0.02,
     n_boot: int = N_BOOT,
+    refit: bool = False,
 ) -> dict[str, Any]:
+    """`refit`: finished runs are fitted again from their metrics (after the fit's defaults
+    changed, say) instead of read back from their result.json; nothing is retrained."""
     from jaxrl_scale.train import train
 
     out = Path(out)
@@ -67,8 +71,13 @@ def run_sweep(
             run_dir = out / name / f"seed{seed}"
             done = run_dir / "result.json"
             if done.exists():
-                print(f"{name} seed {seed}: finished earlier, skipped", flush=True)
-                runs.append(json.loads(done.read_text()))
+                result = json.loads(done.read_text())
+                if refit:
+                    result.update(fit_run(read_metrics(run_dir), x=x, n_boot=n_boot).summary())
+                    done.write_text(json.dumps(result, indent=2))
+                print(f"{name} seed {seed}: finished earlier, {'refitted' if refit else 'skipped'}",
+                      flush=True)  # fmt: skip
+                runs.append(result)
                 continue
             cfg = load_config(path, [*overrides, f"seed={seed}"])
             print(f"{name} seed {seed}: training -> {run_dir}", flush=True)

@@ -108,6 +108,18 @@ def test_sweep_runs_fits_compares_and_resumes(configs, tmp_path, monkeypatch, ca
     assert run["r0"] == next(r["eval_pass_rate"] for r in gspo if r["step"] == 0)
     assert run["r0"] == run_curve(gspo).r0
 
+    # --refit fits finished runs again from their metrics and trains nothing: a result.json
+    # whose fit is stale (here: tampered) gets the fit back.
+    result = out / "gspo" / "seed1" / "result.json"
+    stale = json.loads(result.read_text())
+    result.write_text(json.dumps({**stale, "a": 0.123, "a_ci": [0.1, 0.2]}))
+    trained.clear()
+    assert main([*args, "--refit"]) == 0
+    assert trained == [] and "finished earlier, refitted" in capsys.readouterr().out
+    refitted = json.loads(result.read_text())
+    assert refitted["a"] == pytest.approx(stale["a"]) and refitted["a_ci"] != [0.1, 0.2]
+    assert refitted["wall_seconds"] == stale["wall_seconds"]
+
 
 def test_duplicate_config_names_are_an_error(configs, tmp_path, capsys):
     other = tmp_path / "other" / "cispo.yaml"
