@@ -66,6 +66,10 @@ def run_sweep(
         raise ValueError(f"config file names must be unique (they name the runs): {names}")
     runs: list[dict[str, Any]] = []
     x = load_config(configs[0], overrides).forecast.x  # the compute axis every fit uses
+
+    def fit(run_dir: Path) -> dict[str, Any]:
+        return fit_run(read_metrics(run_dir), x=x, n_boot=n_boot).summary()
+
     for path, name in zip(configs, names, strict=True):
         for seed in seeds:
             run_dir = out / name / f"seed{seed}"
@@ -73,7 +77,7 @@ def run_sweep(
             if done.exists():
                 result = json.loads(done.read_text())
                 if refit:
-                    result.update(fit_run(read_metrics(run_dir), x=x, n_boot=n_boot).summary())
+                    result.update(fit(run_dir))
                     done.write_text(json.dumps(result, indent=2))
                 print(f"{name} seed {seed}: finished earlier, {'refitted' if refit else 'skipped'}",
                       flush=True)  # fmt: skip
@@ -89,7 +93,7 @@ def run_sweep(
                 "path": str(path),
                 "run_dir": str(run_dir),
                 "wall_seconds": time.perf_counter() - start,
-                **fit_run(read_metrics(run_dir), x=x, n_boot=n_boot).summary(),
+                **fit(run_dir),
             }
             done.write_text(json.dumps(result, indent=2))
             runs.append(result)

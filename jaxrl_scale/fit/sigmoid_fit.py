@@ -273,11 +273,12 @@ def _fit_blocked(log_c, y, w, r0_fixed, a_fixed, spec: FitSpec) -> FitResult:
         v = jnp.concatenate([v, jnp.broadcast_to(v[:1], (pad, *v.shape[1:]))]) if pad else v
         return v.reshape(blocks, CPU_BLOCK, *v.shape[1:])
 
-    per_curve = (y, w, r0_fixed, a_fixed) if log_c.ndim == 1 else (log_c, y, w, r0_fixed, a_fixed)
-    if log_c.ndim == 1:
-        fit = lambda args: _fit_block(log_c, *args, spec)  # noqa: E731
-    else:
-        fit = lambda args: _fit_block(*args, spec)  # noqa: E731
+    shared = log_c.ndim == 1  # a shared ln C [P] goes to every block whole
+
+    def fit(blocked):
+        return _fit_block(log_c, *blocked, spec) if shared else _fit_block(*blocked, spec)
+
+    per_curve = (y, w, r0_fixed, a_fixed) if shared else (log_c, y, w, r0_fixed, a_fixed)
     out = jax.lax.map(fit, tuple(split(v) for v in per_curve))
     return jax.tree.map(lambda v: v.reshape(blocks * CPU_BLOCK, *v.shape[2:])[:n], out)
 
@@ -306,10 +307,11 @@ def fit_batch(log_c, y, w, r0_fixed, a_fixed, spec: FitSpec) -> FitResult:
     idx = np.arange(workers * part)
     idx[n:] = 0
 
+    args = [jnp.asarray(v) for v in args]  # to the device once, not once per thread
+
     def run(k):
-        take = jnp.asarray(idx[k * part : (k + 1) * part])
-        per_curve = [v if i == 0 and np.ndim(v) == 1 else jnp.asarray(v)[take]
-                     for i, v in enumerate(args)]  # fmt: skip
+        take = idx[k * part : (k + 1) * part]
+        per_curve = [v if i == 0 and v.ndim == 1 else v[take] for i, v in enumerate(args)]
         return jax.block_until_ready(_fit_blocked(*per_curve, spec=spec))
 
     with concurrent.futures.ThreadPoolExecutor(workers) as pool:
