@@ -117,10 +117,10 @@ def fit_forecast(
     if not boot.identifiable:
         return Forecast(NOT_IDENTIFIABLE, points, budget, left_out=left_out)
     lo, mid, hi = (float(np.asarray(v)) for v in boot.predict_ci(budget))
-    keep = np.asarray(boot.converged)
-    s = {k: np.asarray(v)[keep] for k, v in boot.samples.items()}
+    s = boot.samples  # every resample (fixed shape: no recompile per converged count)
     now = float(compute.max())
-    gain_left = s["a"] - np.asarray(sigmoid(now, s["a"], s["b"], s["c_mid"], s["r0"]))
+    gain_left = np.asarray(s["a"] - sigmoid(now, s["a"], s["b"], s["c_mid"], s["r0"]))
+    gain_left = gain_left[np.asarray(boot.converged)]
     fit = boot.fit
     return Forecast(
         "ok",

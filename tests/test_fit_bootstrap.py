@@ -170,3 +170,31 @@ def test_auto_gives_no_interval_without_a_spare_point():
     c = np.array([1.0, 2.0, 4.0, 8.0])  # R0 free: 4 points, 4 parameters, no noise estimate
     boot = bootstrap_sigmoid(c, np.asarray(sigmoid(c, 0.8, 1.5, 3.0, 0.2)) + 0.01, n=100)
     assert boot.converged_fraction == 0 and np.isnan(boot.ci["a"][0])
+
+
+def test_forecasts_of_many_runs_compile_once():
+    """The online forecast and the calibration benchmark call predict_ci once per fit, and the
+    number of converged resamples differs from fit to fit: that must not compile anything
+    again (it used to cost about a second per call)."""
+    import jax.monitoring
+
+    compiles = []
+    jax.monitoring.register_event_duration_secs_listener(
+        lambda event, secs, **_: (
+            compiles.append(event)
+            if event == "/jax/core/compile/backend_compile_duration"
+            else None
+        )
+    )
+    c = np.linspace(1.0, 10.0, 8)
+    boots = [bootstrap_sigmoid(c, _noisy(s, 0.02, c, dict(TRUTH, c_mid=4.0)), n=300, seed=s)
+             for s in range(4)]  # fmt: skip
+    kept = {int(np.sum(np.asarray(b.converged))) for b in boots}
+    assert len(kept) > 1  # the case this test is about: different converged counts
+    for noise in (False, True):
+        boots[0].predict_ci(12.0, observation_noise=noise)
+    before = len(compiles)
+    for b in boots[1:]:
+        for noise in (False, True):
+            b.predict_ci(12.0, observation_noise=noise)
+    assert len(compiles) == before

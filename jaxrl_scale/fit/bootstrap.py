@@ -181,15 +181,18 @@ class BootstrapResult:
         if not keep.any():  # no resample converged: there is no interval to give
             nan = jnp.full(c.shape, jnp.nan)
             return nan, mid, nan
+        # Every resample is predicted (NaN where it did not converge) and the kept ones are
+        # picked afterwards: shapes stay fixed, so a new count of converged resamples does not
+        # compile the arithmetic again.
         expand = (-1,) + (1,) * c.ndim
-        params = [np.asarray(self.samples[k])[keep].reshape(expand) for k in PARAMS]
+        params = [jnp.reshape(self.samples[k], expand) for k in PARAMS]
         preds = sigmoid(c, *params)
         if observation_noise:
             sd = self.noise_sd
             if self.noise_samples is not None:
-                sd = np.asarray(self.noise_samples)[keep].reshape(expand)
+                sd = jnp.reshape(self.noise_samples, expand)
             preds = preds + jax.random.normal(jax.random.key(seed), preds.shape) * sd
-        preds = np.asarray(jnp.clip(preds, 0.0, self.a_max))
+        preds = np.clip(np.asarray(preds)[keep], 0.0, self.a_max)
         groups = np.zeros(keep.shape, int) if self.groups is None else self.groups
         lo, hi = _envelope(preds, groups[keep], self.level)
         return jnp.asarray(lo), mid, jnp.asarray(hi)
