@@ -206,6 +206,10 @@ class RolloutWorker:
 
     def evaluate(self, params, key) -> float:
         """mean@k pass rate on the held-out split (k = train.eval_samples)."""
+        return self.evaluate_with_sd(params, key)[0]
+
+    def evaluate_with_sd(self, params, key) -> tuple[float, float]:
+        """(mean@k pass rate on the held-out split, its sampling sd; see `sampling_sd`)."""
         k = self.cfg.train.eval_samples
         examples = self.task.eval_examples
         frozen = (-1, self.to_generator(params))
@@ -218,7 +222,23 @@ class RolloutWorker:
             repeat=k,
         )
         texts = self._texts(ro)
-        return float(np.mean([self.task.score(t, examples[i // k]) for i, t in enumerate(texts)]))
+        scores = [self.task.score(t, examples[i // k]) for i, t in enumerate(texts)]
+        scores = np.asarray(scores, float).reshape(len(examples), k)
+        return float(scores.mean()), sampling_sd(scores)
+
+
+def sampling_sd(scores) -> float:
+    """The sd of a mean@k eval over its k samples per prompt, the prompt set held fixed:
+    sqrt(sum_i s_i^2 / k) / n for n prompts whose k scores have sample variance s_i^2.
+
+    This is the part of an eval's error that is drawn afresh at every eval (the same prompts
+    are evaluated every time, so which prompts they are is not). NaN when k = 1.
+    """
+    scores = np.asarray(scores, float)
+    n, k = scores.shape
+    if k < 2:
+        return float("nan")
+    return float(np.sqrt(np.sum(np.var(scores, axis=1, ddof=1)) / k) / n)
 
 
 # --------------------------------------------------------------------------- checkpointed batches

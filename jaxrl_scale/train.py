@@ -186,11 +186,11 @@ def train_run(run: Run) -> list[dict[str, Any]]:
                 train_state.params, worker.graphdef, worker.task, cfg.warm_start, seed=cfg.seed
             )
             train_state = run.new_train_state(params)  # a KL reference is this policy
-        rate = worker.evaluate(train_state.params, jax.random.fold_in(key, 10**9))
+        rate, sd = worker.evaluate_with_sd(train_state.params, jax.random.fold_in(key, 10**9))
         forecaster.observe(0, 0.0, rate)
         rows.append({**dict.fromkeys(("step", "policy_version", "staleness_max"), 0),
                      "compute_flops": 0.0, "device_seconds": 0.0, "tokens": 0,
-                     "eval_pass_rate": rate})  # fmt: skip
+                     "eval_pass_rate": rate, "eval_sampling_sd": sd})  # fmt: skip
         metrics_log.write(rows[-1])
     # ---------------------------------------------------------------- the loop
     clock = RunClock(run.devices, seconds=totals["device_seconds"])  # from the first RL step
@@ -208,10 +208,10 @@ def train_run(run: Run) -> list[dict[str, Any]]:
     unlogged: _Step | None = None  # a step dispatched but not yet read back
     curriculum, step = start.curriculum, start.step
 
-    def finish(record: _Step, ended: float, eval_rate: float | None = None) -> dict[str, Any]:
-        row = _row(record, ended, totals, clock, cfg, eval_rate)
-        if eval_rate is not None:
-            row.update(forecaster.observe(record.step, row[cfg.forecast.x], eval_rate) or {})
+    def finish(record: _Step, ended: float, evaluation=None) -> dict[str, Any]:
+        row = _row(record, ended, totals, clock, cfg, evaluation)
+        if evaluation is not None:
+            row.update(forecaster.observe(record.step, row[cfg.forecast.x], evaluation[0]) or {})
         metrics_log.write(row)
         rows.append(row)
         if distributed.is_main():
@@ -251,14 +251,14 @@ def train_run(run: Run) -> list[dict[str, Any]]:
             # Read now (no later step to overlap with), once: the row below reuses it.
             unlogged = dataclasses.replace(unlogged, metrics=jax.device_get(metrics))
             _check_finite(unlogged.metrics, step, cfg.train.max_nonfinite)
-            eval_rate = None
+            evaluation = None  # (pass rate, sampling sd)
             if on_eval:
                 with clock.excluded():
                     eval_key = jax.random.fold_in(key, 10**9 + step)
-                    eval_rate = worker.evaluate(train_state.params, eval_key)
-            finish(unlogged, time.perf_counter(), eval_rate)
+                    evaluation = worker.evaluate_with_sd(train_state.params, eval_key)
+            finish(unlogged, time.perf_counter(), evaluation)
             unlogged = None
-            stop = forecaster.should_stop() if eval_rate is not None else None
+            stop = forecaster.should_stop() if evaluation is not None else None
             if stop is not None:
                 if distributed.is_main():
                     print(stop, flush=True)
@@ -321,7 +321,7 @@ def _check_finite(metrics: dict[str, Any], step: int, limit: int) -> None:
         )
 
 
-def _row(s: _Step, ended: float, totals: dict, clock: RunClock, cfg, eval_rate) -> dict:
+def _row(s: _Step, ended: float, totals: dict, clock: RunClock, cfg, evaluation) -> dict:
     """The metrics row of step `s`, whose iteration ended at `ended` (reads its metrics from
     the device), totals updated."""
     metrics = jax.device_get(s.metrics)
@@ -345,8 +345,8 @@ def _row(s: _Step, ended: float, totals: dict, clock: RunClock, cfg, eval_rate) 
         "skipped_updates": totals["skipped_updates"],
         "dropped_batches": totals["dropped_batches"],
     }
-    if eval_rate is not None:
-        row["eval_pass_rate"] = eval_rate
+    if evaluation is not None:
+        row["eval_pass_rate"], row["eval_sampling_sd"] = evaluation
     return row
 
 

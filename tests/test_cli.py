@@ -5,6 +5,7 @@ import numpy as np
 from jaxrl_scale.cli import main
 from jaxrl_scale.fit import bootstrap_sigmoid
 from jaxrl_scale.metrics import read_metrics
+from jaxrl_scale.rollout import sampling_sd
 
 # The demo's pipeline at toy scale: warm start here (--from-scratch), 10 RL steps, every one
 # evaluated, then the final fit and the half-run forecast.
@@ -54,6 +55,18 @@ def test_demo_from_scratch_trains_fits_and_reports(tmp_path, capsys, monkeypatch
     assert half["points_fitted"] == int((compute <= 0.5 * compute[-1]).sum())
     # Every evaluation after the first few carries the online forecast.
     assert all("forecast_status" in r for r in evals[4:])
+    # And its sampling sd: with 16 prompts x 2 samples scored 0 or 1, a prompt's two scores
+    # have variance 0 or 1/2, so (32 sd)^2 counts the prompts whose two samples disagree.
+    mixed = np.array([(32 * r["eval_sampling_sd"]) ** 2 for r in evals])
+    assert np.allclose(mixed, np.round(mixed), atol=1e-6) and np.all((mixed >= 0) & (mixed <= 16))
+    assert mixed.max() >= 1  # a half-trained policy disagrees with itself somewhere
+
+
+def test_sampling_sd_by_hand():
+    # prompt 1 scores (1, 0, 1, 1): variance 1/4 (ddof 1); prompt 2 (0, 0, 0, 0): 0.
+    # sqrt((1/4 + 0) / 4) / 2 = 1/8.
+    assert sampling_sd([[1, 0, 1, 1], [0, 0, 0, 0]]) == 0.125
+    assert np.isnan(sampling_sd([[1], [0]]))  # one sample per prompt: no within-prompt spread
 
 
 def test_demo_without_its_policy_says_how_to_make_it(tmp_path, capsys, monkeypatch):
