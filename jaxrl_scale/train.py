@@ -208,7 +208,7 @@ def train_run(run: Run) -> list[dict[str, Any]]:
     unlogged: _Step | None = None  # a step dispatched but not yet read back
     curriculum, step = start.curriculum, start.step
 
-    def finish(record: _Step, ended: float, evaluation=None) -> dict[str, Any]:
+    def finish(record: _Step, ended: float, evaluation: tuple | None = None) -> dict[str, Any]:
         row = _row(record, ended, totals, clock, cfg, evaluation)
         if evaluation is not None:
             row.update(forecaster.observe(record.step, row[cfg.forecast.x], evaluation[0]) or {})
