@@ -144,8 +144,9 @@ class Attention(nnx.Module):
 
     def __call__(self, x_btd, rope, mask_bts, kv=None, write_index=None):
         """Self-attention. With `kv` = (keys, values) [B, K, S, E] of a cache, this call's keys
-        and values are written at slots write_index.. and attention runs over all S slots
-        (mask_bts is then [B, T, S]); returns (out, updated kv), kv None without a cache."""
+        and values are written at slots write_index.. (one index for every row, or one per row
+        [B]) and attention runs over all S slots (mask_bts is then [B, T, S]); returns (out,
+        updated kv), kv None without a cache."""
         cfg = self.cfg
         dtype = x_btd.dtype
         precision = PRECISIONS[cfg.matmul_precision]
@@ -166,9 +167,8 @@ class Attention(nnx.Module):
         k_bkte = apply_rope(k_btke, rope).swapaxes(1, 2)
         v_bkte = v_btke.swapaxes(1, 2)
         if kv is not None:
-            start = (0, 0, write_index, 0)
             kv = tuple(
-                jax.lax.dynamic_update_slice(cache, new.astype(cache.dtype), start)
+                _write_slots(cache, new.astype(cache.dtype), write_index)
                 for cache, new in zip(kv, (k_bkte, v_bkte), strict=True)
             )
             k_bkte, v_bkte = (c.astype(dtype) for c in kv)
@@ -176,6 +176,17 @@ class Attention(nnx.Module):
             q_bthe, k_bkte, v_bkte, mask_bts, scale=cfg.resolved_head_dim**-0.5, precision=precision
         )
         return dense(out_bthe, self.o_kernel[...].astype(dtype), n_in=2, precision=precision), kv
+
+
+def _write_slots(cache_bkse, new_bkte, write_index):
+    """`new` written into the cache at slots write_index..+T: one index for every row (a
+    contiguous slice) or one per row [B] (a scatter: rows of a slot engine sit at different
+    columns)."""
+    if jnp.ndim(write_index) == 0:
+        return jax.lax.dynamic_update_slice(cache_bkse, new_bkte, (0, 0, write_index, 0))
+    b, _, t, _ = new_bkte.shape
+    slots_bt = write_index[:, None] + jnp.arange(t)
+    return cache_bkse.at[jnp.arange(b)[:, None], :, slots_bt].set(new_bkte.swapaxes(1, 2))
 
 
 def attend(q_bthe, k_bkse, v_bkse, mask_bts, *, scale: float, precision=None):
@@ -285,15 +296,20 @@ class Policy(nnx.Module):
         return h_btd, (tuple(new_k), tuple(new_v))
 
     def extend(self, cache: KVCache, tokens_bt, positions_bt, valid_bt, write_index):
-        """Run T new tokens against a KV cache: write them at slots write_index..+T and attend
-        over every valid slot up to each query's own. Returns (hidden [B, T, D], new cache)."""
-        t = tokens_bt.shape[1]
-        valid_bs = jax.lax.dynamic_update_slice(
-            cache.valid, valid_bt.astype(jnp.bool_), (0, write_index)
+        """Run T new tokens against a KV cache: write them at slots write_index..+T (one index
+        for every row, or one per row [B]) and attend over every valid slot up to each query's
+        own. Returns (hidden [B, T, D], new cache)."""
+        b, t = tokens_bt.shape
+        valid_bt = valid_bt.astype(jnp.bool_)
+        query_slots_bt = jnp.broadcast_to(
+            jnp.asarray(write_index)[..., None] + jnp.arange(t), (b, t)
         )
+        if jnp.ndim(write_index) == 0:
+            valid_bs = jax.lax.dynamic_update_slice(cache.valid, valid_bt, (0, write_index))
+        else:
+            valid_bs = cache.valid.at[jnp.arange(b)[:, None], query_slots_bt].set(valid_bt)
         slots_s = jnp.arange(valid_bs.shape[1])
-        query_slots_t = write_index + jnp.arange(t)
-        mask_bts = valid_bs[:, None, :] & (slots_s[None, None, :] <= query_slots_t[None, :, None])
+        mask_bts = valid_bs[:, None, :] & (slots_s[None, None, :] <= query_slots_bt[:, :, None])
         h_btd, (k, v) = self._run(tokens_bt, positions_bt, mask_bts, cache, write_index)
         return h_btd, KVCache(k=k, v=v, valid=valid_bs)
 

@@ -133,7 +133,10 @@ class DecodeState:
     logp: jax.Array  # [B, N]
     mask: jax.Array  # [B, N]
     versions: jax.Array  # [B, N]
-    step: jax.Array  # [] next completion column
+    step: jax.Array  # [] decode steps taken (the sampling randomness is fold_in(key, step))
+    # The next completion column: [] one for every row (a static batch), or [B] each row its
+    # own (a slot engine's rows, admitted at different steps; see jaxrl_scale.engine).
+    col: jax.Array
     position: jax.Array  # [B] position of the next token
     done: jax.Array  # [B]
     finish: jax.Array  # [B]
@@ -225,6 +228,7 @@ def prefill(
         mask=zeros,
         versions=jnp.full((b, n_new), -1, jnp.int32),
         step=jnp.zeros((), jnp.int32),
+        col=jnp.zeros((), jnp.int32),
         position=jnp.sum(prompt_mask, axis=1).astype(jnp.int32),
         done=jnp.zeros((b,), jnp.bool_),
         finish=jnp.full((b,), LENGTH, jnp.int32),
@@ -252,11 +256,16 @@ def _decode_step(
         token_b = sampled_b
     token_b = jnp.where(active, token_b, pad_id)
     sampled = active & ~forcing
-    col = s.step
-    tokens = s.tokens.at[:, col].set(token_b)
-    logp = s.logp.at[:, col].set(jnp.where(sampled, logp_b, 0.0))
-    mask = s.mask.at[:, col].set(sampled.astype(jnp.float32))
-    versions = s.versions.at[:, col].set(jnp.where(sampled, version, -1))
+    col = s.col
+    if col.ndim:  # each row at its own column (a finished row's may be past the end: dropped)
+        at = (jnp.arange(col.shape[0]), col)
+        put = lambda x, v: x.at[at].set(v, mode="drop")  # noqa: E731
+    else:
+        put = lambda x, v: x.at[:, col].set(v)  # noqa: E731
+    tokens = put(s.tokens, token_b)
+    logp = put(s.logp, jnp.where(sampled, logp_b, 0.0))
+    mask = put(s.mask, sampled.astype(jnp.float32))
+    versions = put(s.versions, jnp.where(sampled, version, -1))
 
     counts = s.counts + (active[:, None] & (s.phase[:, None] == jnp.arange(4))).astype(jnp.int32)
     is_eos = sampled & jnp.isin(token_b, jnp.asarray(eos_ids, jnp.int32))
@@ -295,7 +304,8 @@ def _decode_step(
         logp=logp,
         mask=mask,
         versions=versions,
-        step=col + 1,
+        step=s.step + 1,
+        col=col + active.astype(jnp.int32) if col.ndim else col + 1,
         position=s.position + active.astype(jnp.int32),
         done=s.done | finishing,
         finish=finish,
@@ -325,7 +335,8 @@ def decode(
     interruption,
     prompt_len,
 ):
-    """Up to `max_steps` decode steps (a chunk), stopping early when every row is done."""
+    """Up to `max_steps` decode steps (a chunk), stopping early when every row is done (a
+    static batch also stops at its last column; a slot engine's rows each stop at their own)."""
     model = nnx.merge(graphdef, params)
     step_fn = functools.partial(
         _decode_step,
@@ -336,7 +347,9 @@ def decode(
         interruption=interruption,
         prompt_len=prompt_len,
     )
-    limit = jnp.minimum(state.step + max_steps, state.tokens.shape[1])
+    limit = state.step + max_steps
+    if not state.col.ndim:
+        limit = jnp.minimum(limit, state.tokens.shape[1])
 
     def cond(s):
         return (s.step < limit) & ~jnp.all(s.done)

@@ -1,0 +1,257 @@
+"""Continuous batching: a fixed set of decode slots that finished rows leave and new prompts join.
+
+Shapes: B slots, L prompt columns (prompts left-padded to L), N new-token columns, S = L + N
+cache columns per slot.
+
+A static batch decodes until its longest row ends, so with heavy-tailed completion lengths
+most rows sit finished while a few run on. Here every slot holds one row with its own cache
+region and its own completion column; a compiled step decodes every occupied slot one token
+(`sampler.decode`, the same step as the static path, with a column per row). Between runs of
+steps the host reads the slots' done flags once, hands finished rows back, and admits waiting
+prompts into the free slots: each prompt is prefilled once for its G rows (`sampler.prefill`)
+and its cache rows are scattered into the slots, overwriting every column a previous occupant
+wrote, so nothing of it is visible to the newcomer. New parameters can be passed to any run,
+so one completion may carry tokens of several policy versions; every token records the
+version that sampled it.
+
+engine = SlotEngine(graphdef, slots=64, prompt_len=32, n_new=256, repeat=8, ...)
+engine.submit(request_id, prompt_ids)        # queued; admitted when G slots are free
+done = engine.run(params, version, steps=8)  # decode up to 8 steps; the rows that finished
+
+Threads: an engine is owned by the thread that calls `submit` and `run` (the generator's).
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import functools
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxrl_scale.model import KVCache
+from jaxrl_scale.sampler import (
+    LENGTH,
+    DecodeState,
+    Interruption,
+    Sampling,
+    decode,
+    pad_prompts,
+    prefill,
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class Finished:
+    """One completed row, on the host: the caller's request id and which of its G rows."""
+
+    request: int
+    row: int
+    prompt: np.ndarray  # [L] int32, left-padded
+    prompt_mask: np.ndarray  # [L] bool
+    tokens: np.ndarray  # [N] int32, pad after `length`
+    mask: np.ndarray  # [N] float32, 1 on sampled tokens
+    logp: np.ndarray  # [N] float32 behaviour log-probs
+    versions: np.ndarray  # [N] int32 version per sampled token, -1 elsewhere
+    finish_reason: int  # index into sampler.FINISH_REASONS
+    length: int  # completion tokens emitted (interruption text included)
+
+
+def _bucket(n: int, cap: int) -> int:
+    """The power of two >= n (at most cap): few distinct shapes, few compiles."""
+    return min(1 << max(n - 1, 0).bit_length(), cap)
+
+
+@functools.partial(jax.jit, donate_argnames=("state",))
+def _admit(state: DecodeState, new: DecodeState, slot_idx):
+    """`new`'s rows written into the slots `slot_idx` (an index >= B is padding: dropped).
+    Every per-row field is replaced, the cache rows whole, and the rows start at column 0."""
+
+    def put(big, small):
+        return big.at[slot_idx].set(small.astype(big.dtype), mode="drop")
+
+    cache = KVCache(
+        k=tuple(map(put, state.cache.k, new.cache.k)),
+        v=tuple(map(put, state.cache.v, new.cache.v)),
+        valid=put(state.cache.valid, new.cache.valid),
+    )
+    rows = {
+        f.name: put(getattr(state, f.name), getattr(new, f.name))
+        for f in dataclasses.fields(DecodeState)
+        if f.name not in ("cache", "step", "col", "key")
+    }
+    col = state.col.at[slot_idx].set(0, mode="drop")
+    return dataclasses.replace(state, cache=cache, col=col, **rows)
+
+
+@jax.jit
+def _take_rows(state: DecodeState, idx):
+    """The output fields of rows `idx`, gathered on device (only they cross to the host)."""
+    return (
+        state.tokens[idx],
+        state.mask[idx],
+        state.logp[idx],
+        state.versions[idx],
+        state.finish[idx],
+        jnp.sum(state.counts[idx], axis=1),
+    )
+
+
+class SlotEngine:
+    def __init__(
+        self,
+        graphdef,
+        *,
+        slots: int,
+        prompt_len: int,
+        n_new: int,
+        repeat: int,
+        sampling: Sampling,
+        eos_ids: Sequence[int],
+        pad_id: int,
+        interruption: Interruption | None = None,
+        key=None,
+        model_cfg=None,
+    ):
+        if slots < repeat:
+            raise ValueError(f"slots ({slots}) must hold at least one group of {repeat} rows")
+        if model_cfg is None:
+            raise ValueError("SlotEngine needs model_cfg (the policy's ModelConfig)")
+        self.graphdef, self.slots, self.repeat = graphdef, slots, repeat
+        self.prompt_len, self.n_new, self.pad_id = prompt_len, n_new, pad_id
+        # Admissions draw from one stream, decode steps from another (the state's, donated).
+        self.key, decode_key = jax.random.split(jax.random.key(0) if key is None else key)
+        self.static = dict(
+            sampling=sampling,
+            eos_ids=tuple(int(i) for i in eos_ids),
+            pad_id=pad_id,
+            interruption=interruption,
+            prompt_len=prompt_len,
+        )
+        self.interruption = interruption
+        self.waiting: collections.deque[tuple[int, np.ndarray, np.ndarray]] = collections.deque()
+        # Host bookkeeping of each slot: (request id, row) or None when free.
+        self.occupant: list[tuple[int, int] | None] = [None] * slots
+        self.prompts: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+        self.admissions = 0
+        b = slots
+        self.state = DecodeState(
+            cache=KVCache.empty(model_cfg, b, prompt_len + n_new),
+            h_bd=jnp.zeros((b, model_cfg.hidden_size), jnp.dtype(model_cfg.lm_head_dtype)),
+            tokens=jnp.full((b, n_new), pad_id, jnp.int32),
+            logp=jnp.zeros((b, n_new)),
+            mask=jnp.zeros((b, n_new)),
+            versions=jnp.full((b, n_new), -1, jnp.int32),
+            step=jnp.zeros((), jnp.int32),
+            col=jnp.zeros((b,), jnp.int32),
+            position=jnp.zeros((b,), jnp.int32),
+            done=jnp.ones((b,), jnp.bool_),  # a free slot is a finished one that nobody owns
+            finish=jnp.full((b,), LENGTH, jnp.int32),
+            phase=jnp.zeros((b,), jnp.int32),
+            counts=jnp.zeros((b, 4), jnp.int32),
+            matched=jnp.zeros((b,), jnp.int32),
+            think_budget=jnp.zeros((b,), jnp.int32),
+            key=decode_key,
+        )
+
+    # ------------------------------------------------------------------ queue
+
+    def submit(self, request: int, prompt: Sequence[int]) -> None:
+        """Queue a prompt; its `repeat` rows are admitted together once that many slots are
+        free. `request` is the caller's id, returned with each finished row."""
+        if request in self.prompts:
+            raise ValueError(f"request {request} was already submitted")
+        tokens, mask = pad_prompts([prompt], self.pad_id, multiple=1)
+        if tokens.shape[1] > self.prompt_len:
+            raise ValueError(
+                f"prompt of {tokens.shape[1]} tokens exceeds prompt_len {self.prompt_len}"
+            )
+        pad = self.prompt_len - tokens.shape[1]
+        tokens = np.pad(tokens[0], (pad, 0), constant_values=self.pad_id)
+        mask = np.pad(mask[0], (pad, 0))
+        self.prompts[request] = (tokens, mask)
+        self.waiting.append((request, tokens, mask))
+
+    @property
+    def busy(self) -> int:
+        """Slots holding a row that has not been handed back."""
+        return sum(o is not None for o in self.occupant)
+
+    @property
+    def pending(self) -> int:
+        """Prompts queued and not yet admitted."""
+        return len(self.waiting)
+
+    # ------------------------------------------------------------------ steps
+
+    def _admit_waiting(self, params) -> None:
+        free = [i for i, o in enumerate(self.occupant) if o is None]
+        n = min(len(free) // self.repeat, len(self.waiting))
+        if not n:
+            return
+        groups = [self.waiting.popleft() for _ in range(n)]
+        width = _bucket(n, self.slots // self.repeat)
+        tokens = np.full((width, self.prompt_len), self.pad_id, np.int32)
+        mask = np.zeros((width, self.prompt_len), bool)
+        mask[:, -1] = True  # padding prompts: one token each, their rows dropped below
+        slot_idx = np.full(width * self.repeat, self.slots, np.int32)  # >= B: dropped
+        for g, (request, t, m) in enumerate(groups):
+            tokens[g], mask[g] = t, m
+            for r in range(self.repeat):
+                slot = free[g * self.repeat + r]
+                slot_idx[g * self.repeat + r] = slot
+                self.occupant[slot] = (request, r)
+        key = jax.random.fold_in(self.key, self.admissions)
+        self.admissions += 1
+        new = prefill(
+            self.graphdef,
+            params,
+            jnp.asarray(tokens),
+            jnp.asarray(mask),
+            key,
+            n_new=self.n_new,
+            interruption=self.interruption,
+            mesh=None,
+            repeat=self.repeat,
+        )
+        self.state = _admit(self.state, new, jnp.asarray(slot_idx))
+
+    def _harvest(self) -> list[Finished]:
+        done = np.asarray(self.state.done)
+        slots = [i for i, o in enumerate(self.occupant) if o is not None and done[i]]
+        if not slots:
+            return []
+        width = _bucket(len(slots), self.slots)
+        idx = np.asarray(slots + [slots[0]] * (width - len(slots)), np.int32)
+        tokens, mask, logp, versions, finish, lengths = jax.device_get(
+            _take_rows(self.state, jnp.asarray(idx))
+        )
+        out = []
+        for j, slot in enumerate(slots):
+            request, row = self.occupant[slot]
+            self.occupant[slot] = None
+            n = int(lengths[j])
+            t = tokens[j].copy()
+            t[n:] = self.pad_id
+            prompt, prompt_mask = self.prompts[request]
+            out.append(
+                Finished(request, row, prompt, prompt_mask, t, mask[j], logp[j], versions[j],
+                         int(finish[j]), n)
+            )  # fmt: skip
+        for request in {f.request for f in out}:  # forgotten once every row was handed back
+            if all(o is None or o[0] != request for o in self.occupant):
+                self.prompts.pop(request, None)
+        return out
+
+    def run(self, params, version: int, steps: int) -> list[Finished]:
+        """Admit what fits, decode up to `steps` steps with `params` (tokens tagged `version`),
+        and return the rows that finished. One read of the done flags per call."""
+        self._admit_waiting(params)
+        if self.busy:
+            self.state = decode(
+                self.graphdef, params, self.state, jnp.int32(version), steps, **self.static
+            )
+        return self._harvest()
