@@ -276,6 +276,12 @@ class SamplerConfig:
     top_k: int = 0
     chunk_size: int = 0  # decode steps between in-flight weight swaps; 0 = one chunk
     interruption: InterruptionConfig | None = None
+    # "static": each batch's rows decode together until the longest ends. "continuous": a slot
+    # engine (jaxrl_scale.engine) keeps `slots` rows in flight, a finished row's slot taking the
+    # next waiting group, the next batch's prompts queued behind this one's.
+    batching: Literal["static", "continuous"] = "static"
+    slots: int = 0  # continuous: rows decoded at once (the KV cache); 0 = one batch's rows
+    admit_every: int = 8  # continuous: decode steps between reads of the done flags
 
     def __post_init__(self):
         _require(self.max_new_tokens >= 1, "sampler.max_new_tokens", "must be >= 1")
@@ -289,6 +295,13 @@ class SamplerConfig:
         _require(self.top_p == 1, "sampler.top_p", f"must be 1.0, got {self.top_p}: {truncation}")
         _require(self.top_k == 0, "sampler.top_k", f"must be 0, got {self.top_k}: {truncation}")
         _require(self.chunk_size >= 0, "sampler.chunk_size", "must be >= 0")
+        _require(self.slots >= 0, "sampler.slots", "must be >= 0 (0: one batch's rows)")
+        _require(self.admit_every >= 1, "sampler.admit_every", "must be >= 1")
+        _require(
+            self.batching == "continuous" or self.slots == 0,
+            "sampler.slots",
+            "applies to batching: continuous (static batches decode a whole batch at once)",
+        )
         if self.interruption is not None:
             i = self.interruption
             # The text is at least one token; the trainer re-checks with its tokenized length.

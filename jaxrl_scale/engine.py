@@ -16,6 +16,7 @@ version that sampled it.
 
 engine = SlotEngine(graphdef, slots=64, prompt_len=32, n_new=256, repeat=8, ...)
 engine.submit(request_id, prompt_ids)        # queued; admitted when G slots are free
+                                             # (max_new=...: this prompt's own budget)
 done = engine.run(params, version, steps=8)  # decode up to 8 steps; the rows that finished
 
 Threads: an engine is owned by the thread that calls `submit` and `run` (the generator's).
@@ -132,7 +133,8 @@ class SlotEngine:
             prompt_len=prompt_len,
         )
         self.interruption = interruption
-        self.waiting: collections.deque[tuple[int, np.ndarray, np.ndarray]] = collections.deque()
+        # (request, prompt [L], prompt mask [L], completion budget), in submission order.
+        self.waiting: collections.deque[tuple] = collections.deque()
         # Host bookkeeping of each slot: (request id, row) or None when free.
         self.occupant: list[tuple[int, int] | None] = [None] * slots
         self.prompts: dict[int, tuple[np.ndarray, np.ndarray]] = {}
@@ -154,16 +156,21 @@ class SlotEngine:
             counts=jnp.zeros((b, 4), jnp.int32),
             matched=jnp.zeros((b,), jnp.int32),
             think_budget=jnp.zeros((b,), jnp.int32),
+            budget=jnp.zeros((b,), jnp.int32),
             key=decode_key,
         )
 
     # ------------------------------------------------------------------ queue
 
-    def submit(self, request: int, prompt: Sequence[int]) -> None:
+    def submit(self, request: int, prompt: Sequence[int], max_new: int | None = None) -> None:
         """Queue a prompt; its `repeat` rows are admitted together once that many slots are
-        free. `request` is the caller's id, returned with each finished row."""
+        free. `request` is the caller's id, returned with each finished row; `max_new` caps
+        this prompt's completions (at most the engine's n_new, the default)."""
         if request in self.prompts:
             raise ValueError(f"request {request} was already submitted")
+        max_new = self.n_new if max_new is None else int(max_new)
+        if not 1 <= max_new <= self.n_new:
+            raise ValueError(f"max_new must be in [1, {self.n_new}], got {max_new}")
         tokens, mask = pad_prompts([prompt], self.pad_id, multiple=1)
         if tokens.shape[1] > self.prompt_len:
             raise ValueError(
@@ -173,7 +180,7 @@ class SlotEngine:
         tokens = np.pad(tokens[0], (pad, 0), constant_values=self.pad_id)
         mask = np.pad(mask[0], (pad, 0))
         self.prompts[request] = (tokens, mask)
-        self.waiting.append((request, tokens, mask))
+        self.waiting.append((request, tokens, mask, max_new))
 
     @property
     def busy(self) -> int:
@@ -198,8 +205,10 @@ class SlotEngine:
         mask = np.zeros((width, self.prompt_len), bool)
         mask[:, -1] = True  # padding prompts: one token each, their rows dropped below
         slot_idx = np.full(width * self.repeat, self.slots, np.int32)  # >= B: dropped
-        for g, (request, t, m) in enumerate(groups):
+        budget = np.full(width * self.repeat, self.n_new, np.int32)
+        for g, (request, t, m, max_new) in enumerate(groups):
             tokens[g], mask[g] = t, m
+            budget[g * self.repeat : (g + 1) * self.repeat] = max_new
             for r in range(self.repeat):
                 slot = free[g * self.repeat + r]
                 slot_idx[g * self.repeat + r] = slot
@@ -217,6 +226,7 @@ class SlotEngine:
             mesh=None,
             repeat=self.repeat,
         )
+        new = dataclasses.replace(new, budget=jnp.asarray(budget))
         self.state = _admit(self.state, new, jnp.asarray(slot_idx))
 
     def _harvest(self) -> list[Finished]:

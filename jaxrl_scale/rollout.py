@@ -34,6 +34,7 @@ from jaxrl_scale.advantages import group_advantages
 from jaxrl_scale.compute import batch_flops
 from jaxrl_scale.config import ConfigError, ExperimentConfig
 from jaxrl_scale.curriculum import Curriculum
+from jaxrl_scale.engine import Finished, SlotEngine
 from jaxrl_scale.pipeline import ParamsForChunk
 from jaxrl_scale.sampler import (
     INTERRUPTED,
@@ -89,6 +90,15 @@ class RolloutWorker:
             retire_threshold=cfg.curriculum.retire_threshold,
             no_positive_resampling=cfg.curriculum.no_positive_resampling,
         )
+        # Continuous batching: the engine, its batches submitted and not yet returned (this
+        # one and the next, queued behind it), and finished rows by request. Created and used
+        # on the thread that calls `rollouts` only.
+        self.engine: SlotEngine | None = None
+        self.queued: list[tuple[np.ndarray, list[int]]] = []
+        self.finished: dict[int, list[Finished]] = {}
+        self.requests = 0
+        if s.batching == "continuous":
+            self._check_continuous()
 
     # ------------------------------------------------------------------ placement
 
@@ -159,20 +169,100 @@ class RolloutWorker:
     def _encode(self, examples) -> list[list[int]]:
         return [self.tok.encode(e["prompt"]) for e in examples]
 
+    # ------------------------------------------------------------------ continuous batching
+
+    def _check_continuous(self) -> None:
+        cfg = self.cfg
+        rows = cfg.train.prompts_per_step * cfg.train.group_size
+        if cfg.sampler.slots and cfg.sampler.slots < cfg.train.group_size:
+            raise ConfigError(
+                f"sampler.slots: {cfg.sampler.slots} cannot hold one group of "
+                f"train.group_size = {cfg.train.group_size} rows"
+            )
+        mesh = self.gen_mesh or self.mesh
+        if self.multiprocess or mesh.devices.size > 1:
+            raise ConfigError(
+                "sampler.batching: continuous runs its generator on one device for now; this "
+                f"run's generator mesh has {mesh.devices.size} (use batching: static)"
+            )
+        self.slots = cfg.sampler.slots or rows
+
+    def _submit_batch(self, key) -> None:
+        """Draw the next batch's prompts and queue them in the engine, in batch order."""
+        cfg = self.cfg
+        if self.engine is None:
+            lengths = [len(p) for p in self._encode(self.task.train_examples)]
+            self.engine = SlotEngine(
+                self.graphdef,
+                slots=self.slots,
+                prompt_len=-(-max(lengths) // 8) * 8,
+                n_new=cfg.sampler.max_new_tokens,
+                repeat=cfg.train.group_size,
+                sampling=self.sampling,
+                eos_ids=self.tok.eos_ids,
+                pad_id=self.tok.pad_id,
+                interruption=self.interruption,
+                key=key,
+                model_cfg=cfg.model,
+            )
+        indices = self.curriculum.next_batch(cfg.train.prompts_per_step)
+        prompts = self._encode([self.task.train_examples[i] for i in indices])
+        requests = list(range(self.requests, self.requests + len(prompts)))
+        self.requests += len(prompts)
+        for request, prompt in zip(requests, prompts, strict=True):
+            self.engine.submit(request, prompt)
+        self.queued.append((indices, requests))
+
+    def _continuous_rollout(self, params_for_chunk: ParamsForChunk, key):
+        """(prompt indices, Rollout) of the oldest queued batch, its groups in the order they
+        were drawn. The next batch is queued behind it first, so slots its rows leave are
+        taken by the next batch's groups instead of idling; a batch is returned only when all
+        its groups are complete (short answers finishing first do not jump the queue). In
+        `sync` and `ppo_off_policy` nothing is queued ahead: a round is admitted, then drained,
+        so every token of it is sampled by the parameters it was drawn for."""
+        ahead = 2 if self.cfg.pipeline.mode == "pipeline_rl" else 1
+        while len(self.queued) < ahead:
+            self._submit_batch(key)
+        indices, requests = self.queued[0]
+        g, chunk = self.cfg.train.group_size, 0
+        while any(len(self.finished.get(r, ())) < g for r in requests):
+            version, params = params_for_chunk(chunk)
+            chunk += 1
+            for row in self.engine.run(params, version, self.cfg.sampler.admit_every):
+                self.finished.setdefault(row.request, []).append(row)
+        self.queued.pop(0)
+        rows = [f for r in requests for f in sorted(self.finished.pop(r), key=lambda f: f.row)]
+        stack = lambda name: jnp.asarray(np.stack([getattr(f, name) for f in rows]))  # noqa: E731
+        ro = Rollout(
+            prompt_tokens=stack("prompt"),
+            prompt_mask=stack("prompt_mask"),
+            completion_tokens=stack("tokens"),
+            completion_mask=stack("mask"),
+            behavior_logp=stack("logp"),
+            versions=stack("versions"),
+            finish_reason=jnp.asarray([f.finish_reason for f in rows], jnp.int32),
+            lengths=jnp.asarray([f.length for f in rows], jnp.int32),
+        )
+        return indices, ro
+
     def rollouts(self, params_for_chunk: ParamsForChunk, key) -> Rollouts:
         """Draw a batch of prompts, sample G completions each, score, compute advantages."""
         cfg, g = self.cfg, self.cfg.train.group_size
         start = time.perf_counter()
-        indices = self.curriculum.next_batch(cfg.train.prompts_per_step)
-        examples = [self.task.train_examples[i] for i in indices]
-        ro = self.generate(
-            params_for_chunk,
-            self._encode(examples),
-            key,
-            sampling=self.sampling,
-            n_new=cfg.sampler.max_new_tokens,
-            repeat=g,
-        )
+        if cfg.sampler.batching == "continuous":
+            indices, ro = self._continuous_rollout(params_for_chunk, key)
+            examples = [self.task.train_examples[i] for i in indices]
+        else:
+            indices = self.curriculum.next_batch(cfg.train.prompts_per_step)
+            examples = [self.task.train_examples[i] for i in indices]
+            ro = self.generate(
+                params_for_chunk,
+                self._encode(examples),
+                key,
+                sampling=self.sampling,
+                n_new=cfg.sampler.max_new_tokens,
+                repeat=g,
+            )
         texts = self._texts(ro)
         rewards = np.array([self.task.score(t, examples[i // g]) for i, t in enumerate(texts)])
         pass_rates = rewards.reshape(-1, g).mean(axis=1)

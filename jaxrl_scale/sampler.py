@@ -144,6 +144,7 @@ class DecodeState:
     counts: jax.Array  # [B, 4] tokens emitted in each phase
     matched: jax.Array  # [B] leading tokens of the think-end marker just sampled
     think_budget: jax.Array  # [B]
+    budget: jax.Array  # [B] the most completion tokens each row may emit (N unless set)
     key: jax.Array
 
 
@@ -236,6 +237,7 @@ def prefill(
         counts=jnp.zeros((b, 4), jnp.int32),
         matched=jnp.zeros((b,), jnp.int32),
         think_budget=think_budget,
+        budget=jnp.full((b,), n_new, jnp.int32),
         key=key,
     )
 
@@ -288,7 +290,7 @@ def _decode_step(
         answered = (phase == ANSWERING) & (counts[:, ANSWERING] >= interruption.answer_budget)
     else:
         answered = jnp.zeros_like(is_eos)
-    full = col + 1 >= n_new
+    full = col + 1 >= jnp.minimum(s.budget, n_new)
     finishing = active & (is_eos | answered | full)
     forced = (phase == FORCING) | (phase == ANSWERING)
     reason = jnp.where(forced, INTERRUPTED, jnp.where(is_eos, EOS, LENGTH))
@@ -313,6 +315,7 @@ def _decode_step(
         counts=counts,
         matched=matched,
         think_budget=s.think_budget,
+        budget=s.budget,
         key=s.key,
     )
 

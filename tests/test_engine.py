@@ -119,3 +119,36 @@ def test_bad_requests_are_refused(qwen2):
         engine.submit(1, list(range(1, 20)))
     with pytest.raises(ValueError, match="at least one group"):
         _engine(qwen2, slots=1, repeat=2)
+
+
+def test_a_prompt_with_its_own_budget_stops_there(qwen2):
+    engine = _engine(qwen2, slots=2, temperature=1.0)  # no EOS
+    engine.submit(0, PROMPTS[0], max_new=3)
+    engine.submit(1, PROMPTS[1])
+    done = {f.request: f for f in _drain(engine, nnx.state(qwen2), steps=2)}
+    assert done[0].length == 3 and done[0].mask.sum() == 3 and done[0].finish_reason == 1
+    assert np.all(done[0].tokens[3:] == 0) and np.all(done[0].versions[3:] == -1)
+    assert done[1].length == N_NEW
+    with pytest.raises(ValueError, match="max_new"):
+        engine.submit(2, PROMPTS[2], max_new=N_NEW + 1)
+
+
+@pytest.mark.parametrize("mode", ["pipeline.mode=pipeline_rl,pipeline.lockstep=true",
+                                  "pipeline.mode=sync"])  # fmt: skip
+def test_training_on_the_slot_engine(mode, tmp_path):
+    """A run whose generator is the slot engine with fewer slots than a batch has rows: every
+    trained token's behaviour log-prob equals the trainer's recomputation (no slot leaks a
+    previous occupant's cache), the staleness bound holds, and sync stays on-policy."""
+    from conftest import FAST, TINY_CONFIG
+
+    from jaxrl_scale.config import load_config
+    from jaxrl_scale.train import train
+
+    extra = ["sampler.batching=continuous", "sampler.slots=8", "sampler.admit_every=2",
+             "mesh.data=1", "train.steps=4", "pipeline.max_staleness=2"]  # fmt: skip
+    extra += mode.split(",")
+    rows = train(load_config(TINY_CONFIG, [*FAST, *extra]), tmp_path)
+    assert [r["step"] for r in rows] == list(range(5))
+    for r in rows[1:]:
+        assert r["mismatch_max"] < 1e-4 and r["gen_length_mean"] > 0
+        assert r["staleness_max"] <= (0 if "sync" in mode else 2)
