@@ -27,6 +27,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import functools
+import math
 from collections.abc import Sequence
 
 import jax
@@ -43,6 +44,7 @@ from jaxrl_scale.sampler import (
     pad_prompts,
     prefill,
 )
+from jaxrl_scale.sharding import LOGICAL_RULES, batch_sharding, replicated
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,6 +61,20 @@ class Finished:
     versions: np.ndarray  # [N] int32 version per sampled token, -1 elsewhere
     finish_reason: int  # index into sampler.FINISH_REASONS
     length: int  # completion tokens emitted (interruption text included)
+
+
+def _slot_shardings(state: DecodeState, mesh):
+    """Per-slot fields split over the batch axes (when the slots divide evenly), the step
+    counter and key replicated."""
+    ways = math.prod(mesh.shape[a] for a in LOGICAL_RULES["batch"])
+    slots = state.done.shape[0]
+
+    def one(x):
+        if np.ndim(x) == 0 or slots % ways:
+            return replicated(mesh)
+        return batch_sharding(mesh, np.ndim(x))
+
+    return jax.tree.map(one, state)
 
 
 def _bucket(n: int, cap: int) -> int:
@@ -116,12 +132,13 @@ class SlotEngine:
         interruption: Interruption | None = None,
         key=None,
         model_cfg=None,
+        mesh: jax.sharding.Mesh | None = None,
     ):
         if slots < repeat:
             raise ValueError(f"slots ({slots}) must hold at least one group of {repeat} rows")
         if model_cfg is None:
             raise ValueError("SlotEngine needs model_cfg (the policy's ModelConfig)")
-        self.graphdef, self.slots, self.repeat = graphdef, slots, repeat
+        self.graphdef, self.slots, self.repeat, self.mesh = graphdef, slots, repeat, mesh
         self.prompt_len, self.n_new, self.pad_id = prompt_len, n_new, pad_id
         # Admissions draw from one stream, decode steps from another (the state's, donated).
         self.key, decode_key = jax.random.split(jax.random.key(0) if key is None else key)
@@ -159,6 +176,8 @@ class SlotEngine:
             budget=jnp.zeros((b,), jnp.int32),
             key=decode_key,
         )
+        if mesh is not None:  # the slots split over the mesh's batch axes, like a batch's rows
+            self.state = jax.device_put(self.state, _slot_shardings(self.state, mesh))
 
     # ------------------------------------------------------------------ queue
 
@@ -223,7 +242,7 @@ class SlotEngine:
             key,
             n_new=self.n_new,
             interruption=self.interruption,
-            mesh=None,
+            mesh=self.mesh,
             repeat=self.repeat,
         )
         new = dataclasses.replace(new, budget=jnp.asarray(budget))

@@ -179,11 +179,10 @@ class RolloutWorker:
                 f"sampler.slots: {cfg.sampler.slots} cannot hold one group of "
                 f"train.group_size = {cfg.train.group_size} rows"
             )
-        mesh = self.gen_mesh or self.mesh
-        if self.multiprocess or mesh.devices.size > 1:
+        if self.multiprocess:
             raise ConfigError(
-                "sampler.batching: continuous runs its generator on one device for now; this "
-                f"run's generator mesh has {mesh.devices.size} (use batching: static)"
+                "sampler.batching: continuous runs in one process for now; this run has "
+                f"{jax.process_count()} (use batching: static)"
             )
         self.slots = cfg.sampler.slots or rows
 
@@ -204,6 +203,7 @@ class RolloutWorker:
                 interruption=self.interruption,
                 key=key,
                 model_cfg=cfg.model,
+                mesh=self.gen_mesh or self.mesh,
             )
         indices = self.curriculum.next_batch(cfg.train.prompts_per_step)
         prompts = self._encode([self.task.train_examples[i] for i in indices])
