@@ -94,7 +94,8 @@ class RolloutWorker:
         # one and the next, queued behind it), and finished rows by request. Created and used
         # on the thread that calls `rollouts` only.
         self.engine: SlotEngine | None = None
-        self.queued: list[tuple[np.ndarray, list[int]]] = []
+        # Each queued batch: (prompt indices, request ids, curriculum cursor before its draw).
+        self.queued: list[tuple[np.ndarray, list[int], tuple[int, int]]] = []
         self.finished: dict[int, list[Finished]] = {}
         self.requests = 0
         if s.batching == "continuous":
@@ -205,13 +206,14 @@ class RolloutWorker:
                 model_cfg=cfg.model,
                 mesh=self.gen_mesh or self.mesh,
             )
+        cursor = (self.curriculum.epoch, self.curriculum.position)
         indices = self.curriculum.next_batch(cfg.train.prompts_per_step)
         prompts = self._encode([self.task.train_examples[i] for i in indices])
         requests = list(range(self.requests, self.requests + len(prompts)))
         self.requests += len(prompts)
         for request, prompt in zip(requests, prompts, strict=True):
             self.engine.submit(request, prompt)
-        self.queued.append((indices, requests))
+        self.queued.append((indices, requests, cursor))
 
     def _continuous_rollout(self, params_for_chunk: ParamsForChunk, key):
         """(prompt indices, Rollout) of the oldest queued batch, its groups in the order they
@@ -223,7 +225,7 @@ class RolloutWorker:
         ahead = 2 if self.cfg.pipeline.mode == "pipeline_rl" else 1
         while len(self.queued) < ahead:
             self._submit_batch(key)
-        indices, requests = self.queued[0]
+        indices, requests, _ = self.queued[0]
         g, chunk = self.cfg.train.group_size, 0
         while any(len(self.finished.get(r, ())) < g for r in requests):
             version, params = params_for_chunk(chunk)
@@ -292,7 +294,17 @@ class RolloutWorker:
             **batch_flops(cfg.model, prompt_lens, lengths, reference=self.reference),
             "gen_seconds": time.perf_counter() - start,
         }
-        return Rollouts(batch, indices, versions, stats, self.curriculum.state_dict())
+        return Rollouts(batch, indices, versions, stats, self._curriculum_snapshot())
+
+    def _curriculum_snapshot(self) -> dict[str, np.ndarray]:
+        """The curriculum as a checkpoint keeps it. A batch queued ahead in the engine was
+        drawn but not trained: the snapshot's cursor sits before it, so a resumed run draws
+        those prompts again (the rows in flight are regenerated, not skipped)."""
+        state = self.curriculum.state_dict()
+        if self.queued:
+            epoch, position = self.queued[0][2]
+            state["epoch"], state["position"] = np.asarray(epoch), np.asarray(position)
+        return state
 
     def evaluate(self, params, key) -> float:
         """mean@k pass rate on the held-out split (k = train.eval_samples)."""

@@ -175,3 +175,22 @@ def test_the_slots_are_split_over_the_generator_mesh(tmp_path):
     for x in (state.cache.k[0], state.tokens, state.done):
         assert x.sharding.mesh.devices.size == 8
         assert len(x.sharding.device_set) == 8 and x.addressable_shards[0].data.shape[0] == 2
+
+
+def test_a_checkpoint_does_not_skip_the_batch_queued_ahead(tmp_path):
+    """In pipeline_rl the next batch is drawn and queued while this one finishes; the
+    curriculum a batch carries (what a checkpoint keeps) has its cursor before the queued
+    batch, so a resumed run draws those prompts again instead of skipping them."""
+    from conftest import FAST, TINY_CONFIG
+
+    from jaxrl_scale.config import load_config
+    from jaxrl_scale.train import setup
+
+    cfg = load_config(TINY_CONFIG, [*FAST, "sampler.batching=continuous", "sampler.slots=8"])
+    run = setup(cfg, tmp_path)
+    params = run.start.train.params
+    first = run.worker.rollouts(lambda chunk: (0, params), jax.random.key(0))
+    second = run.worker.rollouts(lambda chunk: (0, params), jax.random.key(1))
+    assert run.worker.curriculum.position == 12  # three batches of 4 drawn (one queued)
+    assert int(first.curriculum["position"]) == 4 and int(second.curriculum["position"]) == 8
+    assert not set(first.indices) & set(second.indices)
