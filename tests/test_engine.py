@@ -30,7 +30,7 @@ def _eos_ids(model):
     return tuple(sorted({int(toks[i, 2 + i % 5]) for i in range(len(PROMPTS))}))
 
 
-def _engine(model, *, slots, repeat=1, temperature=0.0, eos_ids=()):
+def _engine(model, *, slots, repeat=1, temperature=0.0, eos_ids=(), interruption=None):
     graphdef, _ = nnx.split(model)
     return SlotEngine(
         graphdef,
@@ -43,6 +43,7 @@ def _engine(model, *, slots, repeat=1, temperature=0.0, eos_ids=()):
         pad_id=0,
         model_cfg=model.cfg,
         key=jax.random.key(1),
+        interruption=interruption,
     )
 
 
@@ -194,3 +195,23 @@ def test_a_checkpoint_does_not_skip_the_batch_queued_ahead(tmp_path):
     assert run.worker.curriculum.position == 12  # three batches of 4 drawn (one queued)
     assert int(first.curriculum["position"]) == 4 and int(second.curriculum["position"]) == 8
     assert not set(first.indices) & set(second.indices)
+
+
+def test_forced_interruption_per_slot_equals_static(qwen2):
+    """Each slot runs its own thinking budget: rows admitted at different steps are
+    interrupted after the same number of their own tokens, as in a static batch."""
+    from jaxrl_scale.sampler import INTERRUPTED, Interruption
+
+    intr = Interruption(token_ids=(9, 8), think_min=4, think_max=4, answer_budget=3)
+    static = generate(qwen2, PROMPTS, max_new_tokens=N_NEW, temperature=0.0, interruption=intr)
+    assert np.all(np.asarray(static.finish_reason) == INTERRUPTED)
+    engine = _engine(qwen2, slots=3, interruption=intr)
+    for i, p in enumerate(PROMPTS):
+        engine.submit(i, p)
+    done = _drain(engine, nnx.state(qwen2), steps=2)
+    assert len(done) == len(PROMPTS)
+    for f in done:
+        np.testing.assert_array_equal(f.tokens, np.asarray(static.completion_tokens[f.request]))
+        np.testing.assert_array_equal(f.mask, np.asarray(static.completion_mask[f.request]))
+        assert f.finish_reason == INTERRUPTED and f.length == 4 + 2 + 3
+        assert list(f.tokens[4:6]) == [9, 8] and f.mask[4:6].sum() == 0  # the inserted text
