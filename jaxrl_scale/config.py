@@ -280,7 +280,9 @@ class SamplerConfig:
     # engine (jaxrl_scale.engine) keeps `slots` rows in flight, a finished row's slot taking the
     # next waiting group, the next batch's prompts queued behind this one's.
     batching: Literal["static", "continuous"] = "static"
-    slots: int = 0  # continuous: rows decoded at once (the KV cache); 0 = one batch's rows
+    # Rows decoded at once (the KV cache's size); 0 = one batch's rows. static decodes a batch
+    # in waves of `slots` rows, each until its longest row ends.
+    slots: int = 0
     admit_every: int = 8  # continuous: decode steps between reads of the done flags
 
     def __post_init__(self):
@@ -297,11 +299,6 @@ class SamplerConfig:
         _require(self.chunk_size >= 0, "sampler.chunk_size", "must be >= 0")
         _require(self.slots >= 0, "sampler.slots", "must be >= 0 (0: one batch's rows)")
         _require(self.admit_every >= 1, "sampler.admit_every", "must be >= 1")
-        _require(
-            self.batching == "continuous" or self.slots == 0,
-            "sampler.slots",
-            "applies to batching: continuous (static batches decode a whole batch at once)",
-        )
         if self.interruption is not None:
             i = self.interruption
             # The text is at least one token; the trainer re-checks with its tokenized length.

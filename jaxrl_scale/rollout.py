@@ -98,6 +98,11 @@ class RolloutWorker:
         self.queued: list[tuple[np.ndarray, list[int], tuple[int, int]]] = []
         self.finished: dict[int, list[Finished]] = {}
         self.requests = 0
+        if s.slots and s.slots < cfg.train.group_size:
+            raise ConfigError(
+                f"sampler.slots: {s.slots} cannot hold one group of "
+                f"train.group_size = {cfg.train.group_size} rows"
+            )
         if s.batching == "continuous":
             self._check_continuous()
 
@@ -124,8 +129,29 @@ class RolloutWorker:
     ) -> Rollout:
         """Sample `repeat` completions of each prompt (consecutive rows), prefilling each
         prompt once for its rows; chunk c decodes with `params_for_chunk(c)` (in-flight
-        updates). Nothing is read back to the host between chunks."""
+        updates). Nothing is read back to the host between chunks. With `sampler.slots` below
+        the rows, the prompts are decoded in waves of that many rows (the KV cache's bound),
+        each wave until its longest row ends; chunks are counted across waves."""
         host_tokens, host_mask = pad_prompts(prompts, self.tok.pad_id)
+        per_wave = len(prompts)
+        if self.cfg.sampler.batching == "static" and self.cfg.sampler.slots:
+            per_wave = max(1, self.cfg.sampler.slots // repeat)
+        parts, chunk = [], 0
+        for w in range(0, len(prompts), per_wave):
+            ro, chunk = self._generate_wave(
+                params_for_chunk, chunk, host_tokens[w : w + per_wave],
+                host_mask[w : w + per_wave], jax.random.fold_in(key, w) if w else key,
+                sampling=sampling, n_new=n_new, repeat=repeat,
+            )  # fmt: skip
+            parts.append(ro)
+        if len(parts) == 1:
+            return parts[0]
+        return jax.tree.map(lambda *xs: jnp.concatenate(xs), *parts)
+
+    def _generate_wave(
+        self, params_for_chunk, chunk, host_tokens, host_mask, key, *, sampling, n_new, repeat
+    ) -> tuple[Rollout, int]:
+        """One wave: (its Rollout, the next chunk index)."""
         mesh = self.gen_mesh or self.mesh
         # Unique prompts are few: every device holds them all; the rows they become are split
         # over the mesh inside prefill. Without repetition the rows are split from the start.
@@ -136,7 +162,7 @@ class RolloutWorker:
             tokens, mask = jax.device_put((host_tokens, host_mask), where)
         else:
             tokens, mask = jnp.asarray(host_tokens), jnp.asarray(host_mask)
-        version, params = params_for_chunk(0)
+        version, params = params_for_chunk(chunk)
         state = prefill(
             self.graphdef,
             params,
@@ -156,12 +182,13 @@ class RolloutWorker:
             prompt_len=tokens.shape[1],
         )
         chunk_size = self.cfg.sampler.chunk_size or n_new
-        for chunk in range(num_chunks(n_new, chunk_size)):
-            if chunk:
-                version, params = params_for_chunk(chunk)
+        for c in range(num_chunks(n_new, chunk_size)):
+            if c:
+                version, params = params_for_chunk(chunk + c)
             state = decode(self.graphdef, params, state, version, chunk_size, **static)
         rows = lambda x: np.repeat(x, repeat, axis=0)  # noqa: E731
-        return to_rollout(rows(host_tokens), rows(host_mask), state)
+        ro = to_rollout(rows(host_tokens), rows(host_mask), state)
+        return ro, chunk + num_chunks(n_new, chunk_size)
 
     def _texts(self, ro: Rollout) -> list[str]:
         tokens, lengths = distributed.to_host(ro.completion_tokens), distributed.to_host(ro.lengths)
@@ -175,11 +202,6 @@ class RolloutWorker:
     def _check_continuous(self) -> None:
         cfg = self.cfg
         rows = cfg.train.prompts_per_step * cfg.train.group_size
-        if cfg.sampler.slots and cfg.sampler.slots < cfg.train.group_size:
-            raise ConfigError(
-                f"sampler.slots: {cfg.sampler.slots} cannot hold one group of "
-                f"train.group_size = {cfg.train.group_size} rows"
-            )
         if self.multiprocess:
             raise ConfigError(
                 "sampler.batching: continuous runs in one process for now; this run has "

@@ -215,3 +215,31 @@ def test_forced_interruption_per_slot_equals_static(qwen2):
         np.testing.assert_array_equal(f.mask, np.asarray(static.completion_mask[f.request]))
         assert f.finish_reason == INTERRUPTED and f.length == 4 + 2 + 3
         assert list(f.tokens[4:6]) == [9, 8] and f.mask[4:6].sum() == 0  # the inserted text
+
+
+def test_static_waves_of_slots_rows_equal_one_batch(tmp_path):
+    """`sampler.slots` below a batch's rows: static decoding runs waves of that many rows
+    (greedy: the same tokens as one batch), and chunks are counted across the waves."""
+    from conftest import FAST, TINY_CONFIG
+
+    from jaxrl_scale.config import ConfigError, load_config
+    from jaxrl_scale.train import setup
+
+    def worker(*extra):
+        cfg = load_config(TINY_CONFIG, [*FAST, "sampler.chunk_size=2", *extra])
+        return setup(cfg, tmp_path / "-".join(extra or ["one"])).worker
+
+    one, waves = worker(), worker("sampler.slots=4")
+    params = setup(load_config(TINY_CONFIG, FAST), tmp_path / "p").start.train.params
+    prompts = [[2, 3, 4], [5, 6], [7], [8, 9, 10]]
+    args = dict(sampling=Sampling(0.0), n_new=4, repeat=2)
+    a = one.generate(lambda c: (10 + c, params), prompts, jax.random.key(0), **args)
+    b = waves.generate(lambda c: (10 + c, params), prompts, jax.random.key(0), **args)
+    np.testing.assert_array_equal(a.completion_tokens, b.completion_tokens)
+    np.testing.assert_allclose(a.behavior_logp, b.behavior_logp, atol=1e-6)
+    v = np.asarray(b.versions)  # rows 0-3: wave 1 (chunks 0, 1); rows 4-7: wave 2 (2, 3)
+    expected = 10 + np.arange(4)[None] // 2 + 2 * (np.arange(8)[:, None] >= 4)
+    np.testing.assert_array_equal(v[v >= 0], expected[v >= 0])
+    assert (v[4:] >= 0).any()
+    with pytest.raises(ConfigError, match="sampler.slots"):
+        worker("sampler.slots=2", "train.group_size=4")
