@@ -118,6 +118,11 @@ def _take_rows(state: DecodeState, idx):
 
 
 class SlotEngine:
+    """`slots` decode slots for prompts of up to `prompt_len` tokens, each row up to `n_new`
+    completion tokens, `repeat` rows per prompt (a group); `model_cfg` is the policy's
+    ModelConfig, `mesh` the devices the slots are split over (None: the default device).
+    Owned by one thread: `submit` and `run` mutate the queue, the slots and the device state."""
+
     def __init__(
         self,
         graphdef,
@@ -130,14 +135,12 @@ class SlotEngine:
         eos_ids: Sequence[int],
         pad_id: int,
         interruption: Interruption | None = None,
+        model_cfg,
         key=None,
-        model_cfg=None,
         mesh: jax.sharding.Mesh | None = None,
     ):
         if slots < repeat:
             raise ValueError(f"slots ({slots}) must hold at least one group of {repeat} rows")
-        if model_cfg is None:
-            raise ValueError("SlotEngine needs model_cfg (the policy's ModelConfig)")
         self.graphdef, self.slots, self.repeat, self.mesh = graphdef, slots, repeat, mesh
         self.prompt_len, self.n_new, self.pad_id = prompt_len, n_new, pad_id
         # Admissions draw from one stream, decode steps from another (the state's, donated).
