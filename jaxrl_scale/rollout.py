@@ -12,8 +12,9 @@ for batches a checkpoint keeps.
 
 Threads. `rollouts` runs on the thread that feeds the trainer (the generator thread in
 threaded `pipeline_rl`, else the main thread) and is the only code that touches the
-curriculum after setup, and the slot engine with its queue (`sampler.batching: continuous`); every batch carries a snapshot of the curriculum taken right after it
-was drawn and scored, and checkpoints save snapshots, never the live object. `evaluate` runs
+curriculum after setup, and the slot engine with its queue (`sampler.batching:
+continuous`); every batch carries a snapshot of the curriculum taken right after it was
+drawn and scored, and checkpoints save snapshots, never the live object. `evaluate` runs
 on the main thread, concurrently with `rollouts` in threaded `pipeline_rl`: it reads only
 what never changes (held-out examples, tokenizer, sampling settings) and calls the task's
 verifier, which is safe to share (math's holds a lock; the others are pure functions).
