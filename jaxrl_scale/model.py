@@ -186,7 +186,9 @@ def _write_slots(cache_bkse, new_bkte, write_index):
         return jax.lax.dynamic_update_slice(cache_bkse, new_bkte, (0, 0, write_index, 0))
     b, _, t, _ = new_bkte.shape
     slots_bt = write_index[:, None] + jnp.arange(t)
-    return cache_bkse.at[jnp.arange(b)[:, None], :, slots_bt].set(new_bkte.swapaxes(1, 2))
+    # A finished engine row's column may be past the cache's end: its write is dropped.
+    rows_b1 = jnp.arange(b)[:, None]
+    return cache_bkse.at[rows_b1, :, slots_bt].set(new_bkte.swapaxes(1, 2), mode="drop")
 
 
 def attend(q_bthe, k_bkse, v_bkse, mask_bts, *, scale: float, precision=None):
@@ -307,7 +309,8 @@ class Policy(nnx.Module):
         if jnp.ndim(write_index) == 0:
             valid_bs = jax.lax.dynamic_update_slice(cache.valid, valid_bt, (0, write_index))
         else:
-            valid_bs = cache.valid.at[jnp.arange(b)[:, None], query_slots_bt].set(valid_bt)
+            rows_b1 = jnp.arange(b)[:, None]
+            valid_bs = cache.valid.at[rows_b1, query_slots_bt].set(valid_bt, mode="drop")
         slots_s = jnp.arange(valid_bs.shape[1])
         mask_bts = valid_bs[:, None, :] & (slots_s[None, None, :] <= query_slots_bt[:, :, None])
         h_btd, (k, v) = self._run(tokens_bt, positions_bt, mask_bts, cache, write_index)
