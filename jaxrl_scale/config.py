@@ -627,6 +627,8 @@ def from_dict(cls: type, data: Mapping[str, Any], prefix: str = ""):
 
 
 def _type_name(tp: Any) -> str:
+    if typing.get_origin(tp) is Literal:  # name the choices, not the type
+        return "one of " + ", ".join(repr(v) for v in typing.get_args(tp))
     return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
 
 

@@ -60,6 +60,17 @@ def test_wrong_type_names_key(override, key):
         load_config(DEMO, [override])
 
 
+def test_a_value_outside_a_choice_lists_the_choices():
+    with pytest.raises(ConfigError, match="sampler.batching: expected one of 'static', "
+                                          "'continuous', got 'dynamic'"):  # fmt: skip
+        load_config(DEMO, ["sampler.batching=dynamic"])
+    with pytest.raises(ConfigError, match="loss.kind: expected one of 'cispo', 'dapo'"):
+        load_config(DEMO, ["loss.kind=ppo"])
+    for override in ("sampler.slots=-1", "sampler.admit_every=0"):
+        with pytest.raises(ConfigError, match=override.split("=")[0]):
+            load_config(DEMO, [override])
+
+
 @pytest.mark.parametrize(
     "override, key",
     [
