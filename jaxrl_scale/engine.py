@@ -41,7 +41,6 @@ from jaxrl_scale.sampler import (
     Interruption,
     Sampling,
     decode,
-    pad_prompts,
     prefill,
 )
 from jaxrl_scale.sharding import LOGICAL_RULES, batch_sharding, replicated
@@ -155,9 +154,10 @@ class SlotEngine:
         self.interruption = interruption
         # (request, prompt [L], prompt mask [L], completion budget), in submission order.
         self.waiting: collections.deque[tuple] = collections.deque()
-        # Host bookkeeping of each slot: (request id, row) or None when free.
+        # Host bookkeeping of each slot: (request id, row) or None when free; each request's
+        # [prompt, prompt mask, rows not yet handed back] until its last row is.
         self.occupant: list[tuple[int, int] | None] = [None] * slots
-        self.prompts: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+        self.prompts: dict[int, list] = {}
         self.admissions = 0
         b = slots
         self.state = DecodeState(
@@ -193,15 +193,15 @@ class SlotEngine:
         max_new = self.n_new if max_new is None else int(max_new)
         if not 1 <= max_new <= self.n_new:
             raise ValueError(f"max_new must be in [1, {self.n_new}], got {max_new}")
-        tokens, mask = pad_prompts([prompt], self.pad_id, multiple=1)
-        if tokens.shape[1] > self.prompt_len:
-            raise ValueError(
-                f"prompt of {tokens.shape[1]} tokens exceeds prompt_len {self.prompt_len}"
-            )
-        pad = self.prompt_len - tokens.shape[1]
-        tokens = np.pad(tokens[0], (pad, 0), constant_values=self.pad_id)
-        mask = np.pad(mask[0], (pad, 0))
-        self.prompts[request] = (tokens, mask)
+        if len(prompt) == 0:
+            raise ValueError(f"request {request}: the prompt is empty")
+        if len(prompt) > self.prompt_len:
+            raise ValueError(f"prompt of {len(prompt)} tokens exceeds prompt_len {self.prompt_len}")
+        tokens = np.full(self.prompt_len, self.pad_id, np.int32)
+        mask = np.zeros(self.prompt_len, bool)
+        start = self.prompt_len - len(prompt)  # left-padded, as every prompt of the sampler
+        tokens[start:], mask[start:] = prompt, True
+        self.prompts[request] = [tokens, mask, self.repeat]  # rows not yet handed back
         self.waiting.append((request, tokens, mask, max_new))
 
     @property
@@ -268,14 +268,14 @@ class SlotEngine:
             n = int(lengths[j])
             t = tokens[j].copy()
             t[n:] = self.pad_id
-            prompt, prompt_mask = self.prompts[request]
+            entry = self.prompts[request]
             out.append(
-                Finished(request, row, prompt, prompt_mask, t, mask[j], logp[j], versions[j],
+                Finished(request, row, entry[0], entry[1], t, mask[j], logp[j], versions[j],
                          int(finish[j]), n)
             )  # fmt: skip
-        for request in {f.request for f in out}:  # forgotten once every row was handed back
-            if all(o is None or o[0] != request for o in self.occupant):
-                self.prompts.pop(request, None)
+            entry[2] -= 1
+            if not entry[2]:  # forgotten once every row was handed back
+                del self.prompts[request]
         return out
 
     def run(self, params, version: int, steps: int) -> list[Finished]:

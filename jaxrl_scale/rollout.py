@@ -104,8 +104,13 @@ class RolloutWorker:
                 f"sampler.slots: {s.slots} cannot hold one group of "
                 f"train.group_size = {cfg.train.group_size} rows"
             )
-        if s.batching == "continuous":
-            self._check_continuous()
+        # Continuous batching: rows in flight (0 = one batch's rows).
+        self.slots = s.slots or cfg.train.prompts_per_step * cfg.train.group_size
+        if s.batching == "continuous" and self.multiprocess:
+            raise ConfigError(
+                "sampler.batching: continuous runs in one process for now; this run has "
+                f"{jax.process_count()} (use batching: static)"
+            )
 
     # ------------------------------------------------------------------ placement
 
@@ -200,16 +205,6 @@ class RolloutWorker:
 
     # ------------------------------------------------------------------ continuous batching
 
-    def _check_continuous(self) -> None:
-        cfg = self.cfg
-        rows = cfg.train.prompts_per_step * cfg.train.group_size
-        if self.multiprocess:
-            raise ConfigError(
-                "sampler.batching: continuous runs in one process for now; this run has "
-                f"{jax.process_count()} (use batching: static)"
-            )
-        self.slots = cfg.sampler.slots or rows
-
     def _submit_batch(self, key) -> None:
         """Draw the next batch's prompts and queue them in the engine, in batch order."""
         cfg = self.cfg
@@ -237,6 +232,13 @@ class RolloutWorker:
         for request, prompt in zip(requests, prompts, strict=True):
             self.engine.submit(request, prompt)
         self.queued.append((indices, requests, cursor))
+
+    def in_flight(self) -> tuple[int, int]:
+        """(prompts drawn into the engine and not handed over in a batch, rows of them already
+        generating or generated): work the run's end leaves untrained."""
+        prompts = sum(len(requests) for _, requests, _ in self.queued)
+        rows = 0 if self.engine is None else self.engine.busy
+        return prompts, rows + sum(len(v) for v in self.finished.values())
 
     def _continuous_rollout(self, params_for_chunk: ParamsForChunk, key):
         """(prompt indices, Rollout) of the oldest queued batch, its groups in the order they

@@ -269,7 +269,13 @@ def train_run(run: Run) -> list[dict[str, Any]]:
             finish(unlogged, time.perf_counter())
         save()
     finally:
-        feeder.stop()
+        feeder.stop()  # joins the generator thread (were it still running, the count below
+        # would be approximate: it reads list and dict sizes only)
+        queued, generated = run.worker.in_flight()
+        if queued and distributed.is_main():
+            print(f"continuous batching: {queued} prompt(s) queued ahead were not trained "
+                  f"({generated} row(s) of them generated or generating); a resumed run draws "
+                  "them again", flush=True)  # fmt: skip
         clock.stop()
         run.checkpointer.close()
         metrics_log.close()

@@ -195,6 +195,7 @@ def test_a_checkpoint_does_not_skip_the_batch_queued_ahead(tmp_path):
     assert run.worker.curriculum.position == 12  # three batches of 4 drawn (one queued)
     assert int(first.curriculum["position"]) == 4 and int(second.curriculum["position"]) == 8
     assert not set(first.indices) & set(second.indices)
+    assert run.worker.in_flight()[0] == 4  # the queued batch, reported at the end of a run
 
 
 def test_forced_interruption_per_slot_equals_static(qwen2):
