@@ -29,26 +29,19 @@ class _Batch:
         self.versions = np.asarray(versions)
 
 
-class _State:
-    def __init__(self, step):
-        self.step, self.params = step, None
-
-
 def simulate(k: int, steps: int, step_seconds: float, ratio: float) -> dict:
     produced = [0]
 
-    def produce(params_source, key):
+    def produce(params_for_chunk, key, *, oldest):
         versions = []
-        for _ in range(2):
-            versions.append(params_source()[0])
+        for chunk in range(2):
+            versions.append(params_for_chunk(chunk)[0])
             time.sleep(step_seconds / ratio / 2)
         produced[0] += 1
         return _Batch([versions])
 
     version = [0]
-    feeder = PipelineFeeder(
-        produce, ParamsSource(0, None), jax.random.key(0), k=k, version=lambda: version[0]
-    )
+    feeder = PipelineFeeder(produce, ParamsSource(0, None), jax.random.key(0), k=k, version=0)
     lags, waited = collections.Counter(), 0.0
     try:
         for i in range(steps):
@@ -61,14 +54,14 @@ def simulate(k: int, steps: int, step_seconds: float, ratio: float) -> dict:
             lags[version[0] - int(batch.versions.min())] += 1
             time.sleep(step_seconds)
             version[0] += 1
-            feeder.trained(_State(version[0]))
+            feeder.trained(None, version[0])
     finally:
         feeder.stop()
     wall = time.perf_counter() - start
     return {
         "generated": produced[0],
         "trained": steps,
-        "dropped": feeder.dropped,
+        "dropped": len(feeder.take_dropped()),
         "lags": dict(sorted(lags.items())),
         "wait": waited / wall,
     }

@@ -75,6 +75,10 @@ class RolloutBuffer:
             self.dropped += 1
             self._dropped_items.append(item)
 
+    def __len__(self) -> int:
+        """Batches waiting to be taken (exact once the producer has stopped)."""
+        return self._queue.qsize()
+
     def take_dropped(self) -> list[Any]:
         """The batches dropped as stale since the last call (their work is still the run's)."""
         items, self._dropped_items = self._dropped_items, []

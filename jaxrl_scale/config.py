@@ -278,8 +278,10 @@ class SamplerConfig:
     interruption: InterruptionConfig | None = None
     # "static": each batch's rows decode together until the longest ends. "continuous": a slot
     # engine (jaxrl_scale.engine) keeps `slots` rows in flight, a finished row's slot taking the
-    # next waiting group, the next batch's prompts queued behind this one's.
-    batching: Literal["static", "continuous"] = "static"
+    # next waiting group (in pipeline_rl the next batch's prompts queued behind this one's).
+    # "auto": continuous in pipeline_rl, static in sync and ppo_off_policy (ExperimentConfig.
+    # batching).
+    batching: Literal["auto", "static", "continuous"] = "auto"
     # Rows decoded at once (the KV cache's size); 0 = one batch's rows. static decodes a batch
     # in waves of `slots` rows, each until its longest row ends.
     slots: int = 0
@@ -533,6 +535,17 @@ class ExperimentConfig:
     checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
     forecast: ForecastConfig = dataclasses.field(default_factory=ForecastConfig)
     distributed: DistributedConfig = dataclasses.field(default_factory=DistributedConfig)
+
+    @property
+    def batching(self) -> str:
+        """`sampler.batching` with "auto" resolved: continuous in pipeline_rl, where the engine
+        refills a finished row's slot from the batch queued next while the trainer trains;
+        static in sync and ppo_off_policy, whose rounds are admitted whole and drained, so
+        with slots >= a round's rows the engine would decode the same schedule with more host
+        round trips (with fewer slots, `continuous` refills them within the round)."""
+        if self.sampler.batching != "auto":
+            return self.sampler.batching
+        return "continuous" if self.pipeline.mode == "pipeline_rl" else "static"
 
 
 # --------------------------------------------------------------------------- YAML plumbing

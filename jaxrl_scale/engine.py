@@ -7,17 +7,19 @@ A static batch decodes until its longest row ends, so with heavy-tailed completi
 most rows sit finished while a few run on. Here every slot holds one row with its own cache
 region and its own completion column; a compiled step decodes every occupied slot one token
 (`sampler.decode`, the same step as the static path, with a column per row). Between runs of
-steps the host reads the slots' done flags once, hands finished rows back, and admits waiting
-prompts into the free slots: each prompt is prefilled once for its G rows (`sampler.prefill`)
-and its cache rows are scattered into the slots, overwriting every column a previous occupant
-wrote, so nothing of it is visible to the newcomer. New parameters can be passed to any run,
+steps the host reads the slots' done flags once, frees the finished rows' slots and admits
+waiting prompts into them; the finished rows cross to the host while the next steps run.
+Each prompt is prefilled once for its G rows (`sampler.prefill`) and its cache rows are
+scattered into the slots, overwriting every column a previous occupant wrote, so nothing of
+it is visible to the newcomer. New parameters can be passed to any run,
 so one completion may carry tokens of several policy versions; every token records the
 version that sampled it.
 
 engine = SlotEngine(graphdef, slots=64, prompt_len=32, n_new=256, repeat=8, ...)
 engine.submit(request_id, prompt_ids)        # queued; admitted when G slots are free
                                              # (max_new=...: this prompt's own budget)
-done = engine.run(params, version, steps=8)  # decode up to 8 steps; the rows that finished
+done = engine.run(params, version, steps=8)  # decode up to 8 steps; the rows that had
+                                             # finished before them
 
 Threads: an engine is owned by the thread that calls `submit` and `run` (the generator's).
 """
@@ -34,6 +36,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxrl_scale import distributed
 from jaxrl_scale.model import KVCache
 from jaxrl_scale.sampler import (
     LENGTH,
@@ -79,6 +82,29 @@ def _slot_shardings(state: DecodeState, mesh):
 def _bucket(n: int, cap: int) -> int:
     """The power of two >= n (at most cap): few distinct shapes, few compiles."""
     return min(1 << max(n - 1, 0).bit_length(), cap)
+
+
+def _empty_state(model_cfg, b: int, prompt_len: int, n_new: int, pad_id: int, key) -> DecodeState:
+    """B free slots: every row finished and owned by nobody, its cache empty."""
+    return DecodeState(
+        cache=KVCache.empty(model_cfg, b, prompt_len + n_new),
+        h_bd=jnp.zeros((b, model_cfg.hidden_size), jnp.dtype(model_cfg.lm_head_dtype)),
+        tokens=jnp.full((b, n_new), pad_id, jnp.int32),
+        logp=jnp.zeros((b, n_new)),
+        mask=jnp.zeros((b, n_new)),
+        versions=jnp.full((b, n_new), -1, jnp.int32),
+        step=jnp.zeros((), jnp.int32),
+        col=jnp.zeros((b,), jnp.int32),
+        position=jnp.zeros((b,), jnp.int32),
+        done=jnp.ones((b,), jnp.bool_),
+        finish=jnp.full((b,), LENGTH, jnp.int32),
+        phase=jnp.zeros((b,), jnp.int32),
+        counts=jnp.zeros((b, 4), jnp.int32),
+        matched=jnp.zeros((b,), jnp.int32),
+        think_budget=jnp.zeros((b,), jnp.int32),
+        budget=jnp.zeros((b,), jnp.int32),
+        key=key,
+    )
 
 
 @functools.partial(jax.jit, donate_argnames=("state",))
@@ -152,42 +178,35 @@ class SlotEngine:
             prompt_len=prompt_len,
         )
         self.interruption = interruption
-        # (request, prompt [L], prompt mask [L], completion budget), in submission order.
+        # (request, prompt [L], prompt mask [L], completion budget, oldest version allowed),
+        # in submission order.
         self.waiting: collections.deque[tuple] = collections.deque()
         # Host bookkeeping of each slot: (request id, row) or None when free; each request's
         # [prompt, prompt mask, rows not yet handed back] until its last row is.
         self.occupant: list[tuple[int, int] | None] = [None] * slots
         self.prompts: dict[int, list] = {}
         self.admissions = 0
-        b = slots
-        self.state = DecodeState(
-            cache=KVCache.empty(model_cfg, b, prompt_len + n_new),
-            h_bd=jnp.zeros((b, model_cfg.hidden_size), jnp.dtype(model_cfg.lm_head_dtype)),
-            tokens=jnp.full((b, n_new), pad_id, jnp.int32),
-            logp=jnp.zeros((b, n_new)),
-            mask=jnp.zeros((b, n_new)),
-            versions=jnp.full((b, n_new), -1, jnp.int32),
-            step=jnp.zeros((), jnp.int32),
-            col=jnp.zeros((b,), jnp.int32),
-            position=jnp.zeros((b,), jnp.int32),
-            done=jnp.ones((b,), jnp.bool_),  # a free slot is a finished one that nobody owns
-            finish=jnp.full((b,), LENGTH, jnp.int32),
-            phase=jnp.zeros((b,), jnp.int32),
-            counts=jnp.zeros((b, 4), jnp.int32),
-            matched=jnp.zeros((b,), jnp.int32),
-            think_budget=jnp.zeros((b,), jnp.int32),
-            budget=jnp.zeros((b,), jnp.int32),
-            key=decode_key,
-        )
-        if mesh is not None:  # the slots split over the mesh's batch axes, like a batch's rows
-            self.state = jax.device_put(self.state, _slot_shardings(self.state, mesh))
+        empty = functools.partial(_empty_state, model_cfg, slots, prompt_len, n_new, pad_id)
+        if mesh is None:
+            self.state = empty(decode_key)
+        else:  # the slots split over the mesh's batch axes, like a batch's rows; made in place
+            shardings = _slot_shardings(jax.eval_shape(empty, decode_key), mesh)
+            self.state = jax.jit(empty, out_shardings=shardings)(decode_key)
 
     # ------------------------------------------------------------------ queue
 
-    def submit(self, request: int, prompt: Sequence[int], max_new: int | None = None) -> None:
+    def submit(
+        self,
+        request: int,
+        prompt: Sequence[int],
+        max_new: int | None = None,
+        not_before: int | None = None,
+    ) -> None:
         """Queue a prompt; its `repeat` rows are admitted together once that many slots are
         free. `request` is the caller's id, returned with each finished row; `max_new` caps
-        this prompt's completions (at most the engine's n_new, the default)."""
+        this prompt's completions (at most the engine's n_new, the default); `not_before`
+        holds it (and everything queued behind it) until a run's version is at least that,
+        so none of its tokens is older (the staleness bound of the step that trains it)."""
         if request in self.prompts:
             raise ValueError(f"request {request} was already submitted")
         max_new = self.n_new if max_new is None else int(max_new)
@@ -202,7 +221,7 @@ class SlotEngine:
         start = self.prompt_len - len(prompt)  # left-padded, as every prompt of the sampler
         tokens[start:], mask[start:] = prompt, True
         self.prompts[request] = [tokens, mask, self.repeat]  # rows not yet handed back
-        self.waiting.append((request, tokens, mask, max_new))
+        self.waiting.append((request, tokens, mask, max_new, not_before))
 
     @property
     def busy(self) -> int:
@@ -216,9 +235,21 @@ class SlotEngine:
 
     # ------------------------------------------------------------------ steps
 
-    def _admit_waiting(self, params) -> None:
+    def _put(self, host: np.ndarray) -> jax.Array:
+        """A host array, the same on every process, as an input of the engine's programs:
+        across processes each one places its copy on its devices of the mesh."""
+        if self.mesh is None or jax.process_count() == 1:
+            return jnp.asarray(host)
+        return distributed.place(host, replicated(self.mesh))
+
+    def _admit_waiting(self, params, version: int) -> None:
         free = [i for i, o in enumerate(self.occupant) if o is None]
-        n = min(len(free) // self.repeat, len(self.waiting))
+        n = 0  # groups admitted: in order, while slots last and the version allows
+        while n < min(len(free) // self.repeat, len(self.waiting)):
+            not_before = self.waiting[n][4]
+            if not_before is not None and version < not_before:
+                break
+            n += 1
         if not n:
             return
         groups = [self.waiting.popleft() for _ in range(n)]
@@ -228,7 +259,7 @@ class SlotEngine:
         mask[:, -1] = True  # padding prompts: one token each, their rows dropped below
         slot_idx = np.full(width * self.repeat, self.slots, np.int32)  # >= B: dropped
         budget = np.full(width * self.repeat, self.n_new, np.int32)
-        for g, (request, t, m, max_new) in enumerate(groups):
+        for g, (request, t, m, max_new, _) in enumerate(groups):
             tokens[g], mask[g] = t, m
             budget[g * self.repeat : (g + 1) * self.repeat] = max_new
             for r in range(self.repeat):
@@ -240,31 +271,39 @@ class SlotEngine:
         new = prefill(
             self.graphdef,
             params,
-            jnp.asarray(tokens),
-            jnp.asarray(mask),
+            self._put(tokens),
+            self._put(mask),
             key,
             n_new=self.n_new,
             interruption=self.interruption,
             mesh=self.mesh,
             repeat=self.repeat,
         )
-        new = dataclasses.replace(new, budget=jnp.asarray(budget))
-        self.state = _admit(self.state, new, jnp.asarray(slot_idx))
+        new = dataclasses.replace(new, budget=self._put(budget))
+        self.state = _admit(self.state, new, self._put(slot_idx))
 
-    def _harvest(self) -> list[Finished]:
-        done = np.asarray(self.state.done)
+    def _collect(self):
+        """Free the slots whose rows have finished and start gathering those rows on the
+        device; `_hand_back` reads them. Reading the done flags waits for the last decode."""
+        done = distributed.to_host(self.state.done)
         slots = [i for i, o in enumerate(self.occupant) if o is not None and done[i]]
         if not slots:
-            return []
+            return None
         width = _bucket(len(slots), self.slots)
         idx = np.asarray(slots + [slots[0]] * (width - len(slots)), np.int32)
-        tokens, mask, logp, versions, finish, lengths = jax.device_get(
-            _take_rows(self.state, jnp.asarray(idx))
-        )
+        rows = _take_rows(self.state, self._put(idx))
+        owners = [self.occupant[i] for i in slots]
+        for i in slots:
+            self.occupant[i] = None
+        return owners, rows
+
+    def _hand_back(self, collected) -> list[Finished]:
+        if collected is None:
+            return []
+        owners, rows = collected
+        tokens, mask, logp, versions, finish, lengths = map(distributed.to_host, rows)
         out = []
-        for j, slot in enumerate(slots):
-            request, row = self.occupant[slot]
-            self.occupant[slot] = None
+        for j, (request, row) in enumerate(owners):
             n = int(lengths[j])
             t = tokens[j].copy()
             t[n:] = self.pad_id
@@ -279,11 +318,14 @@ class SlotEngine:
         return out
 
     def run(self, params, version: int, steps: int) -> list[Finished]:
-        """Admit what fits, decode up to `steps` steps with `params` (tokens tagged `version`),
-        and return the rows that finished. One read of the done flags per call."""
-        self._admit_waiting(params)
+        """Free the slots of rows that finished, admit what fits, decode up to `steps` steps
+        with `params` (tokens tagged `version`), and return the rows freed: those that
+        finished by the previous call's last step. One read of the done flags per call; the
+        finished rows cross to the host while this call's steps run."""
+        collected = self._collect()
+        self._admit_waiting(params, version)
         if self.busy:
             self.state = decode(
                 self.graphdef, params, self.state, jnp.int32(version), steps, **self.static
             )
-        return self._harvest()
+        return self._hand_back(collected)

@@ -12,10 +12,14 @@
   batch is generated inside `trained`, on the generator's devices, while the step just
   dispatched runs on the trainer's, with the new weights swapped in at a fixed chunk.
 
-A producer is `produce(params_for_chunk, key) -> batch`: it calls `params_for_chunk(c)` ->
-(version, params) for the parameters to decode chunk c with (c = 0 also prefills), and the
-batch has a `versions` array (per-token policy version, -1 if none). Where new weights reach
-the generator is therefore an explicit chunk index, never a count of calls.
+A producer is `produce(params_for_chunk, key, oldest=v) -> batch`: it calls
+`params_for_chunk(c)` -> (version, params) for the parameters to decode chunk c with (c = 0
+also prefills), and the batch has a `versions` array (per-token policy version, -1 if none).
+Where new weights reach the generator is therefore an explicit chunk index, never a count of
+calls. `oldest` is the oldest version a token of this batch may carry (the staleness bound of
+the step that trains it); the next batch's is one more. A producer that starts the next
+batch's rows early (the slot engine queues it behind this one) holds each back until it can
+sample it with a version at least that.
 
 The policy version is the number of train steps taken (a step whose update was skipped as
 non-finite counts: its parameters equal the previous version's, so staleness is overstated,
@@ -41,7 +45,7 @@ from jaxrl_scale.buffer import RolloutBuffer, oldest_version
 from jaxrl_scale.config import ConfigError, PipelineConfig
 
 ParamsForChunk = Callable[[int], tuple[int, Any]]
-Producer = Callable[[ParamsForChunk, jax.Array], Any]
+Producer = Callable[..., Any]  # (params_for_chunk, key, *, oldest: int) -> batch
 
 
 class ParamsSource:
@@ -94,12 +98,17 @@ class SyncFeeder:
             frozen = self.source.latest()
             for i in range(self.per_policy):
                 key = jax.random.fold_in(self.key, self.round * self.per_policy + i)
-                self.pending.append(self.produce(lambda chunk: frozen, key))
+                self.pending.append(self.produce(lambda chunk: frozen, key, oldest=frozen[0]))
             self.round += 1
         return self.pending.pop(0)
 
     def stop(self) -> None:
         pass
+
+    def untrained(self) -> int:
+        """Batches generated that neither the trainer nor a checkpoint took: none (a
+        checkpoint keeps `pending`)."""
+        return 0
 
 
 class PipelineFeeder:
@@ -123,6 +132,8 @@ class PipelineFeeder:
         self._published = 0
         self._progress = threading.Condition()
         self.halt = threading.Event()
+        self.unbuffered = 0  # a batch made and never buffered: set by the generator thread,
+        # read after `stop` joined it
         self.thread = threading.Thread(target=self._run, name="generator", daemon=True)
         self.thread.start()
 
@@ -140,9 +151,12 @@ class PipelineFeeder:
         try:
             while self._wait_for_update(n - self.k):
                 newest = lambda chunk: self.source.latest()  # noqa: E731  in flight
-                batch = self.produce(newest, jax.random.fold_in(self.key, 2**20 + n))
+                key = jax.random.fold_in(self.key, 2**20 + n)
+                # Taken after n updates, so with version start + n, its tokens k at most older.
+                batch = self.produce(newest, key, oldest=self.start_version + n - self.k)
                 n += 1
                 if not self.buffer.put(batch, batch.versions, halt=self.halt):
+                    self.unbuffered = 1  # halted while waiting for room
                     return
         except BaseException as e:  # surfaced in the trainer thread
             self.buffer.put_error(e)
@@ -173,6 +187,13 @@ class PipelineFeeder:
         self.halt.set()
         self.thread.join(timeout=60)
 
+    def untrained(self) -> int:
+        """Batches generated that neither the trainer nor a checkpoint took: the buffer's
+        (up to k at a run's end; exact after `stop`, approximate were the generator still
+        running), and one the generator had made when it was halted. A resumed run generates
+        them again."""
+        return len(self.buffer) + self.unbuffered
+
 
 class LockstepFeeder:
     """pipeline_rl from one thread, in an order fixed in advance (so every process issues the
@@ -180,7 +201,8 @@ class LockstepFeeder:
     not yet finished), the next batch is generated: chunks before `swap_at` with version v,
     which is already on the generator, the rest with v + 1, pushed as soon as the step was
     dispatched (an in-flight update; the generator waits for the step only if it gets there
-    first). The generator is one batch ahead, so staleness is at most 1."""
+    first). The generator is one batch ahead, so staleness is at most 1. On the slot engine
+    (`sampler.batching: continuous`) a chunk is one engine run of `sampler.admit_every` steps."""
 
     def __init__(
         self, produce: Producer, source: ParamsSource, key, *, chunks: int, start: int, pending
@@ -193,8 +215,9 @@ class LockstepFeeder:
         self.pending: list[Any] = list(pending)
         self.dropped: list[Any] = []
 
-    def _produce(self, params_for_chunk: ParamsForChunk) -> Any:
-        batch = self.produce(params_for_chunk, jax.random.fold_in(self.key, 2**20 + self.n))
+    def _produce(self, params_for_chunk: ParamsForChunk, oldest: int) -> Any:
+        key = jax.random.fold_in(self.key, 2**20 + self.n)
+        batch = self.produce(params_for_chunk, key, oldest=oldest)
         self.n += 1
         return batch
 
@@ -208,17 +231,24 @@ class LockstepFeeder:
     def next(self) -> Any:
         if not self.pending:  # the first batch: nothing to overlap it with
             frozen = self.source.latest()
-            self.pending = [self._produce(lambda chunk: frozen)]
+            self.pending = [self._produce(lambda chunk: frozen, frozen[0] - 1)]
         return self.pending.pop(0)
 
     def trained(self, params, version: int) -> None:
         old = self.source.latest()
         self.source.publish(version, params)
         new = self.source.latest()
-        self.pending = [self._produce(lambda chunk: old if chunk < self.swap_at else new)]
+        # Trained by `new` (as the first batch by `frozen`): with k >= 1 a token may be one
+        # version older, `old`; the batch queued behind it waits for `new`.
+        self.pending = [self._produce(lambda chunk: old if chunk < self.swap_at else new, old[0])]
 
     def stop(self) -> None:
         pass
+
+    def untrained(self) -> int:
+        """Batches generated that neither the trainer nor a checkpoint took: none (a
+        checkpoint keeps `pending`)."""
+        return 0
 
 
 def staleness_bound(cfg: PipelineConfig) -> int:

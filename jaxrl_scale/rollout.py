@@ -106,11 +106,6 @@ class RolloutWorker:
             )
         # Continuous batching: rows in flight (0 = one batch's rows).
         self.slots = s.slots or cfg.train.prompts_per_step * cfg.train.group_size
-        if s.batching == "continuous" and self.multiprocess:
-            raise ConfigError(
-                "sampler.batching: continuous runs in one process for now; this run has "
-                f"{jax.process_count()} (use batching: static)"
-            )
 
     # ------------------------------------------------------------------ placement
 
@@ -140,7 +135,7 @@ class RolloutWorker:
         each wave until its longest row ends; chunks are counted across waves."""
         host_tokens, host_mask = pad_prompts(prompts, self.tok.pad_id)
         per_wave = len(prompts)
-        if self.cfg.sampler.batching == "static" and self.cfg.sampler.slots:
+        if self.cfg.sampler.slots:
             per_wave = max(1, self.cfg.sampler.slots // repeat)
         parts, chunk = [], 0
         for w in range(0, len(prompts), per_wave):
@@ -205,8 +200,9 @@ class RolloutWorker:
 
     # ------------------------------------------------------------------ continuous batching
 
-    def _submit_batch(self, key) -> None:
-        """Draw the next batch's prompts and queue them in the engine, in batch order."""
+    def _submit_batch(self, key, oldest: int | None) -> None:
+        """Draw the next batch's prompts and queue them in the engine, in batch order, held
+        until the version is at least `oldest` (None: not held)."""
         cfg = self.cfg
         if self.engine is None:
             lengths = [len(p) for p in self._encode(self.task.train_examples)]
@@ -230,7 +226,7 @@ class RolloutWorker:
         requests = list(range(self.requests, self.requests + len(prompts)))
         self.requests += len(prompts)
         for request, prompt in zip(requests, prompts, strict=True):
-            self.engine.submit(request, prompt)
+            self.engine.submit(request, prompt, not_before=oldest)
         self.queued.append((indices, requests, cursor))
 
     def in_flight(self) -> tuple[int, int]:
@@ -240,16 +236,20 @@ class RolloutWorker:
         rows = 0 if self.engine is None else self.engine.busy
         return prompts, rows + sum(len(v) for v in self.finished.values())
 
-    def _continuous_rollout(self, params_for_chunk: ParamsForChunk, key):
+    def _continuous_rollout(self, params_for_chunk: ParamsForChunk, key, oldest: int | None):
         """(prompt indices, Rollout) of the oldest queued batch, its groups in the order they
         were drawn. The next batch is queued behind it first, so slots its rows leave are
         taken by the next batch's groups instead of idling; a batch is returned only when all
         its groups are complete (short answers finishing first do not jump the queue). In
         `sync` and `ppo_off_policy` nothing is queued ahead: a round is admitted, then drained,
-        so every token of it is sampled by the parameters it was drawn for."""
+        so every token of it is sampled by the parameters it was drawn for. `oldest` bounds
+        the versions of this batch's tokens; the batch queued behind it is held until the
+        version is one more (the next step's bound), so its rows may start early but never
+        stale."""
         ahead = 2 if self.cfg.pipeline.mode == "pipeline_rl" else 1
         while len(self.queued) < ahead:
-            self._submit_batch(key)
+            bound = None if oldest is None else oldest + len(self.queued)
+            self._submit_batch(key, bound)
         indices, requests, _ = self.queued[0]
         g, chunk = self.cfg.train.group_size, 0
         while any(len(self.finished.get(r, ())) < g for r in requests):
@@ -272,12 +272,16 @@ class RolloutWorker:
         )
         return indices, ro
 
-    def rollouts(self, params_for_chunk: ParamsForChunk, key) -> Rollouts:
-        """Draw a batch of prompts, sample G completions each, score, compute advantages."""
+    def rollouts(
+        self, params_for_chunk: ParamsForChunk, key, *, oldest: int | None = None
+    ) -> Rollouts:
+        """Draw a batch of prompts, sample G completions each, score, compute advantages.
+        `oldest`: the oldest version its tokens may carry (the feeder's staleness bound;
+        what the slot engine holds the batch it queues next to)."""
         cfg, g = self.cfg, self.cfg.train.group_size
         start = time.perf_counter()
-        if cfg.sampler.batching == "continuous":
-            indices, ro = self._continuous_rollout(params_for_chunk, key)
+        if cfg.batching == "continuous":
+            indices, ro = self._continuous_rollout(params_for_chunk, key, oldest)
             examples = [self.task.train_examples[i] for i in indices]
         else:
             indices = self.curriculum.next_batch(cfg.train.prompts_per_step)

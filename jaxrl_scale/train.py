@@ -271,11 +271,8 @@ def train_run(run: Run) -> list[dict[str, Any]]:
     finally:
         feeder.stop()  # joins the generator thread (were it still running, the count below
         # would be approximate: it reads list and dict sizes only)
-        queued, generated = run.worker.in_flight()
-        if queued and distributed.is_main():
-            print(f"continuous batching: {queued} prompt(s) queued ahead were not trained "
-                  f"({generated} row(s) of them generated or generating); a resumed run draws "
-                  "them again", flush=True)  # fmt: skip
+        if distributed.is_main():
+            _report_untrained(feeder.untrained(), *run.worker.in_flight())
         clock.stop()
         run.checkpointer.close()
         metrics_log.close()
@@ -283,6 +280,17 @@ def train_run(run: Run) -> list[dict[str, Any]]:
 
 
 # --------------------------------------------------------------------------- helpers
+
+
+def _report_untrained(batches: int, queued: int, generated: int) -> None:
+    """What generation ran ahead of the last step: work the run's end leaves untrained."""
+    if batches:
+        print(f"pipeline_rl: {batches} batch(es) generated ahead were not trained; a resumed "
+              "run generates them again", flush=True)  # fmt: skip
+    if queued:
+        print(f"continuous batching: {queued} prompt(s) queued ahead were not trained "
+              f"({generated} row(s) of them generated or generating); a resumed run draws "
+              "them again", flush=True)  # fmt: skip
 
 
 @dataclasses.dataclass(frozen=True)

@@ -61,8 +61,8 @@ def test_wrong_type_names_key(override, key):
 
 
 def test_a_value_outside_a_choice_lists_the_choices():
-    with pytest.raises(ConfigError, match="sampler.batching: expected one of 'static', "
-                                          "'continuous', got 'dynamic'"):  # fmt: skip
+    with pytest.raises(ConfigError, match="sampler.batching: expected one of 'auto', "
+                                          "'static', 'continuous', got 'dynamic'"):  # fmt: skip
         load_config(DEMO, ["sampler.batching=dynamic"])
     with pytest.raises(ConfigError, match="loss.kind: expected one of 'cispo', 'dapo'"):
         load_config(DEMO, ["loss.kind=ppo"])
@@ -193,3 +193,18 @@ def test_dump_config_reads_back_equal():
         path.write_text(dump_config(cfg, header="a\nb"))
         assert path.read_text().startswith("# a\n# b\n")
         assert load_config(path) == cfg
+
+
+@pytest.mark.parametrize(
+    "mode,batching,expected",
+    [
+        ("pipeline_rl", "auto", "continuous"),
+        ("sync", "auto", "static"),
+        ("ppo_off_policy", "auto", "static"),
+        ("pipeline_rl", "static", "static"),
+        ("sync", "continuous", "continuous"),
+    ],
+)
+def test_auto_batching_is_continuous_in_pipeline_rl_only(mode, batching, expected):
+    cfg = load_config(DEMO, [f"pipeline.mode={mode}", f"sampler.batching={batching}"])
+    assert cfg.batching == expected

@@ -104,11 +104,35 @@ def test_each_token_records_the_version_that_sampled_it(qwen2):
         engine.submit(i, p)
     params = nnx.state(qwen2)
     assert engine.run(params, 0, 5) == []
-    done = engine.run(params, 1, 4) + engine.run(params, 2, N_NEW)
-    assert len(done) == 4
+    assert engine.run(params, 1, 4) == []
+    assert engine.run(params, 2, N_NEW) == []  # the rows end during these steps
+    assert engine.busy == 4
+    done = engine.run(params, 3, N_NEW)  # and are handed back by the next call
+    assert len(done) == 4 and engine.busy == 0
     for f in done:
         np.testing.assert_array_equal(f.versions, [0] * 5 + [1] * 4 + [2] * 3)
         assert f.finish_reason == 1  # length
+
+
+def test_a_held_prompt_waits_for_its_version_and_holds_those_behind_it(qwen2):
+    """`not_before`: a prompt is admitted only by a run whose version is at least that (the
+    staleness bound of the step that will train it), however many slots are free, and the
+    prompts queued behind it wait with it (admission stays in submission order)."""
+    engine = _engine(qwen2, slots=4, temperature=1.0)
+    engine.submit(0, PROMPTS[0])
+    engine.submit(1, PROMPTS[1], not_before=2)
+    engine.submit(2, PROMPTS[2])  # no bound of its own, but queued behind request 1
+    params = nnx.state(qwen2)
+    engine.run(params, 1, 3)
+    assert engine.busy == 1 and engine.pending == 2
+    engine.run(params, 2, 3)
+    assert engine.busy == 3 and engine.pending == 0
+    done = {f.request: f for f in _drain(engine, params, version=3)}
+    assert sorted(done) == [0, 1, 2]
+    assert done[0].versions[0] == 1
+    for r in (1, 2):
+        sampled = done[r].versions[done[r].mask > 0]
+        assert sampled.min() == 2  # nothing from before the bound
 
 
 def test_bad_requests_are_refused(qwen2):

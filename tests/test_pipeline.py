@@ -28,7 +28,7 @@ def _producer(seconds: float, chunks: int = 2):
     """Each chunk asks for its parameters by index (in-flight swaps) and takes `seconds` /
     chunks; the batch records which version decoded which chunk."""
 
-    def produce(params_for_chunk, key):
+    def produce(params_for_chunk, key, *, oldest):
         versions = []
         for c in range(chunks):
             version, _ = params_for_chunk(c)

@@ -1,6 +1,7 @@
 import dataclasses
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -82,16 +83,17 @@ class _SlowWorker:
     def __getattr__(self, name):
         return getattr(self.worker, name)
 
-    def rollouts(self, params_for_chunk, key):
+    def rollouts(self, params_for_chunk, key, **kw):
         time.sleep(0.2)
-        return self.worker.rollouts(params_for_chunk, key)
+        return self.worker.rollouts(params_for_chunk, key, **kw)
 
 
-@pytest.mark.parametrize("slow", ["trainer", "generator"])
-def test_pipeline_with_a_slow_side_stays_within_k_and_finishes(slow, tmp_path):
-    run = setup(
-        _cfg("pipeline.mode=pipeline_rl", "pipeline.max_staleness=2", "train.steps=6"), tmp_path
-    )
+@pytest.mark.parametrize("slow", ["trainer", "generator", "generator,static"])
+def test_pipeline_with_a_slow_side_stays_within_k_and_finishes(slow, tmp_path, capsys):
+    batching = "static" if "static" in slow else "continuous"
+    cfg = _cfg("pipeline.mode=pipeline_rl", "pipeline.max_staleness=2", "train.steps=6",
+               f"sampler.batching={batching}")  # fmt: skip
+    run = setup(cfg, tmp_path)
     if slow == "trainer":
         step = run.train_step
 
@@ -113,9 +115,15 @@ def test_pipeline_with_a_slow_side_stays_within_k_and_finishes(slow, tmp_path):
     assert all(r["dropped_batches"] == 0 for r in rows[1:])  # the ahead side waited
     if slow == "trainer":  # a generator that never ran ahead would leave staleness at 0
         assert [r["staleness_max"] for r in rows[3:]] == [2, 2, 2, 2]
-    else:  # the trainer waits for every batch, which it gets fresh
+        # It ends the run with batches made for steps that never came: counted, not lost.
+        out = capsys.readouterr().out
+        ahead = re.search(r"pipeline_rl: (\d+) batch\(es\) generated ahead were not trained", out)
+        assert ahead is not None and 1 <= int(ahead.group(1)) <= 3, out[-2000:]
+    else:  # the trainer waits for every batch
         assert np.median([r["trainer_idle_fraction"] for r in rows[2:]]) > 0.5
-        assert max(r["staleness_max"] for r in rows) <= 1
+        if batching == "static":  # which it gets fresh; the slot engine starts the next
+            # batch's rows while this one's finish (up to k versions before they are trained)
+            assert max(r["staleness_max"] for r in rows) <= 1
 
 
 def test_a_threaded_run_checkpoints_the_curriculum_of_what_it_trained(tmp_path):
@@ -167,11 +175,16 @@ def test_in_flight_update_gives_one_completion_two_versions(tmp_path):
     "mode",
     [
         "pipeline.mode=sync",
-        "pipeline.mode=pipeline_rl,pipeline.lockstep=true",
+        "pipeline.mode=pipeline_rl,pipeline.lockstep=true,sampler.batching=static",
         "pipeline.mode=ppo_off_policy,pipeline.max_staleness=3",  # checkpoints inside a round
+        # The slot engine's rows in flight are not checkpointed: a resumed run draws their
+        # prompts again and samples them with the restored parameters, so it matches the
+        # uninterrupted run up to the checkpoint and goes on from there, nothing skipped.
+        "pipeline.mode=pipeline_rl,pipeline.lockstep=true,sampler.batching=continuous",
     ],
 )
 def test_resume_after_sigkill_matches_an_uninterrupted_run(mode, tmp_path):
+    exact = "continuous" not in mode
     steps = 8
     overrides = [
         *mode.split(","),
@@ -201,6 +214,7 @@ def test_resume_after_sigkill_matches_an_uninterrupted_run(mode, tmp_path):
     assert proc.returncode == -signal.SIGKILL, "the run finished before it could be killed"
     steps_before = [r["step"] for r in read_metrics(killed)]
     assert steps_before[-1] < steps
+    saved = max(int(p.name) for p in (killed / "checkpoints").iterdir() if p.name.isdigit())
     subprocess.run(
         [*cmd, "--out", str(killed)], env=env, check=True, capture_output=True, timeout=300
     )
@@ -210,6 +224,12 @@ def test_resume_after_sigkill_matches_an_uninterrupted_run(mode, tmp_path):
     rows_killed, rows_whole = read_metrics(killed), read_metrics(whole)
     assert [r["step"] for r in rows_killed] == list(range(steps + 1))  # nothing lost or repeated
     strip = lambda r: {k: v for k, v in r.items() if k not in TIMING}  # noqa: E731
+    if not exact:  # the same up to the checkpoint the resumed run started from
+        assert [strip(r) for r in rows_killed[: saved + 1]] == [
+            strip(r) for r in rows_whole[: saved + 1]
+        ]
+        assert all(r["staleness_max"] <= 1 for r in rows_killed)
+        return
     assert [strip(r) for r in rows_killed] == [strip(r) for r in rows_whole]
     for x, y in zip(_params(killed, *overrides), _params(whole, *overrides), strict=True):
         np.testing.assert_array_equal(x, y)
@@ -245,12 +265,17 @@ def test_generator_on_its_own_devices_gets_weights_by_device_put(tmp_path):
     assert max(r["staleness_max"] for r in rows) <= 2
 
 
-@pytest.mark.parametrize("devices", ["shared", "own"])
+@pytest.mark.parametrize(
+    "devices,batching",
+    [("shared", "static"), ("own", "static"), ("shared", "continuous"), ("own", "continuous")],
+)
 def test_lockstep_pipeline_overlaps_one_batch_swaps_weights_in_flight_and_repeats(
-    devices, tmp_path
+    devices, batching, tmp_path
 ):
     extra = ["pipeline.mode=pipeline_rl", "pipeline.lockstep=true", "train.steps=5"]
-    extra += ["sampler.chunk_size=2"]  # 4 new tokens: 2 chunks, the second with new weights
+    # 4 new tokens: static decodes 2 chunks, the second with new weights; the slot engine
+    # reads its done flags every 2 steps, the first 2 steps with the old weights.
+    extra += ["sampler.chunk_size=2", "sampler.admit_every=2", f"sampler.batching={batching}"]
     if devices == "own":
         extra += ["pipeline.generator_devices=4", "mesh.data=4"]
     rows = train(_cfg(*extra), tmp_path / "a")
@@ -260,7 +285,10 @@ def test_lockstep_pipeline_overlaps_one_batch_swaps_weights_in_flight_and_repeat
     assert rows[1]["staleness_max"] == 0
     for r in rows[2:]:
         assert r["staleness_max"] == 1
-        assert 0 < r["staleness_mean"] < 1  # both versions in one batch: the in-flight swap
+        if batching == "static":  # both versions in one batch: the in-flight swap (the slot
+            # engine starts a batch's rows during the step before, and 4-token rows may end
+            # there; its swaps per token are tested in test_engine)
+            assert 0 < r["staleness_mean"] < 1
     if devices == "shared":
         return
     again = train(_cfg(*extra), tmp_path / "b")
