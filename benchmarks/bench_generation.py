@@ -13,7 +13,8 @@ Two length mixes:
 static decodes the rows in waves of --slots rows (--slots / --group prompts), each wave until
 its longest row ends; continuous keeps --slots rows in flight, refilling a slot's group as soon
 as a whole group's slots are free, reading the done flags every --admit-every steps. Prints
-generated tokens/s, slot utilisation (tokens / (decode steps x slots)) and continuous / static.
+generated tokens/s, slot utilisation (tokens / (decode steps x slots)) and continuous / static
+for each of --repeats interleaved pairs, then their median.
 """
 
 from __future__ import annotations
@@ -82,7 +83,6 @@ def run_continuous(graphdef, params, args, prompts, eos, budgets):
 
 
 def timed(fn, *a):
-    fn(*a)  # compile (every shape the run meets)
     start = time.perf_counter()
     tokens, slot_steps = fn(*a)
     return tokens, slot_steps, time.perf_counter() - start
@@ -96,6 +96,7 @@ def main() -> None:
     parser.add_argument("--new", type=int, default=256, help="completion budget")
     parser.add_argument("--mean", type=float, default=32.0, help="mean completion length")
     parser.add_argument("--admit-every", type=int, default=8)
+    parser.add_argument("--repeats", type=int, default=3, help="static/continuous pairs timed")
     args = parser.parse_args()
     model = init_policy(CFG, seed=0)
     graphdef, params = nnx.split(model)
@@ -109,13 +110,20 @@ def main() -> None:
         prompts, eos, budgets = _workload(args, mix)
         if mix == "lognormal":  # the engine takes one budget per prompt: use those for both
             budgets = np.repeat(budgets[:: args.group], args.group)
-        rates = {}
-        for name, fn in (("static", run_static), ("continuous", run_continuous)):
-            tokens, slot_steps, secs = timed(fn, graphdef, params, args, prompts, eos, budgets)
-            rates[name] = tokens / secs
-            print(f"{mix:<11}{name:<12}{tokens:>8}{tokens / rows:>10.1f}{tokens / secs:>11,.0f}"
-                  f"{tokens / slot_steps:>11.1%}")  # fmt: skip
-        print(f"{mix:<11}continuous / static: {rates['continuous'] / rates['static']:.2f}x")
+        for fn in (run_static, run_continuous):  # compile every shape the runs meet
+            fn(graphdef, params, args, prompts, eos, budgets)
+        ratios = []
+        for _ in range(args.repeats):  # interleaved: the machine's drift hits both paths
+            rates = {}
+            for name, fn in (("static", run_static), ("continuous", run_continuous)):
+                tokens, slot_steps, secs = timed(fn, graphdef, params, args, prompts, eos,
+                                                 budgets)  # fmt: skip
+                rates[name] = tokens / secs
+                print(f"{mix:<11}{name:<12}{tokens:>8}{tokens / rows:>10.1f}"
+                      f"{tokens / secs:>11,.0f}{tokens / slot_steps:>11.1%}")  # fmt: skip
+            ratios.append(rates["continuous"] / rates["static"])
+        each = " / ".join(f"{r:.2f}x" for r in ratios)
+        print(f"{mix:<11}continuous / static: {np.median(ratios):.2f}x (median of {each})")
 
 
 if __name__ == "__main__":

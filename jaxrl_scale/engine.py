@@ -129,6 +129,18 @@ def _admit(state: DecodeState, new: DecodeState, slot_idx):
     return dataclasses.replace(state, cache=cache, col=col, **rows)
 
 
+@functools.partial(
+    jax.jit,
+    static_argnames=("graphdef", "n_new", "interruption", "mesh", "repeat"),
+    donate_argnames=("state",),
+)
+def _prefill_into(state, graphdef, params, tokens, mask, key, budget, slot_idx, **static):
+    """Prefill prompts (`sampler.prefill`, G rows each) straight into the slots `slot_idx`:
+    one program, so an admission costs one dispatch."""
+    new = prefill(graphdef, params, tokens, mask, key, **static)
+    return _admit(state, dataclasses.replace(new, budget=budget), slot_idx)
+
+
 @jax.jit
 def _take_rows(state: DecodeState, idx):
     """The output fields of rows `idx`, gathered on device (only they cross to the host)."""
@@ -235,11 +247,11 @@ class SlotEngine:
 
     # ------------------------------------------------------------------ steps
 
-    def _put(self, host: np.ndarray) -> jax.Array:
+    def _put(self, host: np.ndarray) -> np.ndarray | jax.Array:
         """A host array, the same on every process, as an input of the engine's programs:
         across processes each one places its copy on its devices of the mesh."""
         if self.mesh is None or jax.process_count() == 1:
-            return jnp.asarray(host)
+            return host  # moved with the call that takes it
         return distributed.place(host, replicated(self.mesh))
 
     def _admit_waiting(self, params, version: int) -> None:
@@ -268,19 +280,18 @@ class SlotEngine:
                 self.occupant[slot] = (request, r)
         key = jax.random.fold_in(self.key, self.admissions)
         self.admissions += 1
-        new = prefill(
+        self.state = _prefill_into(
+            self.state,
             self.graphdef,
             params,
-            self._put(tokens),
-            self._put(mask),
+            *map(self._put, (tokens, mask)),
             key,
+            *map(self._put, (budget, slot_idx)),
             n_new=self.n_new,
             interruption=self.interruption,
             mesh=self.mesh,
             repeat=self.repeat,
         )
-        new = dataclasses.replace(new, budget=self._put(budget))
-        self.state = _admit(self.state, new, self._put(slot_idx))
 
     def _collect(self):
         """Free the slots whose rows have finished and start gathering those rows on the
