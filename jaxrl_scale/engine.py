@@ -11,9 +11,9 @@ steps the host reads the slots' done flags once, frees the finished rows' slots 
 waiting prompts into them; the finished rows cross to the host while the next steps run.
 Each prompt is prefilled once for its G rows (`sampler.prefill`) and its cache rows are
 scattered into the slots, overwriting every column a previous occupant wrote, so nothing of
-it is visible to the newcomer. New parameters can be passed to any run,
-so one completion may carry tokens of several policy versions; every token records the
-version that sampled it.
+it is visible to the newcomer. New parameters can be passed to any run, so one completion
+may carry tokens of several policy versions; every token records the version that sampled
+it, and a prompt can be held until the version is recent enough (`submit(not_before=)`).
 
 engine = SlotEngine(graphdef, slots=64, prompt_len=32, n_new=256, repeat=8, ...)
 engine.submit(request_id, prompt_ids)        # queued; admitted when G slots are free
@@ -107,7 +107,6 @@ def _empty_state(model_cfg, b: int, prompt_len: int, n_new: int, pad_id: int, ke
     )
 
 
-@functools.partial(jax.jit, donate_argnames=("state",))
 def _admit(state: DecodeState, new: DecodeState, slot_idx):
     """`new`'s rows written into the slots `slot_idx` (an index >= B is padding: dropped).
     Every per-row field is replaced, the cache rows whole, and the rows start at column 0."""
