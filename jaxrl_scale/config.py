@@ -90,6 +90,19 @@ class ModelConfig:
     lm_head_dtype: DType = "float32"
     matmul_precision: Literal["default", "high", "highest"] = "default"
     logits_chunk_size: int = 256  # tokens per chunk when computing per-token log-probs
+    # Attention implementation (attention.py): auto | xla | blockwise | cudnn. "auto" stores
+    # scores only when every key fits in one block, and otherwise runs cuDNN's fused kernel on
+    # GPUs (half precision) or the blockwise online softmax, whose memory is linear in T.
+    attention: Literal["auto", "xla", "blockwise", "cudnn"] = "auto"
+    attention_block_size: int = 512  # queries and keys per block of the blockwise attention
+    # Per decoder layer in the training forward: "none" keeps every activation for the backward
+    # pass, "full" keeps only the layer's input and recomputes the rest, "dots" also keeps the
+    # outputs of its weight matmuls (projections, MLP) and recomputes the cheap rest.
+    remat: Literal["none", "full", "dots"] = "none"
+    # Run the trainer's layers as one lax.scan over stacked weights: the compiled program holds
+    # one layer, so a 36-64-layer model compiles in seconds (at the cost of one stacked copy of
+    # the compute-dtype weights, live during the step). The sampler's decode keeps its loop.
+    scan_layers: bool = False
     # A Hugging Face folder (config.json, *.safetensors, tokenizer.json) to start from. Its
     # config.json fixes the architecture fields above; dtype, lm_head_dtype, matmul_precision
     # and logits_chunk_size still come from here.
@@ -104,6 +117,7 @@ class ModelConfig:
             "num_heads",
             "num_kv_heads",
             "logits_chunk_size",
+            "attention_block_size",
         ):
             value = getattr(self, name)
             _require(value > 0, f"model.{name}", f"must be > 0, got {value}")

@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jaxrl_scale import attention
 from jaxrl_scale.config import ModelConfig, RopeScalingConfig
 
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
@@ -29,6 +30,13 @@ PRECISIONS = {
 
 
 INIT_STD = 0.02  # normal init of every matrix, as the HF families use
+
+# model.remat -> what a decoder layer keeps for the backward pass (None: no remat).
+REMAT_POLICIES = {
+    "none": None,
+    "full": jax.checkpoint_policies.nothing_saveable,
+    "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+}
 
 
 def _param(rngs: nnx.Rngs, shape: tuple[int, ...], axes: tuple[str | None, ...]):
@@ -142,11 +150,13 @@ class Attention(nnx.Module):
             self.q_norm = _ones((e,), ("norm",))
             self.k_norm = _ones((e,), ("norm",))
 
-    def __call__(self, x_btd, rope, mask_bts, kv=None, write_index=None):
-        """Self-attention. With `kv` = (keys, values) [B, K, S, E] of a cache, this call's keys
-        and values are written at slots write_index.. (one index for every row, or one per row
-        [B]) and attention runs over all S slots (mask_bts is then [B, T, S]); returns (out,
-        updated kv), kv None without a cache."""
+    def __call__(self, x_btd, rope, valid_bs, qslot_bt, kv=None, write_index=None):
+        """Attention of T queries over S key slots under the slot mask (attention.py: slot s is
+        visible to a query at slot qslot iff valid_bs[s] and s <= qslot). With `kv` = (keys,
+        values) [B, K, S, E] of a cache, this call's keys and values are written at slots
+        write_index.. (one index for every row, or one per row [B]) and attention runs over all
+        S slots; without, the call is self-attention over its own T tokens (S = T). Returns
+        (out, updated kv), kv None without a cache."""
         cfg = self.cfg
         dtype = x_btd.dtype
         precision = PRECISIONS[cfg.matmul_precision]
@@ -172,8 +182,24 @@ class Attention(nnx.Module):
                 for cache, new in zip(kv, (k_bkte, v_bkte), strict=True)
             )
             k_bkte, v_bkte = (c.astype(dtype) for c in kv)
-        out_bthe = attend(
-            q_bthe, k_bkte, v_bkte, mask_bts, scale=cfg.resolved_head_dim**-0.5, precision=precision
+        implementation = attention.resolve(
+            cfg.attention,
+            queries=q_bthe.shape[1],
+            keys=k_bkte.shape[2],
+            block_size=cfg.attention_block_size,
+            dtype=dtype,
+            self_attention=kv is None,
+        )
+        out_bthe = attention.attend(
+            q_bthe,
+            k_bkte,
+            v_bkte,
+            valid_bs,
+            qslot_bt,
+            scale=cfg.resolved_head_dim**-0.5,
+            precision=precision,
+            implementation=implementation,
+            block_size=cfg.attention_block_size,
         )
         return dense(out_bthe, self.o_kernel[...].astype(dtype), n_in=2, precision=precision), kv
 
@@ -189,27 +215,6 @@ def _write_slots(cache_bkse, new_bkte, write_index):
     # A finished engine row's column may be past the cache's end: its write is dropped.
     rows_b1 = jnp.arange(b)[:, None]
     return cache_bkse.at[rows_b1, :, slots_bt].set(new_bkte.swapaxes(1, 2), mode="drop")
-
-
-def attend(q_bthe, k_bkse, v_bkse, mask_bts, *, scale: float, precision=None):
-    """Grouped-query attention: query head h reads kv head h // (H / K). Keys and values are
-    heads-major [B, K, S, E] (the cache's layout: a decode step reads each head's slots
-    contiguously, which XLA's CPU backend runs ~3x faster than [B, S, K, E]). Scores and
-    softmax in float32; a query with no visible key gets a uniform average, not NaN."""
-    b, t, h, e = q_bthe.shape
-    k = k_bkse.shape[1]
-    q_bkgte = q_bthe.reshape(b, t, k, h // k, e).transpose(0, 2, 3, 1, 4)
-    scores = jnp.einsum(
-        "bkgte,bkse->bkgts",
-        q_bkgte,
-        k_bkse,
-        precision=precision,
-        preferred_element_type=jnp.float32,
-    )
-    scores = jnp.where(mask_bts[:, None, None], scores * scale, jnp.finfo(jnp.float32).min)
-    probs = jax.nn.softmax(scores, axis=-1).astype(v_bkse.dtype)
-    out_bkgte = jnp.einsum("bkgts,bkse->bkgte", probs, v_bkse, precision=precision)
-    return out_bkgte.transpose(0, 3, 1, 2, 4).reshape(b, t, h, e)
 
 
 class MLP(nnx.Module):
@@ -237,10 +242,10 @@ class Block(nnx.Module):
         self.mlp_norm = _ones((cfg.hidden_size,), ("norm",))
         self.mlp = MLP(cfg, rngs=rngs)
 
-    def __call__(self, x_btd, rope, mask_bts, kv=None, write_index=None):
+    def __call__(self, x_btd, rope, valid_bs, qslot_bt, kv=None, write_index=None):
         eps, dtype = self.cfg.rms_norm_eps, x_btd.dtype
         h = rms_norm(x_btd, self.attn_norm[...], eps, dtype)
-        attn, kv = self.attn(h, rope, mask_bts, kv, write_index)
+        attn, kv = self.attn(h, rope, valid_bs, qslot_bt, kv, write_index)
         x_btd = x_btd + attn
         h = rms_norm(x_btd, self.mlp_norm[...], eps, dtype)
         return x_btd + self.mlp(h), kv
@@ -273,34 +278,55 @@ class Policy(nnx.Module):
         mask_bt = mask_bt.astype(jnp.bool_)
         if positions_bt is None:
             positions_bt = default_positions(mask_bt)
-        t = tokens_bt.shape[1]
-        causal_ts = jnp.tril(jnp.ones((t, t), jnp.bool_))
-        mask_bts = causal_ts[None] & mask_bt[:, None, :]
-        h_btd, _ = self._run(tokens_bt, positions_bt, mask_bts)
+        b, t = tokens_bt.shape
+        qslot_bt = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+        h_btd, _ = self._run(tokens_bt, positions_bt, mask_bt, qslot_bt, scan=self.cfg.scan_layers)
         return h_btd
 
-    def _run(self, tokens_bt, positions_bt, mask_bts, cache=None, write_index=None):
-        """Embedding, blocks (reading/writing `cache` if given), final norm."""
+    def _run(
+        self, tokens_bt, positions_bt, valid_bs, qslot_bt, cache=None, write_index=None, scan=False
+    ):
+        """Embedding, blocks (reading/writing `cache` if given), final norm. Returns (hidden,
+        None) or (hidden, (keys, values)): per-layer tuples from the loop, [layers, ...] arrays
+        from the scan (`scan`: one lax.scan over the layers' stacked weights)."""
         cfg = self.cfg
         inv_freq_e2 = rope_inv_freq(cfg.resolved_head_dim, cfg.rope_theta, cfg.rope_scaling)
         rope = rope_tables(positions_bt, inv_freq_e2)
         x_btd = jnp.take(self.embedding[...], tokens_bt, axis=0).astype(self.compute_dtype)
-        new_k, new_v = [], []
-        for i, block in enumerate(self.layers):
-            kv = None if cache is None else (cache.k[i], cache.v[i])
-            x_btd, kv = block(x_btd, rope, mask_bts, kv, write_index)
+        graphdef, _ = nnx.split(self.layers[0])
+        layer = _layer_fn(graphdef, cfg.remat)
+        kv = None if cache is None else (cache.k, cache.v)
+        if scan:
+            # The stacked copy is cast to the compute dtype first (the layer would cast each
+            # matrix anyway), so it costs weights x 2 bytes in bfloat16.
+            stacked = _stack([_compute_state(blk, self.compute_dtype) for blk in self.layers])
             if kv is not None:
-                new_k.append(kv[0])
-                new_v.append(kv[1])
-        h_btd = rms_norm(x_btd, self.final_norm[...], cfg.rms_norm_eps, _DTYPES[cfg.lm_head_dtype])
-        if cache is None:
-            return h_btd, None
-        return h_btd, (tuple(new_k), tuple(new_v))
+                kv = tuple(c if isinstance(c, jax.Array) else jnp.stack(c) for c in kv)
 
-    def extend(self, cache: KVCache, tokens_bt, positions_bt, valid_bt, write_index):
+            def body(x_btd, xs):
+                state, kv_l = xs
+                return layer(state, x_btd, rope, valid_bs, qslot_bt, kv_l, write_index)
+
+            x_btd, kv = jax.lax.scan(body, x_btd, (stacked, kv))
+        else:
+            new_k, new_v = [], []
+            for i, blk in enumerate(self.layers):
+                kv_l = None if kv is None else (kv[0][i], kv[1][i])
+                x_btd, kv_l = layer(
+                    nnx.state(blk), x_btd, rope, valid_bs, qslot_bt, kv_l, write_index
+                )
+                if kv_l is not None:
+                    new_k.append(kv_l[0])
+                    new_v.append(kv_l[1])
+            kv = None if kv is None else (tuple(new_k), tuple(new_v))
+        h_btd = rms_norm(x_btd, self.final_norm[...], cfg.rms_norm_eps, _DTYPES[cfg.lm_head_dtype])
+        return h_btd, kv
+
+    def extend(self, cache: KVCache, tokens_bt, positions_bt, valid_bt, write_index, *, scan=False):
         """Run T new tokens against a KV cache: write them at slots write_index..+T (one index
         for every row, or one per row [B]) and attend over every valid slot up to each query's
-        own. Returns (hidden [B, T, D], new cache)."""
+        own. Returns (hidden [B, T, D], new cache). `scan` runs the layers as one lax.scan (the
+        cache's keys and values then come back stacked, [layers, B, K, S, E])."""
         b, t = tokens_bt.shape
         valid_bt = valid_bt.astype(jnp.bool_)
         query_slots_bt = jnp.broadcast_to(
@@ -311,9 +337,9 @@ class Policy(nnx.Module):
         else:
             rows_b1 = jnp.arange(b)[:, None]
             valid_bs = cache.valid.at[rows_b1, query_slots_bt].set(valid_bt, mode="drop")
-        slots_s = jnp.arange(valid_bs.shape[1])
-        mask_bts = valid_bs[:, None, :] & (slots_s[None, None, :] <= query_slots_bt[:, :, None])
-        h_btd, (k, v) = self._run(tokens_bt, positions_bt, mask_bts, cache, write_index)
+        h_btd, (k, v) = self._run(
+            tokens_bt, positions_bt, valid_bs, query_slots_bt, cache, write_index, scan=scan
+        )
         return h_btd, KVCache(k=k, v=v, valid=valid_bs)
 
     def head_kernel(self):
@@ -329,25 +355,65 @@ class Policy(nnx.Module):
         )
 
 
+def _layer_fn(graphdef, remat: str):
+    """(layer state, x, rope, valid, qslot, kv, write_index) -> (x, kv): one decoder layer as a
+    pure function of its weights, rematerialised under `model.remat`'s policy."""
+
+    def apply(state, x_btd, rope, valid_bs, qslot_bt, kv, write_index):
+        return nnx.merge(graphdef, state)(x_btd, rope, valid_bs, qslot_bt, kv, write_index)
+
+    policy = REMAT_POLICIES[remat]
+    if remat == "none":
+        return apply
+    return jax.checkpoint(apply, policy=policy)
+
+
+def _compute_state(block: Block, dtype):
+    """A layer's weights with its matrices (and biases) in the compute dtype; norm weights stay
+    float32 (rms_norm scales in float32)."""
+
+    def cast(var):
+        if var.get_metadata().get("logical_axes") == ("norm",):
+            return var
+        return var.replace(var.get_value().astype(dtype))
+
+    return jax.tree.map(cast, nnx.state(block), is_leaf=lambda x: isinstance(x, nnx.Variable))
+
+
+def _stack(states):
+    return jax.tree.map(lambda *xs: jnp.stack(xs), *states)
+
+
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class KVCache:
     """Keys and values, one [B, K, S, E] array per layer (separate arrays, so a decode step
-    updates each in place), and which slots hold real tokens [B, S]."""
+    updates each in place) or one [layers, B, K, S, E] array (from a scanned forward), and
+    which slots hold real tokens [B, S]."""
 
-    k: tuple[jax.Array, ...]
-    v: tuple[jax.Array, ...]
+    k: tuple[jax.Array, ...] | jax.Array
+    v: tuple[jax.Array, ...] | jax.Array
     valid: jax.Array
 
     @classmethod
-    def empty(cls, cfg: ModelConfig, batch: int, slots: int) -> KVCache:
+    def empty(cls, cfg: ModelConfig, batch: int, slots: int, *, stacked=False) -> KVCache:
         shape = (batch, cfg.num_kv_heads, slots, cfg.resolved_head_dim)
         dtype = _DTYPES[cfg.dtype]
-        return cls(
-            k=tuple(jnp.zeros(shape, dtype) for _ in range(cfg.num_layers)),
-            v=tuple(jnp.zeros(shape, dtype) for _ in range(cfg.num_layers)),
-            valid=jnp.zeros((batch, slots), jnp.bool_),
+        if stacked:
+            k = v = jnp.zeros((cfg.num_layers, *shape), dtype)
+        else:
+            k = tuple(jnp.zeros(shape, dtype) for _ in range(cfg.num_layers))
+            v = tuple(jnp.zeros(shape, dtype) for _ in range(cfg.num_layers))
+        return cls(k=k, v=v, valid=jnp.zeros((batch, slots), jnp.bool_))
+
+    def repeat_rows(self, n: int) -> KVCache:
+        """Every row n times in a row (rows r*n .. r*n + n - 1 copy row r)."""
+        rows = lambda x, axis: jnp.repeat(x, n, axis=axis)  # noqa: E731
+        k, v = (
+            rows(c, 1) if isinstance(c, jax.Array) else tuple(rows(x, 0) for x in c)
+            for c in (self.k, self.v)
         )
+        return KVCache(k=k, v=v, valid=rows(self.valid, 0))
 
 
 def init_policy(cfg: ModelConfig, seed: int = 0) -> Policy:
@@ -453,23 +519,44 @@ def completion_logprobs(
     if b % p:
         raise ValueError(f"{b} completions do not split into groups over {p} prompts")
     g = b // p
+    cfg = model.cfg
     prompt_mask_pl = prompt_mask_pl.astype(jnp.bool_)
-    cache = KVCache.empty(model.cfg, p, length + n)
-    h_pld, cache = model.extend(
-        cache, prompt_tokens_pl, default_positions(prompt_mask_pl), prompt_mask_pl, 0
+    fused = attention.resolve(
+        cfg.attention,
+        queries=length + n,
+        keys=length + n,
+        block_size=cfg.attention_block_size,
+        dtype=model.compute_dtype,
+        self_attention=True,
     )
-    cache = jax.tree.map(lambda x: jnp.repeat(x, g, axis=0), cache)
-    start_b = jnp.repeat(jnp.sum(prompt_mask_pl, axis=1, dtype=jnp.int32), g)
-    positions_bn = start_b[:, None] + jnp.arange(n, dtype=jnp.int32)[None, :]
-    h_bnd, _ = model.extend(cache, tokens_bn, positions_bn, mask_bn, length)
-    # The prompt's last slot (a real token: prompts are left-padded) predicts completion token
-    # 0; completion token n - 1 predicts token n.
-    first_b1d = jnp.repeat(h_pld[:, -1:], g, axis=0)
+    if fused == "cudnn":
+        # The fused kernel takes self-attention over contiguous rows only: run each completion
+        # behind its own copy of the prompt (the prompt's work is G times, a small share of
+        # long completions), then score as below.
+        tokens_bt = jnp.concatenate([jnp.repeat(prompt_tokens_pl, g, axis=0), tokens_bn], 1)
+        mask_bt = jnp.concatenate([jnp.repeat(prompt_mask_pl, g, axis=0), mask_bn], 1)
+        h_btd = model.hidden_states(tokens_bt, mask_bt=mask_bt)
+        hidden_bnd = h_btd[:, length - 1 : length + n - 1]
+    else:
+        scan = cfg.scan_layers
+        cache = KVCache.empty(cfg, p, length + n, stacked=scan)
+        h_pld, cache = model.extend(
+            cache, prompt_tokens_pl, default_positions(prompt_mask_pl), prompt_mask_pl, 0, scan=scan
+        )
+        start_b = jnp.repeat(jnp.sum(prompt_mask_pl, axis=1, dtype=jnp.int32), g)
+        positions_bn = start_b[:, None] + jnp.arange(n, dtype=jnp.int32)[None, :]
+        h_bnd, _ = model.extend(
+            cache.repeat_rows(g), tokens_bn, positions_bn, mask_bn, length, scan=scan
+        )
+        # The prompt's last slot (a real token: prompts are left-padded) predicts completion
+        # token 0; completion token n - 1 predicts token n.
+        first_b1d = jnp.repeat(h_pld[:, -1:], g, axis=0)
+        hidden_bnd = jnp.concatenate([first_b1d, h_bnd[:, :-1]], axis=1)
     return score_targets(
-        jnp.concatenate([first_b1d, h_bnd[:, :-1]], axis=1),
+        hidden_bnd,
         tokens_bn,
         model.head_kernel(),
-        head_dtype=model.cfg.lm_head_dtype,
+        head_dtype=cfg.lm_head_dtype,
         temperature=temperature,
-        chunk_size=chunk_size or model.cfg.logits_chunk_size,
+        chunk_size=chunk_size or cfg.logits_chunk_size,
     )

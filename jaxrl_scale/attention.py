@@ -1,0 +1,345 @@
+"""Grouped-query attention under a slot mask, in three implementations behind one call.
+
+Shape key: B batch, T queries, S key slots, H query heads, K kv-heads (G = H / K queries share
+one), E head dim. Keys and values are heads-major [B, K, S, E] (the KV cache's layout).
+
+Every caller's mask has one form: key slot s is visible to query t of row b iff
+`valid_bs[b, s]` (the slot holds a real token) and `s <= qslot_bt[b, t]` (the query sits at
+slot qslot, so it sees itself and earlier slots). That covers the training forward (qslot = t),
+the sampler's prefill and decode over a cache and the trainer's group-shared prompt, and it is
+O(B (T + S)) to hold, where a materialised [B, T, S] mask is O(T S).
+
+Implementations (`model.attention`):
+- "xla": scores [B, K, G, T, S] in float32, one softmax. Exact and fastest at short lengths,
+  but the scores are stored for the backward pass, so memory grows as T S.
+- "blockwise": online softmax over key blocks inside query blocks (flash attention written in
+  XLA), with a hand-written backward that recomputes each block from the saved log-sum-exp:
+  only [B, K, G, bq, bk] is live at a time and nothing quadratic is stored. Blocks that the mask
+  hides entirely (the causal upper triangle, left padding) are skipped.
+- "cudnn": the fused cuDNN kernel through `jax.nn.dot_product_attention`, for self-attention
+  over rows whose real tokens are contiguous (left-padded prompt, completion, right padding:
+  what the trainer builds): each row is rotated so its tokens start at slot 0, which turns the
+  mask into cuDNN's causal-with-sequence-lengths mask. bfloat16/float16 only.
+- "auto": "xla" when every key fits in one block (nothing to save), else cuDNN on GPUs for
+  half-precision self-attention, else "blockwise".
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Literal
+
+import jax
+import jax.numpy as jnp
+
+Implementation = Literal["auto", "xla", "blockwise", "cudnn"]
+IMPLEMENTATIONS: tuple[str, ...] = ("auto", "xla", "blockwise", "cudnn")
+
+_NEG = float(jnp.finfo(jnp.float32).min)  # a hidden score: finite, so no inf - inf = NaN
+
+
+def slot_mask(valid_bs, qslot_bt):
+    """The materialised [B, T, S] form of the slot mask (for "xla" and for tests)."""
+    slots_s = jnp.arange(valid_bs.shape[1])
+    return valid_bs[:, None, :] & (slots_s[None, None, :] <= qslot_bt[:, :, None])
+
+
+def resolve(
+    implementation: str, *, queries: int, keys: int, block_size: int, dtype, self_attention: bool
+) -> str:
+    """The implementation "auto" stands for at this shape on this platform (others as given;
+    "cudnn" where it cannot serve the call falls back to "blockwise"). One query (a decode
+    step) always runs "xla": its scores [B, H, 1, S] are linear in S already."""
+    half = jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+    cudnn_ok = self_attention and half and jax.default_backend() == "gpu"
+    if queries == 1:
+        return "xla"
+    if implementation == "auto":
+        if keys <= block_size:
+            return "xla"
+        return "cudnn" if cudnn_ok else "blockwise"
+    if implementation == "cudnn" and not (self_attention and half):
+        return "blockwise"
+    return implementation
+
+
+def attend(
+    q_bthe,
+    k_bkse,
+    v_bkse,
+    valid_bs,
+    qslot_bt,
+    *,
+    scale: float,
+    precision=None,
+    implementation: str = "xla",
+    block_size: int = 512,
+):
+    """softmax(q k^T * scale + mask) v -> [B, T, H, E] in q's dtype; scores and softmax in
+    float32. A query that sees no key gets zeros (xla: a uniform average of the values)."""
+    if implementation == "xla":
+        return _attend_xla(q_bthe, k_bkse, v_bkse, slot_mask(valid_bs, qslot_bt), scale, precision)
+    if implementation == "blockwise":
+        return blockwise_attention(
+            q_bthe, k_bkse, v_bkse, valid_bs, qslot_bt, scale, precision, block_size
+        )
+    if implementation == "cudnn":
+        return cudnn_self_attention(q_bthe, k_bkse, v_bkse, valid_bs, scale=scale)
+    raise ValueError(f"model.attention: unknown implementation {implementation!r}")
+
+
+def _grouped(q_bthe, k: int):
+    """[B, T, H, E] -> [B, K, G, T, E]: query head h reads kv head h // G."""
+    b, t, h, e = q_bthe.shape
+    return q_bthe.reshape(b, t, k, h // k, e).transpose(0, 2, 3, 1, 4)
+
+
+def _ungrouped(x_bkgte):
+    b, k, g, t, e = x_bkgte.shape
+    return x_bkgte.transpose(0, 3, 1, 2, 4).reshape(b, t, k * g, e)
+
+
+def _attend_xla(q_bthe, k_bkse, v_bkse, mask_bts, scale, precision):
+    q_bkgte = _grouped(q_bthe, k_bkse.shape[1])
+    scores = jnp.einsum(
+        "bkgte,bkse->bkgts",
+        q_bkgte,
+        k_bkse,
+        precision=precision,
+        preferred_element_type=jnp.float32,
+    )
+    scores = jnp.where(mask_bts[:, None, None], scores * scale, _NEG)
+    probs = jax.nn.softmax(scores, axis=-1).astype(v_bkse.dtype)
+    return _ungrouped(jnp.einsum("bkgts,bkse->bkgte", probs, v_bkse, precision=precision))
+
+
+# --------------------------------------------------------------------------- blockwise
+
+
+def _blocks(x, axis: int, size: int, fill):
+    """Pad `axis` to a multiple of `size` with `fill` and move the block index to the front:
+    [..., n * size, ...] -> [n, ..., size, ...]."""
+    n = -(-x.shape[axis] // size)
+    pad = [(0, 0)] * x.ndim
+    pad[axis] = (0, n * size - x.shape[axis])
+    x = jnp.pad(x, pad, constant_values=fill)
+    x = x.reshape(*x.shape[:axis], n, size, *x.shape[axis + 1 :])
+    return jnp.moveaxis(x, axis, 0)
+
+
+def _unblocks(x, axis: int, length: int):
+    """Inverse of `_blocks` (block index at the front goes back before `axis`)."""
+    x = jnp.moveaxis(x, 0, axis)
+    x = x.reshape(*x.shape[:axis], -1, *x.shape[axis + 2 :])
+    return jax.lax.slice_in_dim(x, 0, length, axis=axis)
+
+
+def _block_mask(valid_bs, slots_s, qslot_bt):
+    """The slot mask of one (query block, key block) pair, [B, 1, 1, bq, bk]."""
+    return (valid_bs[:, None, :] & (slots_s[None, None, :] <= qslot_bt[:, :, None]))[:, None, None]
+
+
+def _block_scores(q_bkgte, k_bkse, mask, scale, precision):
+    """Scores [B, K, G, bq, bk] in float32, hidden ones _NEG."""
+    s = jnp.einsum(
+        "bkgte,bkse->bkgts",
+        q_bkgte,
+        k_bkse,
+        precision=precision,
+        preferred_element_type=jnp.float32,
+    )
+    return jnp.where(mask, s * scale, _NEG)
+
+
+def _skip_if_hidden(mask, step, carry):
+    """Run `step(carry)` unless the block's mask hides every pair (then carry passes through)."""
+    return jax.lax.cond(jnp.any(mask), step, lambda c: c, carry)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7))
+def blockwise_attention(q_bthe, k_bkse, v_bkse, valid_bs, qslot_bt, scale, precision, block):
+    out, _ = _blockwise_fwd(q_bthe, k_bkse, v_bkse, valid_bs, qslot_bt, scale, precision, block)
+    return out
+
+
+def _layout(q_bthe, k_bkse, v_bkse, valid_bs, qslot_bt, block):
+    """Everything cut into blocks: queries [nq, B, K, G, bq, E] and their slots [nq, B, bq]
+    (padding queries at slot -1 see nothing); keys/values [nk, B, K, bk, E], their validity
+    [nk, B, bk] and slot numbers [nk, bk]."""
+    t, s = q_bthe.shape[1], k_bkse.shape[2]
+    bq, bk = min(block, t), min(block, s)
+    q = _blocks(_grouped(q_bthe, k_bkse.shape[1]), 3, bq, 0)
+    qslot = _blocks(qslot_bt, 1, bq, -1)
+    k = _blocks(k_bkse, 2, bk, 0)
+    v = _blocks(v_bkse, 2, bk, 0)
+    valid = _blocks(valid_bs, 1, bk, False)
+    slots = _blocks(jnp.arange(s), 0, bk, s)
+    return q, qslot, k, v, valid, slots
+
+
+def _blockwise_fwd(q_bthe, k_bkse, v_bkse, valid_bs, qslot_bt, scale, precision, block):
+    q, qslot, k, v, valid, slots = _layout(q_bthe, k_bkse, v_bkse, valid_bs, qslot_bt, block)
+
+    def one_query_block(xs):
+        q_i, qslot_i = xs
+        stats = q_i.shape[:-1]  # [B, K, G, bq]
+
+        def one_key_block(carry, ys):
+            k_j, v_j, valid_j, slots_j = ys
+            mask = _block_mask(valid_j, slots_j, qslot_i)
+
+            def step(carry):
+                m, denom, acc = carry
+                s = _block_scores(q_i, k_j, mask, scale, precision)
+                m_new = jnp.maximum(m, jnp.max(s, axis=-1))
+                p = jnp.where(mask, jnp.exp(s - m_new[..., None]), 0.0)
+                alpha = jnp.exp(m - m_new)
+                pv = jnp.einsum(
+                    "bkgts,bkse->bkgte",
+                    p.astype(v_j.dtype),
+                    v_j,
+                    precision=precision,
+                    preferred_element_type=jnp.float32,
+                )
+                return m_new, alpha * denom + jnp.sum(p, axis=-1), alpha[..., None] * acc + pv
+
+            return _skip_if_hidden(mask, step, carry), None
+
+        init = (
+            jnp.full(stats, _NEG, jnp.float32),
+            jnp.zeros(stats, jnp.float32),
+            jnp.zeros((*stats, q_i.shape[-1]), jnp.float32),
+        )
+        (m, denom, acc), _ = jax.lax.scan(one_key_block, init, (k, v, valid, slots))
+        seen = denom > 0
+        out = acc / jnp.where(seen, denom, 1.0)[..., None]
+        return out.astype(q_i.dtype), jnp.where(seen, m + jnp.log(jnp.where(seen, denom, 1.0)), 0.0)
+
+    out, lse = jax.lax.map(one_query_block, (q, qslot))
+    t = q_bthe.shape[1]
+    out_bthe = _ungrouped(_unblocks(out, 3, t))
+    residuals = (q_bthe, k_bkse, v_bkse, valid_bs, qslot_bt, out_bthe, _unblocks(lse, 3, t))
+    return out_bthe, residuals
+
+
+def _blockwise_bwd(scale, precision, block, residuals, dout_bthe):
+    q_bthe, k_bkse, v_bkse, valid_bs, qslot_bt, out_bthe, lse_bkgt = residuals
+    n_kv = k_bkse.shape[1]
+    t, s = q_bthe.shape[1], k_bkse.shape[2]
+    bq = min(block, t)
+    q, qslot, k, v, valid, slots = _layout(q_bthe, k_bkse, v_bkse, valid_bs, qslot_bt, block)
+    do = _blocks(_grouped(dout_bthe, n_kv), 3, bq, 0)
+    # D = rowsum(dO * O): the softmax Jacobian's correction term, per query.
+    d_bkgt = jnp.sum(
+        _grouped(dout_bthe.astype(jnp.float32) * out_bthe.astype(jnp.float32), n_kv), axis=-1
+    )
+    lse = _blocks(lse_bkgt, 3, bq, 0.0)
+    d = _blocks(d_bkgt, 3, bq, 0.0)
+
+    def probs_and_dscores(mask, q_i, do_i, lse_i, d_i, k_j, v_j):
+        """The block's probabilities (recomputed from the saved log-sum-exp) and the gradient
+        of its scores."""
+        p = jnp.where(
+            mask, jnp.exp(_block_scores(q_i, k_j, mask, scale, precision) - lse_i[..., None]), 0.0
+        )
+        dp = jnp.einsum(
+            "bkgte,bkse->bkgts", do_i, v_j, precision=precision, preferred_element_type=jnp.float32
+        )
+        return p, p * (dp - d_i[..., None])
+
+    def dq_block(xs):
+        q_i, qslot_i, do_i, lse_i, d_i = xs
+
+        def one_key_block(dq, ys):
+            k_j, v_j, valid_j, slots_j = ys
+
+            mask = _block_mask(valid_j, slots_j, qslot_i)
+
+            def step(dq):
+                _, ds = probs_and_dscores(mask, q_i, do_i, lse_i, d_i, k_j, v_j)
+                return dq + jnp.einsum(
+                    "bkgts,bkse->bkgte",
+                    ds.astype(k_j.dtype),
+                    k_j,
+                    precision=precision,
+                    preferred_element_type=jnp.float32,
+                )
+
+            return _skip_if_hidden(mask, step, dq), None
+
+        dq, _ = jax.lax.scan(one_key_block, jnp.zeros(q_i.shape, jnp.float32), (k, v, valid, slots))
+        return (dq * scale).astype(q_i.dtype)
+
+    def dkv_block(ys):
+        k_j, v_j, valid_j, slots_j = ys
+
+        def one_query_block(carry, xs):
+            q_i, qslot_i, do_i, lse_i, d_i = xs
+            mask = _block_mask(valid_j, slots_j, qslot_i)
+
+            def step(carry):
+                dk, dv = carry
+                p, ds = probs_and_dscores(mask, q_i, do_i, lse_i, d_i, k_j, v_j)
+                dv = dv + jnp.einsum(
+                    "bkgts,bkgte->bkse",
+                    p.astype(do_i.dtype),
+                    do_i,
+                    precision=precision,
+                    preferred_element_type=jnp.float32,
+                )
+                dk = dk + jnp.einsum(
+                    "bkgts,bkgte->bkse",
+                    ds.astype(q_i.dtype),
+                    q_i,
+                    precision=precision,
+                    preferred_element_type=jnp.float32,
+                )
+                return dk, dv
+
+            return _skip_if_hidden(mask, step, carry), None
+
+        zeros = jnp.zeros(k_j.shape, jnp.float32)
+        (dk, dv), _ = jax.lax.scan(one_query_block, (zeros, zeros), (q, qslot, do, lse, d))
+        return (dk * scale).astype(k_j.dtype), dv.astype(v_j.dtype)
+
+    dq = jax.lax.map(dq_block, (q, qslot, do, lse, d))
+    dk, dv = jax.lax.map(dkv_block, (k, v, valid, slots))
+    dq_bthe = _ungrouped(_unblocks(dq, 3, t))
+    return dq_bthe, _unblocks(dk, 2, s), _unblocks(dv, 2, s), None, None
+
+
+blockwise_attention.defvjp(_blockwise_fwd, _blockwise_bwd)
+
+
+# --------------------------------------------------------------------------- cuDNN
+
+
+def _rotate(x, shift_b, axis: int):
+    """Row b of x shifted left by shift_b[b] along `axis` (circularly)."""
+    n = x.shape[axis]
+    idx = (jnp.arange(n)[None, :] + shift_b[:, None]) % n  # [B, n]
+    idx = idx.reshape(idx.shape[0], *([1] * (axis - 1)), n, *([1] * (x.ndim - axis - 1)))
+    return jnp.take_along_axis(x, idx, axis=axis)
+
+
+def cudnn_self_attention(q_bthe, k_bkse, v_bkse, valid_bs, *, scale: float, implementation="cudnn"):
+    """Causal self-attention (T = S, query t at slot t) over rows whose real tokens are one
+    contiguous run, through `jax.nn.dot_product_attention`. Rotating each row left by its
+    padding puts its tokens at 0..len-1, where "causal + sequence lengths" is exactly the slot
+    mask; the output rotates back. `implementation=None` runs the same path in XLA (tests)."""
+    start_b = jnp.argmax(valid_bs, axis=1).astype(jnp.int32)
+    len_b = jnp.sum(valid_bs, axis=1, dtype=jnp.int32)
+    q = _rotate(q_bthe, start_b, 1)
+    k = _rotate(k_bkse.swapaxes(1, 2), start_b, 1)
+    v = _rotate(v_bkse.swapaxes(1, 2), start_b, 1)
+    out = jax.nn.dot_product_attention(
+        q,
+        k,
+        v,
+        scale=scale,
+        is_causal=True,
+        query_seq_lengths=len_b,
+        key_value_seq_lengths=len_b,
+        implementation=implementation,
+    )
+    return _rotate(out, (q.shape[1] - start_b) % q.shape[1], 1)
