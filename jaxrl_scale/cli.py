@@ -56,6 +56,25 @@ def _parser() -> argparse.ArgumentParser:
         "--refit", action="store_true", help="fit finished runs again from their metrics"
     )
 
+    memory = sub.add_parser(
+        "memory",
+        help="per-device memory of a config's train step and decode step, compiled from shapes",
+    )
+    memory.add_argument("--config", required=True, help="YAML file or asset:NAME")
+    memory.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", dest="overrides")
+    memory.add_argument(
+        "--prompt-len",
+        type=int,
+        default=None,
+        metavar="N",
+        help="prompt tokens per row (default: measured for procedural tasks, 1024 for math); "
+        "the sequence is N + sampler.max_new_tokens",
+    )
+    memory.add_argument(
+        "--device-memory", type=float, default=None, metavar="GIB", help="say whether it fits"
+    )
+    memory.add_argument("--json", action="store_true", help="print one JSON object")
+
     fit = sub.add_parser("fit", help="fit scaling curves to CSV / JSONL files or run directories")
     fit.add_argument("files", nargs="+", type=Path, metavar="FILE")
     fit.add_argument("--x", default="compute_flops", help="compute column (default compute_flops)")
@@ -115,6 +134,18 @@ def _fit(args) -> None:
     print(json.dumps(report, indent=2) if args.json else format_report(report))
 
 
+def _memory(args) -> int:
+    import json
+
+    from jaxrl_scale.memory import format_plan, plan, resolve_model
+
+    cfg = resolve_model(load_config(args.config, args.overrides))
+    report = plan(cfg, prompt_len=args.prompt_len, device_memory_gib=args.device_memory)
+    print(json.dumps(report, indent=2) if args.json else format_plan(report))
+    fits = all(report[k].get("fits", True) for k in ("train_step", "generate"))
+    return 0 if fits else 1
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
@@ -153,6 +184,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"\nwrote {args.out / 'study.json'}, {args.out / 'study.md'}, {study['plot']}")
         elif args.command == "fit":
             _fit(args)
+        elif args.command == "memory":
+            return _memory(args)
     except ConfigError as e:
         print(f"jaxrl-scale: config error: {e}", file=sys.stderr)
         return 2

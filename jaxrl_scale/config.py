@@ -104,8 +104,8 @@ class ModelConfig:
     # the compute-dtype weights, live during the step). The sampler's decode keeps its loop.
     scan_layers: bool = False
     # A Hugging Face folder (config.json, *.safetensors, tokenizer.json) to start from. Its
-    # config.json fixes the architecture fields above; dtype, lm_head_dtype, matmul_precision
-    # and logits_chunk_size still come from here.
+    # config.json fixes the architecture fields above; the runtime fields (dtype through
+    # scan_layers: `runtime_fields()`) still come from here.
     init_from: str | None = None
 
     def __post_init__(self):
@@ -149,6 +149,20 @@ class ModelConfig:
     @property
     def resolved_head_dim(self) -> int:
         return self.head_dim if self.head_dim is not None else self.hidden_size // self.num_heads
+
+    def runtime_fields(self) -> dict[str, Any]:
+        """The fields a Hugging Face checkpoint does not fix (how to compute, not what)."""
+        names = (
+            "dtype",
+            "lm_head_dtype",
+            "matmul_precision",
+            "logits_chunk_size",
+            "attention",
+            "attention_block_size",
+            "remat",
+            "scan_layers",
+        )
+        return {name: getattr(self, name) for name in names}
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -79,6 +79,18 @@ def _slot_shardings(state: DecodeState, mesh):
     return jax.tree.map(one, state)
 
 
+def abstract_slots(model_cfg, slots: int, prompt_len: int, n_new: int, mesh) -> DecodeState:
+    """The shapes, dtypes and shardings of an engine's decode state, nothing allocated (what
+    `jaxrl-scale memory` compiles the decode program against)."""
+    empty = functools.partial(_empty_state, model_cfg, slots, prompt_len, n_new, 0)
+    abstract = jax.eval_shape(empty, jax.random.key(0))
+    return jax.tree.map(
+        lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+        abstract,
+        _slot_shardings(abstract, mesh),
+    )
+
+
 def _bucket(n: int, cap: int) -> int:
     """The power of two >= n (at most cap): few distinct shapes, few compiles."""
     return min(1 << max(n - 1, 0).bit_length(), cap)

@@ -8,6 +8,7 @@ F mlp, V vocab. Kernels are stored [in, out] in float32 and carry logical axis n
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 import jax
@@ -16,6 +17,7 @@ from flax import nnx
 
 from jaxrl_scale import attention
 from jaxrl_scale.config import ModelConfig, RopeScalingConfig
+from jaxrl_scale.sharding import constrain_rows
 
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 # model.matmul_precision -> the precision every matmul of the forward pass asks XLA for. On CPU
@@ -33,7 +35,7 @@ INIT_STD = 0.02  # normal init of every matrix, as the HF families use
 
 # model.remat -> what a decoder layer keeps for the backward pass (None: no remat).
 REMAT_POLICIES = {
-    "none": None,
+    "none": jax.checkpoint_policies.everything_saveable,
     "full": jax.checkpoint_policies.nothing_saveable,
     "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
 }
@@ -207,7 +209,9 @@ class Attention(nnx.Module):
 def _write_slots(cache_bkse, new_bkte, write_index):
     """`new` written into the cache at slots write_index..+T: one index for every row (a
     contiguous slice) or one per row [B] (a scatter: rows of a slot engine sit at different
-    columns)."""
+    columns). A Python int equal to the cache's length appends (the cache grows by T)."""
+    if isinstance(write_index, int) and write_index == cache_bkse.shape[2]:
+        return jnp.concatenate([cache_bkse, new_bkte], axis=2)
     if jnp.ndim(write_index) == 0:
         return jax.lax.dynamic_update_slice(cache_bkse, new_bkte, (0, 0, write_index, 0))
     b, _, t, _ = new_bkte.shape
@@ -284,63 +288,103 @@ class Policy(nnx.Module):
         return h_btd
 
     def _run(
-        self, tokens_bt, positions_bt, valid_bs, qslot_bt, cache=None, write_index=None, scan=False
+        self,
+        tokens_bt,
+        positions_bt,
+        valid_bs,
+        qslot_bt,
+        cache=None,
+        write_index=None,
+        scan=False,
+        return_cache=True,
     ):
         """Embedding, blocks (reading/writing `cache` if given), final norm. Returns (hidden,
         None) or (hidden, (keys, values)): per-layer tuples from the loop, [layers, ...] arrays
-        from the scan (`scan`: one lax.scan over the layers' stacked weights)."""
+        from the scan (`scan`: one lax.scan over the layers' stacked weights; without
+        `return_cache` its updated cache is not kept, which a scan cannot leave to XLA)."""
         cfg = self.cfg
         inv_freq_e2 = rope_inv_freq(cfg.resolved_head_dim, cfg.rope_theta, cfg.rope_scaling)
         rope = rope_tables(positions_bt, inv_freq_e2)
         x_btd = jnp.take(self.embedding[...], tokens_bt, axis=0).astype(self.compute_dtype)
+        x_btd = constrain_rows(x_btd)
         graphdef, _ = nnx.split(self.layers[0])
-        layer = _layer_fn(graphdef, cfg.remat)
         kv = None if cache is None else (cache.k, cache.v)
         if scan:
+            # Under a differentiated scan, a custom_vjp (the blockwise attention) called inside
+            # a checkpoint that does not take the whole scan body, or with its mask as loop
+            # constants, has its forward linearised and the inner loops' block scores saved
+            # ([q blocks, k blocks, ..., bq, bk]: the T x S this was to avoid; see
+            # tests/test_attention.py). So the whole body is one checkpoint ("none" saves
+            # everything) and the mask rides in the carry.
+            apply = _layer_fn(graphdef, "none", write_index)
             # The stacked copy is cast to the compute dtype first (the layer would cast each
             # matrix anyway), so it costs weights x 2 bytes in bfloat16.
             stacked = _stack([_compute_state(blk, self.compute_dtype) for blk in self.layers])
             if kv is not None:
                 kv = tuple(c if isinstance(c, jax.Array) else jnp.stack(c) for c in kv)
 
-            def body(x_btd, xs):
+            @functools.partial(jax.checkpoint, policy=REMAT_POLICIES[cfg.remat])
+            def body(carry, xs):
+                x_btd, valid_bs, qslot_bt = carry
                 state, kv_l = xs
-                return layer(state, x_btd, rope, valid_bs, qslot_bt, kv_l, write_index)
+                x_btd, kv_l = apply(state, x_btd, rope, valid_bs, qslot_bt, kv_l)
+                return (x_btd, valid_bs, qslot_bt), kv_l if return_cache else None
 
-            x_btd, kv = jax.lax.scan(body, x_btd, (stacked, kv))
+            (x_btd, _, _), kv = jax.lax.scan(body, (x_btd, valid_bs, qslot_bt), (stacked, kv))
         else:
+            layer = _layer_fn(graphdef, cfg.remat, write_index)
             new_k, new_v = [], []
             for i, blk in enumerate(self.layers):
                 kv_l = None if kv is None else (kv[0][i], kv[1][i])
-                x_btd, kv_l = layer(
-                    nnx.state(blk), x_btd, rope, valid_bs, qslot_bt, kv_l, write_index
-                )
+                x_btd, kv_l = layer(nnx.state(blk), x_btd, rope, valid_bs, qslot_bt, kv_l)
                 if kv_l is not None:
                     new_k.append(kv_l[0])
                     new_v.append(kv_l[1])
-            kv = None if kv is None else (tuple(new_k), tuple(new_v))
+            kv = None if kv is None or not return_cache else (tuple(new_k), tuple(new_v))
         h_btd = rms_norm(x_btd, self.final_norm[...], cfg.rms_norm_eps, _DTYPES[cfg.lm_head_dtype])
         return h_btd, kv
 
-    def extend(self, cache: KVCache, tokens_bt, positions_bt, valid_bt, write_index, *, scan=False):
+    def extend(
+        self,
+        cache: KVCache,
+        tokens_bt,
+        positions_bt,
+        valid_bt,
+        write_index,
+        *,
+        scan=False,
+        return_cache=True,
+    ):
         """Run T new tokens against a KV cache: write them at slots write_index..+T (one index
-        for every row, or one per row [B]) and attend over every valid slot up to each query's
-        own. Returns (hidden [B, T, D], new cache). `scan` runs the layers as one lax.scan (the
-        cache's keys and values then come back stacked, [layers, B, K, S, E])."""
+        for every row, or one per row [B]; the Python int len(cache) appends, growing the
+        cache) and attend over every valid slot up to each query's own. Returns (hidden [B, T,
+        D], new cache, or None without `return_cache`). `scan` runs the layers as one lax.scan
+        (the cache's keys and values then come back stacked, [layers, B, K, S, E])."""
         b, t = tokens_bt.shape
         valid_bt = valid_bt.astype(jnp.bool_)
         query_slots_bt = jnp.broadcast_to(
             jnp.asarray(write_index)[..., None] + jnp.arange(t), (b, t)
         )
-        if jnp.ndim(write_index) == 0:
+        if isinstance(write_index, int) and write_index == cache.valid.shape[1]:
+            valid_bs = jnp.concatenate([cache.valid, valid_bt], axis=1)
+        elif jnp.ndim(write_index) == 0:
             valid_bs = jax.lax.dynamic_update_slice(cache.valid, valid_bt, (0, write_index))
         else:
             rows_b1 = jnp.arange(b)[:, None]
             valid_bs = cache.valid.at[rows_b1, query_slots_bt].set(valid_bt, mode="drop")
-        h_btd, (k, v) = self._run(
-            tokens_bt, positions_bt, valid_bs, query_slots_bt, cache, write_index, scan=scan
+        h_btd, kv = self._run(
+            tokens_bt,
+            positions_bt,
+            valid_bs,
+            query_slots_bt,
+            cache,
+            write_index,
+            scan=scan,
+            return_cache=return_cache,
         )
-        return h_btd, KVCache(k=k, v=v, valid=valid_bs)
+        if not return_cache:
+            return h_btd, None
+        return h_btd, KVCache(k=kv[0], v=kv[1], valid=valid_bs)
 
     def head_kernel(self):
         """Vocabulary projection [D, V] (the transposed embedding when tied)."""
@@ -355,17 +399,18 @@ class Policy(nnx.Module):
         )
 
 
-def _layer_fn(graphdef, remat: str):
-    """(layer state, x, rope, valid, qslot, kv, write_index) -> (x, kv): one decoder layer as a
-    pure function of its weights, rematerialised under `model.remat`'s policy."""
+def _layer_fn(graphdef, remat: str, write_index):
+    """(layer state, x, rope, valid, qslot, kv) -> (x, kv): one decoder layer as a pure
+    function of its weights, rematerialised under `model.remat`'s policy. `write_index` is
+    closed over, so a Python int (an append) stays one."""
 
-    def apply(state, x_btd, rope, valid_bs, qslot_bt, kv, write_index):
-        return nnx.merge(graphdef, state)(x_btd, rope, valid_bs, qslot_bt, kv, write_index)
+    def apply(state, x_btd, rope, valid_bs, qslot_bt, kv):
+        x_btd, kv = nnx.merge(graphdef, state)(x_btd, rope, valid_bs, qslot_bt, kv, write_index)
+        return constrain_rows(x_btd), kv
 
-    policy = REMAT_POLICIES[remat]
     if remat == "none":
         return apply
-    return jax.checkpoint(apply, policy=policy)
+    return jax.checkpoint(apply, policy=REMAT_POLICIES[remat])
 
 
 def _compute_state(block: Block, dtype):
@@ -538,15 +583,23 @@ def completion_logprobs(
         h_btd = model.hidden_states(tokens_bt, mask_bt=mask_bt)
         hidden_bnd = h_btd[:, length - 1 : length + n - 1]
     else:
+        # The prompt's cache holds its L slots only; the completions append to it (their own
+        # keys live one layer at a time, not in an L + N cache per layer).
         scan = cfg.scan_layers
-        cache = KVCache.empty(cfg, p, length + n, stacked=scan)
+        cache = KVCache.empty(cfg, p, length, stacked=scan)
         h_pld, cache = model.extend(
             cache, prompt_tokens_pl, default_positions(prompt_mask_pl), prompt_mask_pl, 0, scan=scan
         )
         start_b = jnp.repeat(jnp.sum(prompt_mask_pl, axis=1, dtype=jnp.int32), g)
         positions_bn = start_b[:, None] + jnp.arange(n, dtype=jnp.int32)[None, :]
         h_bnd, _ = model.extend(
-            cache.repeat_rows(g), tokens_bn, positions_bn, mask_bn, length, scan=scan
+            cache.repeat_rows(g),
+            tokens_bn,
+            positions_bn,
+            mask_bn,
+            length,
+            scan=scan,
+            return_cache=False,
         )
         # The prompt's last slot (a real token: prompts are left-padded) predicts completion
         # token 0; completion token n - 1 predicts token n.

@@ -104,6 +104,22 @@ def shard_module(module: nnx.Module, mesh: Mesh) -> nnx.Module:
     return nnx.merge(graphdef, jax.device_put(state, state_shardings(state, mesh)))
 
 
+def constrain_rows(x):
+    """An activation's rows split over the batch axes of the mesh being traced under
+    (`jax.set_mesh`, as the train step is), when they divide evenly; outside one, x as is.
+
+    The partitioner left alone may keep an FSDP layer's activations whole on every device and
+    shard them along the model dimension instead (each device then runs every row); this
+    pins the data-parallel layout at each layer boundary."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty:
+        return x
+    axes = tuple(a for a in LOGICAL_RULES["batch"] if a in mesh.axis_names)
+    if not axes or x.shape[0] % math.prod(mesh.shape[a] for a in axes):
+        return x
+    return jax.lax.with_sharding_constraint(x, PartitionSpec(axes, *([None] * (x.ndim - 1))))
+
+
 def replicated(mesh: Mesh) -> NamedSharding:
     """A full copy on every device of `mesh`."""
     return NamedSharding(mesh, PartitionSpec())

@@ -12,11 +12,12 @@ import jax
 import jax.numpy as jnp
 import optax
 from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxrl_scale.config import LossConfig, OptimConfig
 from jaxrl_scale.losses import combine_sums, loss_sums, loss_weights, metrics_from_sums
 from jaxrl_scale.model import completion_logprobs, token_logprobs
-from jaxrl_scale.sharding import replicated
+from jaxrl_scale.sharding import LOGICAL_RULES, replicated
 
 
 @jax.tree_util.register_dataclass
@@ -142,9 +143,21 @@ def _rl_loss(
     )
 
 
-def _micro(tree, m: int):
-    """[B, ...] -> [m, B / m, ...]; slices hold whole prompt groups (B / m is a multiple of G)."""
-    return jax.tree.map(lambda x: x.reshape(m, x.shape[0] // m, *x.shape[1:]), tree)
+def _micro(tree, m: int, mesh=None):
+    """[B, ...] -> [m, B / m, ...]; slices hold whole prompt groups (B / m is a multiple of G).
+
+    With `mesh`, each slice's rows stay split over the batch axes. Left to itself the
+    partitioner keeps the batch sharding on the leading axis, which is now the slice index:
+    every device would then run every row of every slice (m-fold work and activations)."""
+
+    def one(x):
+        x = x.reshape(m, x.shape[0] // m, *x.shape[1:])
+        if mesh is None:
+            return x
+        spec = PartitionSpec(None, LOGICAL_RULES["batch"], *([None] * (x.ndim - 2)))
+        return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
+
+    return jax.tree.map(one, tree)
 
 
 def train_step(
@@ -157,6 +170,7 @@ def train_step(
     loss_cfg: LossConfig,
     temperature: float,
     micro_batches: int = 1,
+    mesh=None,
 ):
     """One optimizer step on the RL loss. A non-finite loss or gradient leaves the parameters
     and optimizer state unchanged and counts the skip (metrics["skipped"]).
@@ -187,7 +201,7 @@ def train_step(
                 jax.tree.map(jnp.add, c_grads, grads),
             ), None
 
-        slices = _micro((batch, weights_bt), micro_batches)
+        slices = _micro((batch, weights_bt), micro_batches, mesh)
         (loss, sums), grads = jax.eval_shape(
             grad_fn, state.params, state.ref_params, *jax.tree.map(lambda x: x[0], slices)
         )
@@ -251,8 +265,15 @@ def compile_train_step(
     if state_sharding is None:
         return jax.jit(step, donate_argnums=0)
     mesh = jax.tree.leaves(batch_sharding)[0].mesh
+
+    def step_on_mesh(state, batch):
+        with jax.sharding.use_abstract_mesh(
+            mesh.abstract_mesh
+        ):  # activations' rows pinned to the batch axes (constrain_rows)
+            return step(state, batch, mesh=mesh)
+
     return jax.jit(
-        step,
+        step_on_mesh,
         in_shardings=(state_sharding, batch_sharding),
         out_shardings=(state_sharding, replicated(mesh)),
         donate_argnums=0,

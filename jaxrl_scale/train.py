@@ -83,14 +83,7 @@ def setup(cfg: ExperimentConfig, out: str | Path, *, resume: bool = True) -> Run
     # ---------------------------------------------------------------- model and task
     m, tokenizer = cfg.model, None
     if m.init_from:
-        model, tokenizer = load_pretrained(
-            m.init_from,
-            mesh=mesh,
-            dtype=m.dtype,
-            lm_head_dtype=m.lm_head_dtype,
-            matmul_precision=m.matmul_precision,
-            logits_chunk_size=m.logits_chunk_size,
-        )
+        model, tokenizer = load_pretrained(m.init_from, mesh=mesh, **m.runtime_fields())
         cfg = dataclasses.replace(cfg, model=dataclasses.replace(model.cfg, init_from=m.init_from))
     else:
         model = sharding.init_sharded(lambda: Policy(m, rngs=nnx.Rngs(params=cfg.seed)), mesh)
