@@ -217,9 +217,16 @@ def _advice(name: str, part: dict[str, Any], cfg: ExperimentConfig) -> str:
                 f"fewer rows in flight (sampler.slots, now {part['slots']}) or more generator "
                 "devices (pipeline.generator_devices, or a larger batch axis of the mesh)"
             )
+        cpu = jax.default_backend() == "cpu" and cfg.model.dtype != "float32"
         return (
             f"temporaries ({_gib(part['temporaries_bytes'])}) are the biggest term: fewer rows "
-            "(sampler.slots) or model.attention=blockwise for long prompts"
+            f"in flight (sampler.slots, now {part['slots']}) or more generator devices"
+            + (
+                " (compiled for CPU, which keeps float32 copies of bf16 matmul operands: "
+                "an upper bound)"
+                if cpu
+                else ""
+            )
         )
     state = part["parameters_bytes"] + part["optimizer_state_bytes"]
     if state >= part["temporaries_bytes"]:
