@@ -33,7 +33,8 @@ PRECISIONS = {
 
 INIT_STD = 0.02  # normal init of every matrix, as the HF families use
 
-# model.remat -> what a decoder layer keeps for the backward pass (None: no remat).
+# model.remat -> what a decoder layer keeps for the backward pass ("none" only checkpoints a
+# scanned layer, where the whole scan body must be one checkpoint: see Policy._run).
 REMAT_POLICIES = {
     "none": jax.checkpoint_policies.everything_saveable,
     "full": jax.checkpoint_policies.nothing_saveable,
