@@ -22,20 +22,28 @@ Implementations (`model.attention`):
   over rows whose real tokens are contiguous (left-padded prompt, completion, right padding:
   what the trainer builds): each row is rotated so its tokens start at slot 0, which turns the
   mask into cuDNN's causal-with-sequence-lengths mask. bfloat16/float16 only.
+- "splash": the Pallas splash-attention kernel for TPUs (`jax.experimental.pallas.ops.tpu`),
+  for calls whose queries sit at the same static slot offset in every row (self-attention,
+  and appending to a cache at a Python-int index): a causal mask with that offset, and the
+  slot validity as segment ids. Elsewhere it runs in the Pallas interpreter (slow; tests).
 - "auto": "xla" when every key fits in one block (nothing to save), else cuDNN on GPUs for
-  half-precision self-attention, else "blockwise".
+  half-precision self-attention, splash on TPUs (head dim a multiple of 128), else
+  "blockwise".
 """
 
 from __future__ import annotations
 
 import functools
+import math
 from typing import Literal
 
 import jax
 import jax.numpy as jnp
 
-Implementation = Literal["auto", "xla", "blockwise", "cudnn"]
-IMPLEMENTATIONS: tuple[str, ...] = ("auto", "xla", "blockwise", "cudnn")
+from jaxrl_scale.sharding import LOGICAL_RULES
+
+Implementation = Literal["auto", "xla", "blockwise", "cudnn", "splash"]
+IMPLEMENTATIONS: tuple[str, ...] = ("auto", "xla", "blockwise", "cudnn", "splash")
 
 _NEG = float(jnp.finfo(jnp.float32).min)  # a hidden score: finite, so no inf - inf = NaN
 
@@ -47,20 +55,36 @@ def slot_mask(valid_bs, qslot_bt):
 
 
 def resolve(
-    implementation: str, *, queries: int, keys: int, block_size: int, dtype, self_attention: bool
+    implementation: str,
+    *,
+    queries: int,
+    keys: int,
+    block_size: int,
+    dtype,
+    query_offset: int | None,
+    head_dim: int = 128,
 ) -> str:
     """The implementation "auto" stands for at this shape on this platform (others as given;
-    "cudnn" where it cannot serve the call falls back to "blockwise"). One query (a decode
-    step) always runs "xla": its scores [B, H, 1, S] are linear in S already."""
+    "cudnn" or "splash" where it cannot serve the call falls back to "blockwise"). One query
+    (a decode step) always runs "xla": its scores [B, H, 1, S] are linear in S already.
+    `query_offset`: the slot of query 0 when it is the same static int for every row (0 for
+    self-attention), else None."""
     half = jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
-    cudnn_ok = self_attention and half and jax.default_backend() == "gpu"
+    self_attention = query_offset == 0 and queries == keys
+    platform = jax.default_backend()
     if queries == 1:
         return "xla"
     if implementation == "auto":
         if keys <= block_size:
             return "xla"
-        return "cudnn" if cudnn_ok else "blockwise"
+        if platform == "gpu" and self_attention and half:
+            return "cudnn"
+        if platform == "tpu" and query_offset is not None and head_dim % 128 == 0:
+            return "splash"
+        return "blockwise"
     if implementation == "cudnn" and not (self_attention and half):
+        return "blockwise"
+    if implementation == "splash" and query_offset is None:
         return "blockwise"
     return implementation
 
@@ -76,9 +100,11 @@ def attend(
     precision=None,
     implementation: str = "xla",
     block_size: int = 512,
+    query_offset: int | None = None,
 ):
     """softmax(q k^T * scale + mask) v -> [B, T, H, E] in q's dtype; scores and softmax in
-    float32. A query that sees no key gets zeros (xla: a uniform average of the values)."""
+    float32. A query that sees no key gets zeros (xla: a uniform average of the values).
+    "splash" needs `query_offset` (qslot_bt = query_offset + t in every row)."""
     if implementation == "xla":
         return _attend_xla(q_bthe, k_bkse, v_bkse, slot_mask(valid_bs, qslot_bt), scale, precision)
     if implementation == "blockwise":
@@ -87,6 +113,12 @@ def attend(
         )
     if implementation == "cudnn":
         return cudnn_self_attention(q_bthe, k_bkse, v_bkse, valid_bs, scale=scale)
+    if implementation == "splash":
+        if query_offset is None:
+            raise ValueError("splash attention needs a static query offset")
+        return splash_attention(
+            q_bthe, k_bkse, v_bkse, valid_bs, offset=query_offset, scale=scale, block=block_size
+        )
     raise ValueError(f"model.attention: unknown implementation {implementation!r}")
 
 
@@ -345,3 +377,87 @@ def cudnn_self_attention(q_bthe, k_bkse, v_bkse, valid_bs, *, scale: float, impl
         implementation=implementation,
     )
     return _rotate(out, (q.shape[1] - start_b) % q.shape[1], 1)
+
+
+# --------------------------------------------------------------------------- TPU splash
+
+_LANES = 128  # splash's tiles are multiples of a TPU vreg's 128 lanes
+
+
+def _round_up(n: int, m: int) -> int:
+    return -(-n // m) * m
+
+
+@functools.lru_cache(maxsize=64)
+def _splash_kernel(groups: int, tq: int, ts: int, offset: int, bq: int, bk: int, interpret: bool):
+    """One (row, kv head)'s kernel: G query heads against one key head over a [tq, ts] causal
+    mask shifted by `offset`. Built once per shape (its block map is computed in numpy)."""
+    from jax.experimental.pallas.ops.tpu.splash_attention import (
+        splash_attention_kernel as kernel,
+    )
+    from jax.experimental.pallas.ops.tpu.splash_attention import (
+        splash_attention_mask as mask,
+    )
+
+    causal = mask.MultiHeadMask([mask.CausalMask((tq, ts), offset=offset)] * groups)
+    sizes = kernel.BlockSizes(
+        block_q=bq, block_kv=bk, block_kv_compute=bk,
+        block_q_dkv=bq, block_kv_dkv=bk, block_kv_dkv_compute=bk,
+        block_q_dq=bq, block_kv_dq=bk,
+    )  # fmt: skip
+    with jax.ensure_compile_time_eval():  # concrete block maps, safe to cache across traces
+        splash = kernel.make_splash_mqa_single_device(
+            causal, block_sizes=sizes, interpret=interpret
+        )
+    return splash, kernel.SegmentIds
+
+
+def splash_attention(q_bthe, k_bkse, v_bkse, valid_bs, *, offset: int, scale: float, block: int):
+    """Query t of every row at slot offset + t, through the splash kernel. The slot mask is a
+    causal mask with that offset and segment ids: a real query (its slot valid) sees the valid
+    slots up to its own, exactly the slot mask; a padding query sees padding slots (never an
+    empty row; its output is never read, and no gradient reaches it). T and S are padded to
+    whole blocks (padded keys carry a segment no query has). Under a mesh (the train step) the
+    rows are split over its batch axes and the heads over "tensor" with shard_map, since XLA
+    does not partition a Pallas call."""
+    b, t, h, e = q_bthe.shape
+    k, s = k_bkse.shape[1], k_bkse.shape[2]
+    g = h // k
+    bq = min(_round_up(block, _LANES), _round_up(t, _LANES))
+    bk = min(_round_up(block, _LANES), _round_up(s, _LANES))
+    tq, ts = _round_up(t, bq), _round_up(s, bk)
+    splash, segment_ids = _splash_kernel(g, tq, ts, offset, bq, bk, jax.default_backend() != "tpu")
+
+    def local(q_bthe, k_bkse, v_bkse, valid_bs):
+        q_bkgte = _grouped((q_bthe * scale).astype(q_bthe.dtype), k_bkse.shape[1])
+        q_bkgte = jnp.pad(q_bkgte, ((0, 0),) * 3 + ((0, tq - t), (0, 0)))
+        k_p, v_p = (jnp.pad(x, ((0, 0), (0, 0), (0, ts - s), (0, 0))) for x in (k_bkse, v_bkse))
+        valid = valid_bs.astype(jnp.int32)
+        q_seg = jnp.pad(
+            jax.lax.dynamic_slice_in_dim(valid, offset, t, axis=1), ((0, 0), (0, tq - t))
+        )
+        kv_seg = jnp.pad(valid, ((0, 0), (0, ts - s)), constant_values=-1)
+
+        def one(q_gte, k_se, v_se, q_seg, kv_seg):
+            return splash(q_gte, k_se, v_se, segment_ids=segment_ids(q_seg, kv_seg))
+
+        heads = jax.vmap(one, in_axes=(0, 0, 0, None, None))
+        out_bkgte = jax.vmap(heads)(q_bkgte, k_p, v_p, q_seg, kv_seg)[:, :, :, :t]
+        return _ungrouped(out_bkgte.astype(q_bthe.dtype))
+
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty:
+        return local(q_bthe, k_bkse, v_bkse, valid_bs)
+    rows = tuple(a for a in LOGICAL_RULES["batch"] if a in mesh.axis_names)
+    rows = rows if rows and b % math.prod(mesh.shape[a] for a in rows) == 0 else None
+    heads = LOGICAL_RULES["kv_heads"]
+    heads = heads if heads in mesh.axis_names and k % mesh.shape[heads] == 0 else None
+    P = jax.sharding.PartitionSpec
+    return jax.shard_map(
+        local,
+        mesh=mesh,
+        in_specs=(P(rows, None, heads, None), P(rows, heads, None, None),
+                  P(rows, heads, None, None), P(rows, None)),
+        out_specs=P(rows, None, heads, None),
+        check_vma=False,
+    )(q_bthe, k_bkse, v_bkse, valid_bs)  # fmt: skip

@@ -90,10 +90,11 @@ class ModelConfig:
     lm_head_dtype: DType = "float32"
     matmul_precision: Literal["default", "high", "highest"] = "default"
     logits_chunk_size: int = 256  # tokens per chunk when computing per-token log-probs
-    # Attention implementation (attention.py): auto | xla | blockwise | cudnn. "auto" stores
-    # scores only when every key fits in one block, and otherwise runs cuDNN's fused kernel on
-    # GPUs (half precision) or the blockwise online softmax, whose memory is linear in T.
-    attention: Literal["auto", "xla", "blockwise", "cudnn"] = "auto"
+    # Attention implementation (attention.py): auto | xla | blockwise | cudnn | splash. "auto"
+    # stores scores only when every key fits in one block, and otherwise runs cuDNN's fused
+    # kernel on GPUs (half precision), the Pallas splash kernel on TPUs, or the blockwise
+    # online softmax, whose memory is linear in T.
+    attention: Literal["auto", "xla", "blockwise", "cudnn", "splash"] = "auto"
     attention_block_size: int = 512  # queries and keys per block of the blockwise attention
     # Per decoder layer in the training forward: "none" keeps every activation for the backward
     # pass, "full" keeps only the layer's input and recomputes the rest, "dots" also keeps the

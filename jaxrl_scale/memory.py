@@ -10,6 +10,13 @@ devices plans a pod's run. The numbers are what XLA's compiler reserves for one 
 platform it compiled for (the CPU compiler's buffer assignment when run on fake devices: the
 same program and shapes as on an accelerator, though fusion and scheduling differ, so treat
 a margin of 10-15% as noise).
+
+On CPU a bf16 program's temporaries hold float32 copies of every bf16 matmul operand (the CPU
+has no bf16 matmuls; for a decode chunk that is every layer's weights and the whole KV cache,
+at twice their bytes: measured, 1.78 GiB per Qwen3-8B layer at 64 slots x 17k tokens). An
+accelerator makes no such copies, so for a bf16 config the CPU also compiles the float32
+program (no copies, activations twice as wide) and reports the smaller of the two
+temporaries, each an upper bound; both stay in the report.
 """
 
 from __future__ import annotations
@@ -26,7 +33,8 @@ from jaxrl_scale import sharding
 from jaxrl_scale.config import ExperimentConfig
 from jaxrl_scale.engine import abstract_slots
 from jaxrl_scale.hf import config_from_hf, resolve_checkpoint
-from jaxrl_scale.model import Policy
+from jaxrl_scale.model import Policy, for_generation
+from jaxrl_scale.rollout import decodes_with_copy
 from jaxrl_scale.sampler import Interruption, Sampling, decode
 from jaxrl_scale.step import Batch, TrainState, compile_train_step, make_optimizer
 
@@ -72,9 +80,12 @@ def _placed(state, mesh):
     )
 
 
-def _abstract_params(cfg: ExperimentConfig, mesh):
-    """(graphdef, parameters as ShapeDtypeStructs sharded by their logical axes on `mesh`)."""
+def _abstract_params(cfg: ExperimentConfig, mesh, *, generation: bool = False):
+    """(graphdef, parameters as ShapeDtypeStructs sharded by their logical axes on `mesh`);
+    with `generation`, the dtypes the generator decodes with (`model.for_generation`)."""
     graphdef, state = nnx.split(nnx.eval_shape(lambda: Policy(cfg.model, rngs=nnx.Rngs(0))))
+    if generation:
+        state = jax.eval_shape(lambda s: for_generation(s, cfg.model, copy=False), state)
     return graphdef, _placed(state, mesh)
 
 
@@ -137,10 +148,15 @@ def train_step_memory(cfg: ExperimentConfig, mesh, prompt_len: int) -> dict[str,
     return out
 
 
-def generate_memory(cfg: ExperimentConfig, mesh, prompt_len: int) -> dict[str, Any]:
+def generate_memory(
+    cfg: ExperimentConfig, mesh, prompt_len: int, *, copy: bool = True, copies: int = 1
+) -> dict[str, Any]:
     """A decode chunk over the generator's slots: its per-device bytes (the parameters, the
-    KV cache and the rows' buffers are arguments; the state is donated)."""
-    graphdef, params = _abstract_params(cfg, mesh)
+    KV cache and the rows' buffers are arguments; the state is donated), plus `copies` - 1
+    more parameter copies held beside it. `copy`: the generator decodes with its own copy of
+    the parameters (`rollout.decodes_with_copy`), in the dtypes of `model.for_generation`;
+    else with the trainer's."""
+    graphdef, params = _abstract_params(cfg, mesh, generation=copy)
     slots = cfg.sampler.slots or cfg.train.prompts_per_step * cfg.train.group_size
     n_new = cfg.sampler.max_new_tokens
     state = abstract_slots(cfg.model, slots, prompt_len, n_new, mesh)
@@ -165,6 +181,8 @@ def generate_memory(cfg: ExperimentConfig, mesh, prompt_len: int) -> dict[str, A
     cache = state.cache
     out["kv_cache_bytes"] = sum(_per_device_bytes(x) for x in jax.tree.leaves((cache.k, cache.v)))
     out["parameters_bytes"] = sum(_per_device_bytes(x) for x in jax.tree.leaves(params))
+    out["parameter_copies"] = copies
+    out["per_device_bytes"] += (copies - 1) * out["parameters_bytes"]
     out["slots"] = slots
     return out
 
@@ -185,8 +203,28 @@ def plan(
         prompt_len, source = task_prompt_len(cfg)
     if prompt_len < 1:
         raise ValueError(f"prompt length must be >= 1, got {prompt_len}")
+    stand_in = None
+    if jax.default_backend() == "cpu" and cfg.model.attention in ("cudnn", "splash"):
+        # The fused kernels do not compile for CPU (splash only interpreted): the blockwise
+        # attention, whose memory is linear in T as theirs is, stands in for them.
+        stand_in = f"{cfg.model.attention} estimated as blockwise on CPU"
+        cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, attention="blockwise"))
     mesh, gen_mesh = sharding.make_meshes(cfg)
     sharding.check_divisible(cfg, mesh, gen_mesh)
+    copy = decodes_with_copy(cfg, gen_mesh)
+    # pipeline_rl: new weights arrive while a chunk decodes with older ones, so up to three
+    # copies sit on the generator's devices (the running chunk's, the newest published and
+    # not yet picked up, the one being placed).
+    copies = 3 if cfg.pipeline.mode == "pipeline_rl" else 1
+
+    def programs(cfg):
+        return {
+            "train_step": train_step_memory(cfg, mesh, prompt_len),
+            "generate": generate_memory(
+                cfg, gen_mesh or mesh, prompt_len, copy=copy, copies=copies
+            ),
+        }
+
     report = {
         "sequence_length": prompt_len + cfg.sampler.max_new_tokens,
         "prompt_len": prompt_len,
@@ -194,13 +232,30 @@ def plan(
         "max_new_tokens": cfg.sampler.max_new_tokens,
         "train_mesh": dict(mesh.shape),
         "generate_mesh": dict((gen_mesh or mesh).shape),
-        "train_step": train_step_memory(cfg, mesh, prompt_len),
-        "generate": generate_memory(cfg, gen_mesh or mesh, prompt_len),
+        **programs(cfg),
     }
+    if stand_in:
+        report["attention"] = stand_in
+    if jax.default_backend() == "cpu" and cfg.model.dtype != "float32":
+        # The CPU compiler has no bf16 matmuls: it converts their operands (every layer's
+        # weights, the whole KV cache) to float32 copies that an accelerator never makes. The
+        # same program in float32 has no such copies and activations twice as wide: its
+        # temporaries are a second upper bound. Report the smaller one.
+        wide = programs(
+            dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, dtype="float32"))
+        )
+        for name, part in wide.items():
+            _bound_temporaries(report[name], part["temporaries_bytes"])
+    names = ["train_step", "generate"]
+    if gen_mesh is None and cfg.pipeline.mode == "pipeline_rl":
+        # One set of devices runs both programs at once: each holds its buffers throughout.
+        both = report["train_step"]["per_device_bytes"] + report["generate"]["per_device_bytes"]
+        report["train_and_generate"] = {"per_device_bytes": both}
+        names.append("train_and_generate")
     if device_memory_gib is not None:
         limit = int(device_memory_gib * GIB)
         report["device_memory_bytes"] = limit
-        for name in ("train_step", "generate"):
+        for name in names:
             part = report[name]
             part["fits"] = part["per_device_bytes"] <= limit
             if not part["fits"]:
@@ -208,8 +263,22 @@ def plan(
     return report
 
 
+def _bound_temporaries(part: dict[str, Any], float32_program: int) -> None:
+    as_compiled = part["temporaries_bytes"]
+    part["temporaries_bytes_as_compiled"] = as_compiled
+    part["temporaries_bytes_float32_program"] = float32_program
+    part["temporaries_bytes"] = min(as_compiled, float32_program)
+    part["per_device_bytes"] += part["temporaries_bytes"] - as_compiled
+
+
 def _advice(name: str, part: dict[str, Any], cfg: ExperimentConfig) -> str:
     m = cfg.model
+    if name == "train_and_generate":
+        return (
+            "the train step and the generator share these devices in pipeline_rl and run at "
+            "once: give the generator its own (pipeline.generator_devices), or shrink either "
+            "program (sampler.slots; train.micro_batches, model.remat)"
+        )
     if name == "generate":
         if part["kv_cache_bytes"] >= part["temporaries_bytes"]:
             return (
@@ -217,16 +286,9 @@ def _advice(name: str, part: dict[str, Any], cfg: ExperimentConfig) -> str:
                 f"fewer rows in flight (sampler.slots, now {part['slots']}) or more generator "
                 "devices (pipeline.generator_devices, or a larger batch axis of the mesh)"
             )
-        cpu = jax.default_backend() == "cpu" and cfg.model.dtype != "float32"
         return (
             f"temporaries ({_gib(part['temporaries_bytes'])}) are the biggest term: fewer rows "
             f"in flight (sampler.slots, now {part['slots']}) or more generator devices"
-            + (
-                " (compiled for CPU, which keeps float32 copies of bf16 matmul operands: "
-                "an upper bound)"
-                if cpu
-                else ""
-            )
         )
     state = part["parameters_bytes"] + part["optimizer_state_bytes"]
     if state >= part["temporaries_bytes"]:
@@ -260,6 +322,8 @@ def format_plan(report: dict[str, Any]) -> str:
         f"(prompt {report['prompt_len']:,} [{report['prompt_len_from']}] + max_new_tokens "
         f"{report['max_new_tokens']:,})"
     ]
+    if "attention" in report:
+        lines.append(f"attention: {report['attention']}")
     titles = {
         "train_step": ("train step", report["train_mesh"]),
         "generate": ("generate (one decode chunk)", report["generate_mesh"]),
@@ -269,6 +333,9 @@ def format_plan(report: dict[str, Any]) -> str:
         axes = " ".join(f"{k}={v}" for k, v in mesh.items())
         lines.append(f"\n{title}, mesh {axes}, per device:")
         rows = [("parameters", part["parameters_bytes"])]
+        if part.get("parameter_copies", 1) > 1:
+            n = part["parameter_copies"]
+            rows.append((f"  x{n}: weights in flight", n * part["parameters_bytes"]))
         if name == "train_step":
             rows += [
                 ("optimizer state", part["optimizer_state_bytes"]),
@@ -285,9 +352,26 @@ def format_plan(report: dict[str, Any]) -> str:
             ("total", part["per_device_bytes"]),
         ]
         lines += [f"  {label:<26}{_gib(n):>12}" for label, n in rows]
+        if "temporaries_bytes_as_compiled" in part:
+            lines.append(
+                "  temporaries: the smaller of two upper bounds, bf16 as the CPU compiles it "
+                f"({_gib(part['temporaries_bytes_as_compiled'])}, float32 copies of matmul "
+                f"operands) and the float32 program "
+                f"({_gib(part['temporaries_bytes_float32_program'])})"
+            )
         if "fits" in part:
             limit = _gib(report["device_memory_bytes"])
             lines.append(f"  fits in {limit}: {'yes' if part['fits'] else 'NO'}")
+            if not part["fits"]:
+                lines.append(f"  {part['advice']}")
+    if "train_and_generate" in report:
+        part = report["train_and_generate"]
+        lines.append(
+            "\ntrain step + generate on the same devices (pipeline_rl runs both at once): "
+            f"{_gib(part['per_device_bytes'])} per device"
+        )
+        if "fits" in part:
+            lines.append(f"  fits: {'yes' if part['fits'] else 'NO'}")
             if not part["fits"]:
                 lines.append(f"  {part['advice']}")
     return "\n".join(lines)

@@ -36,6 +36,7 @@ from jaxrl_scale.compute import batch_flops
 from jaxrl_scale.config import ConfigError, ExperimentConfig
 from jaxrl_scale.curriculum import Curriculum
 from jaxrl_scale.engine import Finished, SlotEngine
+from jaxrl_scale.model import for_generation
 from jaxrl_scale.pipeline import ParamsForChunk
 from jaxrl_scale.sampler import (
     INTERRUPTED,
@@ -60,6 +61,13 @@ class Rollouts:
     versions: np.ndarray  # [B, N] policy version per sampled token (-1 elsewhere)
     stats: dict[str, float]
     curriculum: dict[str, np.ndarray]  # the curriculum right after this batch was scored
+
+
+def decodes_with_copy(cfg: ExperimentConfig, gen_mesh) -> bool:
+    """Whether the generator decodes with its own copy of the parameters (in the dtypes of
+    `model.for_generation`) rather than the trainer's: on its own devices, or beside a
+    pipeline_rl train step that donates the trainer's."""
+    return gen_mesh is not None or cfg.pipeline.mode == "pipeline_rl"
 
 
 class RolloutWorker:
@@ -118,10 +126,17 @@ class RolloutWorker:
         return jax.device_put(batch, shardings)
 
     def to_generator(self, params):
-        """Parameters resharded onto the generator's devices (a copy), when it has its own."""
-        if self.gen_mesh is None:
-            return params
-        return distributed.transfer(params, sharding.state_shardings(params, self.gen_mesh))
+        """The parameters the generator decodes with (`model.for_generation`: matrices in the
+        compute dtype, bit-identical samples). On its own devices: resharded there. On the
+        trainer's in pipeline_rl, whose generator decodes while the train step that donates
+        the trainer's parameters runs: a copy. Otherwise (sync, ppo_off_policy: generation ends
+        before training starts) the trainer's own, with no copy beside the train state."""
+        if self.gen_mesh is not None:
+            params = for_generation(params, self.cfg.model, copy=False)
+            return distributed.transfer(params, sharding.state_shardings(params, self.gen_mesh))
+        if decodes_with_copy(self.cfg, self.gen_mesh):
+            return for_generation(params, self.cfg.model)
+        return params
 
     # ------------------------------------------------------------------ generation
 

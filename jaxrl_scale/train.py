@@ -34,7 +34,6 @@ from pathlib import Path
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
@@ -187,7 +186,7 @@ def train_run(run: Run) -> list[dict[str, Any]]:
         metrics_log.write(rows[-1])
     # ---------------------------------------------------------------- the loop
     clock = RunClock(run.devices, seconds=totals["device_seconds"])  # from the first RL step
-    source = ParamsSource(start.step, train_state.params, place=_generator_placement(run))
+    source = ParamsSource(start.step, train_state.params, place=run.worker.to_generator)
     feeder = make_feeder(
         cfg.pipeline,
         worker.rollouts,
@@ -296,17 +295,6 @@ class _Step:
     staleness: tuple[float, int]
     began: float  # perf_counter when the trainer asked for the batch
     waited: float  # seconds it waited for it
-
-
-def _generator_placement(run: Run):
-    """How published parameters reach the generator: a copy on its own devices; a copy on the
-    same devices in pipeline_rl, whose generator decodes with a version while the train step
-    that donates it runs; as they are in sync and ppo_off_policy (generation ends first)."""
-    if run.worker.gen_mesh is not None:
-        return run.worker.to_generator
-    if run.cfg.pipeline.mode == "pipeline_rl":
-        return lambda params: jax.tree.map(jnp.copy, params)
-    return lambda params: params
 
 
 def _staleness(versions: np.ndarray, *, version: int, k: int) -> tuple[float, int]:

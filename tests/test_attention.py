@@ -2,6 +2,7 @@
 the stored-scores reference (values and gradients), and memory read from the compiled program."""
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -9,7 +10,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from jaxrl_scale import attention
+from jaxrl_scale import attention, sharding
+from jaxrl_scale.config import MeshConfig
 from jaxrl_scale.model import completion_logprobs, init_policy, token_logprobs
 
 
@@ -116,19 +118,81 @@ def test_cudnn_rotation_is_the_slot_mask_on_contiguous_rows():
     np.testing.assert_allclose(np.asarray(got)[valid], np.asarray(want)[valid], atol=1e-5)
 
 
+def test_splash_equals_stored_scores_at_a_static_offset_in_values_and_gradients():
+    """The splash kernel (in the Pallas interpreter here) on queries at slots offset + t, with
+    holes in the valid slots and T, S not whole blocks: every query whose own slot is valid
+    matches the slot mask, and so do the gradients (padding queries' cotangents are zero, as
+    the model's are)."""
+    b, t, s, offset = 2, 37, 53, 16
+    q, kk, v, valid, _ = _random_case(4, b=b, t=t, s=s)
+    valid = valid.at[:, offset].set(True)  # one row's query 0 real, the other's too
+    qslot = jnp.broadcast_to(offset + jnp.arange(t, dtype=jnp.int32), (b, t))
+    real = np.asarray(valid[:, offset : offset + t])
+    assert not real.all() and real.any()
+    cotangent = jax.random.normal(jax.random.key(1), q.shape) * real[:, :, None, None]
+
+    def value_and_grads(implementation, block):
+        def f(q, k, v):
+            out = attention.attend(
+                q, k, v, valid, qslot, scale=0.3, implementation=implementation,
+                block_size=block, query_offset=offset,
+            )  # fmt: skip
+            return jnp.sum(out.astype(jnp.float32) * cotangent), out
+
+        return jax.jit(jax.value_and_grad(f, argnums=(0, 1, 2), has_aux=True))(q, kk, v)
+
+    (_, want), want_g = value_and_grads("xla", 512)
+    (_, got), got_g = value_and_grads("splash", 128)
+    np.testing.assert_allclose(np.asarray(got)[real], np.asarray(want)[real], atol=2e-5)
+    for a, b_ in zip(got_g, want_g, strict=True):
+        np.testing.assert_allclose(a, b_, atol=1e-4)
+
+
+def test_splash_splits_rows_and_heads_over_the_mesh():
+    """Under a mesh (the train step's), splash runs per device in a shard_map: same numbers as
+    one device, and the compiled program never gathers the rows."""
+    b, t, h, k, e = 4, 40, 4, 2, 8
+    q, kk, v, valid, _ = _random_case(5, b=b, t=t, s=t, h=h, k=k, e=e)
+    valid = valid | (jnp.arange(t) >= 8)[None]  # left padding only: every query's slot real
+    qslot = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+    run = functools.partial(
+        attention.attend, scale=0.3, implementation="splash", block_size=128, query_offset=0
+    )
+    want = run(q, kk, v, valid, qslot)
+    mesh = sharding.make_mesh(MeshConfig(data=2, fsdp=2, tensor=2))
+    P = jax.sharding.PartitionSpec
+    put = lambda x, *spec: jax.device_put(x, jax.sharding.NamedSharding(mesh, P(*spec)))  # noqa: E731
+    args = (
+        put(q, ("data", "fsdp"), None, "tensor"), put(kk, ("data", "fsdp"), "tensor"),
+        put(v, ("data", "fsdp"), "tensor"), put(valid, ("data", "fsdp")),
+        put(qslot, ("data", "fsdp")),
+    )  # fmt: skip
+    with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+        step = jax.jit(run)
+        text = step.lower(*args).compile().as_text()
+        got = step(*args)
+    assert "all-gather" not in text
+    real = np.asarray(valid)
+    np.testing.assert_allclose(np.asarray(got)[real], np.asarray(want)[real], atol=1e-5)
+
+
 def test_auto_picks_stored_scores_for_one_block_and_decode_and_blockwise_beyond():
     pick = lambda **kw: attention.resolve(  # noqa: E731
-        "auto", block_size=512, dtype=jnp.bfloat16, self_attention=True, **kw
+        "auto", block_size=512, dtype=jnp.bfloat16, query_offset=0, **kw
     )
     assert pick(queries=256, keys=256) == "xla"
     assert pick(queries=1, keys=32_768) == "xla"
-    expected_long = "cudnn" if jax.default_backend() == "gpu" else "blockwise"
+    expected_long = {"gpu": "cudnn", "tpu": "splash"}.get(jax.default_backend(), "blockwise")
     assert pick(queries=16_384, keys=16_384) == expected_long
-    # cuDNN cannot serve float32 or a cache's offset queries: blockwise does.
-    for kw in ({"dtype": jnp.float32}, {"self_attention": False}):
-        args = {"dtype": jnp.bfloat16, "self_attention": True, **kw}
+    # cuDNN cannot serve float32 or a cache's offset queries; splash cannot serve per-row
+    # offsets: blockwise does.
+    for kw in ({"dtype": jnp.float32}, {"query_offset": 512}, {"query_offset": None}):
+        args = {"dtype": jnp.bfloat16, "query_offset": 0, **kw}
         got = attention.resolve("cudnn", queries=64, keys=64, block_size=512, **args)
         assert got == "blockwise"
+    args = {"queries": 64, "keys": 64, "block_size": 512, "dtype": jnp.bfloat16}
+    assert attention.resolve("splash", query_offset=None, **args) == "blockwise"
+    assert attention.resolve("splash", query_offset=16, **args) == "splash"
 
 
 # --------------------------------------------------------------------------- in the model
@@ -158,6 +222,10 @@ VARIANTS = {  # configurations that must compute the stored-scores reference's n
         "attention": "blockwise",
         "attention_block_size": 4,
     },
+    # The Pallas splash kernel (interpreted on CPU): self-attention, the prompt's prefill and
+    # the completions appended at a static offset.
+    "splash": {"attention": "splash", "attention_block_size": 128},
+    "scan_remat_splash": {"scan_layers": True, "remat": "full", "attention": "splash"},
 }
 
 

@@ -12,7 +12,7 @@ from jaxrl_scale import sharding
 from jaxrl_scale.cli import main
 from jaxrl_scale.config import load_config
 from jaxrl_scale.memory import plan, train_step_memory
-from jaxrl_scale.model import Policy
+from jaxrl_scale.model import Policy, for_generation
 
 TINY = "configs/tiny_arithmetic.yaml"
 # A longer completion than the demo's, so activations are the biggest term.
@@ -37,6 +37,13 @@ def test_json_reports_both_programs_and_the_parameters_match_real_shards(capsys)
     assert report["train_step"]["parameters_bytes"] == real
     assert report["train_step"]["optimizer_state_bytes"] >= 2 * real  # Adam's two moments
     assert report["train_step"]["arguments_bytes"] >= 3 * real
+    # pipeline_rl on shared devices: the generator's three copies in flight (bf16 matrices
+    # would be smaller; this config computes in float32), and both programs at once.
+    gen = report["generate"]
+    assert gen["parameter_copies"] == 3 and gen["parameters_bytes"] == real
+    assert gen["per_device_bytes"] >= gen["arguments_bytes"] + 2 * real
+    together = report["train_step"]["per_device_bytes"] + gen["per_device_bytes"]
+    assert report["train_and_generate"]["per_device_bytes"] == together
 
 
 def test_a_config_that_does_not_fit_exits_1_and_names_the_biggest_term(capsys):
@@ -75,7 +82,39 @@ def test_plan_rejects_a_bad_prompt_length():
 
 
 def test_procedural_prompt_length_is_measured():
-    report = plan(load_config(TINY, ["mesh.data=1"]))
+    report = plan(load_config(TINY, ["mesh.data=1", "model.attention=splash"]))
     assert report["prompt_len"] % 8 == 0 and 0 < report["prompt_len"] <= 16
     assert "arithmetic prompts" in report["prompt_len_from"]
     assert np.isfinite(report["train_step"]["per_device_bytes"])
+    # A TPU kernel does not compile for CPU: the plan says what stood in for it.
+    assert report["attention"] == "splash estimated as blockwise on CPU"
+
+
+def test_bf16_generator_on_its_own_devices_reports_its_copy_and_the_smaller_bound():
+    overrides = [
+        "pipeline.generator_devices=4", "mesh.data=1", "mesh.fsdp=4", "sampler.slots=16", *LONG
+    ]  # fmt: skip
+    cfg = load_config(TINY, [*overrides, "model.dtype=bfloat16"])
+    report = plan(cfg, prompt_len=8)
+    gen = report["generate"]
+    # The generator's copy (replicated over its data axis): bf16 layer matrices beside the
+    # float32 norms and tied embedding, from real arrays.
+    copy = for_generation(nnx.state(Policy(cfg.model, rngs=nnx.Rngs(0))), cfg.model)
+    assert gen["parameters_bytes"] == sum(x.nbytes for x in jax.tree.leaves(copy))
+    assert gen["parameters_bytes"] < report["train_step"]["parameters_bytes"] * 4  # < f32 whole
+    # The CPU compiles bf16 matmuls on float32 copies of their operands: at least the cache's
+    # bytes twice. The float32 program, compiled independently here, has no such copies.
+    assert gen["temporaries_bytes_as_compiled"] >= 2 * gen["kv_cache_bytes"]
+    wide = plan(load_config(TINY, [*overrides, "model.dtype=float32"]), prompt_len=8)
+    for name in ("train_step", "generate"):
+        part = report[name]
+        assert part["temporaries_bytes_float32_program"] == wide[name]["temporaries_bytes"]
+        assert part["temporaries_bytes"] == min(
+            part["temporaries_bytes_as_compiled"], part["temporaries_bytes_float32_program"]
+        )
+        extra = (part.get("parameter_copies", 1) - 1) * part["parameters_bytes"]
+        assert part["per_device_bytes"] == (
+            part["arguments_bytes"] + part["temporaries_bytes"] + part["outputs_bytes"] + extra
+        )
+    assert gen["temporaries_bytes"] < gen["temporaries_bytes_as_compiled"]
+    assert "train_and_generate" not in report  # the generator has its own devices

@@ -10,7 +10,7 @@ from flax import nnx
 from jaxrl_scale import sharding
 from jaxrl_scale.config import MeshConfig
 from jaxrl_scale.hf import load_pretrained
-from jaxrl_scale.model import token_logprobs
+from jaxrl_scale.model import for_generation, token_logprobs
 from jaxrl_scale.sampler import (
     Interruption,
     Sampling,
@@ -59,6 +59,27 @@ def test_behaviour_logprobs_equal_recomputed_token_logprobs(qwen2):
     want = token_logprobs(qwen2, seq, mask_bt=mask, temperature=0.7)[:, ro.prompt_tokens.shape[1] :]
     assert float(jnp.abs(want - ro.behavior_logp).max()) < 1e-5
     assert np.all(np.asarray(ro.versions) == 0)
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3"])  # tied + biases; untied + q/k norms
+def test_generator_parameters_in_the_compute_dtype_sample_the_same_tokens(arch):
+    model, _ = load_pretrained(HF_FIXTURES / arch, dtype="bfloat16")
+    graphdef, params = nnx.split(model)
+    kw = dict(max_new_tokens=12, temperature=1.0, key=jax.random.key(5))
+    want = generate(model, PROMPTS, **kw)
+    gen = for_generation(params, model.cfg)
+    kept = {"final_norm", "attn_norm", "mlp_norm", "q_norm", "k_norm", "lm_head"}
+    if model.cfg.tie_embeddings:
+        kept.add("embedding")  # the FP32 head's kernel
+    for path, x in jax.tree_util.tree_flatten_with_path(gen)[0]:
+        name = next(k.key for k in reversed(path) if isinstance(getattr(k, "key", None), str))
+        assert x.dtype == (jnp.float32 if name in kept else jnp.bfloat16), path
+    # The train step donates the trainer's parameters: the generator's copy must not need them.
+    for x in jax.tree.leaves(params):
+        x.delete()
+    got = generate(nnx.merge(graphdef, gen), PROMPTS, **kw)
+    np.testing.assert_array_equal(got.completion_tokens, want.completion_tokens)
+    np.testing.assert_array_equal(got.behavior_logp, want.behavior_logp)
 
 
 def test_chunked_decoding_gives_the_same_tokens(qwen2):
