@@ -145,7 +145,8 @@ class RolloutWorker:
     ) -> Rollout:
         """Sample `repeat` completions of each prompt (consecutive rows), prefilling each
         prompt once for its rows; chunk c decodes with `params_for_chunk(c)` (in-flight
-        updates). Nothing is read back to the host between chunks. With `sampler.slots` below
+        updates, asked for once the chunk before the running one has finished). With
+        `sampler.slots` below
         the rows, the prompts are decoded in waves of that many rows (the KV cache's bound),
         each wave until its longest row ends; chunks are counted across waves."""
         host_tokens, host_mask = pad_prompts(prompts, self.tok.pad_id)
@@ -198,9 +199,17 @@ class RolloutWorker:
             prompt_len=tokens.shape[1],
         )
         chunk_size = self.cfg.sampler.chunk_size or n_new
+        lagging = None  # the done flags as of two chunks back
         for c in range(num_chunks(n_new, chunk_size)):
             if c:
+                # Run at most one chunk ahead of the device: else the loop dispatches every
+                # chunk at once with the weights of that moment, and weights published while
+                # the wave decodes never reach it. Waiting on the chunk before the one running
+                # keeps the device busy; a wave whose rows had all ended stops asking.
+                if lagging is not None and distributed.to_host(lagging).all():
+                    break
                 version, params = params_for_chunk(chunk + c)
+                lagging = jnp.copy(state.done)  # read before `decode` donates the state
             state = decode(self.graphdef, params, state, version, chunk_size, **static)
         rows = lambda x: np.repeat(x, repeat, axis=0)  # noqa: E731
         ro = to_rollout(rows(host_tokens), rows(host_mask), state)

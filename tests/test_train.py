@@ -148,6 +148,30 @@ def test_a_threaded_run_checkpoints_the_curriculum_of_what_it_trained(tmp_path):
     assert int(saved["epoch"]) * 64 + int(saved["position"]) == 4 * 5  # five batches trained
 
 
+def test_weights_are_asked_for_after_each_chunk_and_not_past_the_last_row(tmp_path):
+    """Chunk c's weights are taken once chunk c - 2 has run (the loop stays one chunk ahead
+    of the device, so weights published meanwhile reach the wave), and a wave whose rows have
+    all ended asks for no more: with rows cut at 5 tokens (forced interruption) in 2-token
+    chunks of a 16-token budget, chunks 0-3 are asked for (the rows end in chunk 2; a loop
+    running ahead would ask for chunks 0-7)."""
+    interrupt = "{text: '123', think_min: 1, think_max: 1, answer_budget: 1, think_end: null}"
+    cfg = _cfg(
+        "sampler.max_new_tokens=16", "sampler.chunk_size=2", f"sampler.interruption={interrupt}"
+    )
+    run = setup(cfg, tmp_path)
+    params, asked = run.start.train.params, []
+
+    def params_for_chunk(chunk):
+        asked.append(chunk)
+        return 10 + chunk, params
+
+    ro = run.worker.generate(
+        params_for_chunk, [[2, 3, 4]] * 4, jax.random.key(0), sampling=Sampling(1.0), n_new=16
+    )
+    assert int(np.asarray(ro.lengths).max()) <= 5
+    assert asked == [0, 1, 2, 3][: len(asked)] and 1 <= len(asked) <= 4
+
+
 def test_in_flight_update_gives_one_completion_two_versions(tmp_path):
     run = setup(_cfg("sampler.chunk_size=2"), tmp_path)
     params = run.start.train.params
