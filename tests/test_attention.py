@@ -118,17 +118,18 @@ def test_cudnn_rotation_is_the_slot_mask_on_contiguous_rows():
     np.testing.assert_allclose(np.asarray(got)[valid], np.asarray(want)[valid], atol=1e-5)
 
 
-def test_splash_equals_stored_scores_at_a_static_offset_in_values_and_gradients():
+@pytest.mark.parametrize("holes", [True, False])
+def test_splash_equals_stored_scores_at_a_static_offset_in_values_and_gradients(holes):
     """The splash kernel (in the Pallas interpreter here) on queries at slots offset + t, with
-    holes in the valid slots and T, S not whole blocks: every query whose own slot is valid
-    matches the slot mask, and so do the gradients (padding queries' cotangents are zero, as
-    the model's are)."""
+    or without holes in the valid slots, T and S not whole blocks: every query whose own slot
+    is valid matches the slot mask, and so do the gradients (padding queries' cotangents are
+    zero, as the model's are; without holes the blocks' padded queries see no key at all)."""
     b, t, s, offset = 2, 37, 53, 16
     q, kk, v, valid, _ = _random_case(4, b=b, t=t, s=s)
-    valid = valid.at[:, offset].set(True)  # one row's query 0 real, the other's too
+    valid = valid.at[:, offset].set(True) if holes else jnp.ones_like(valid)
     qslot = jnp.broadcast_to(offset + jnp.arange(t, dtype=jnp.int32), (b, t))
     real = np.asarray(valid[:, offset : offset + t])
-    assert not real.all() and real.any()
+    assert real.any() and (real.all() != holes)
     cotangent = jax.random.normal(jax.random.key(1), q.shape) * real[:, :, None, None]
 
     def value_and_grads(implementation, block):
