@@ -34,13 +34,12 @@ Implementations (`model.attention`):
 from __future__ import annotations
 
 import functools
-import math
 from typing import Literal
 
 import jax
 import jax.numpy as jnp
 
-from jaxrl_scale.sharding import LOGICAL_RULES
+from jaxrl_scale.sharding import LOGICAL_RULES, row_axes
 
 Implementation = Literal["auto", "xla", "blockwise", "cudnn", "splash"]
 IMPLEMENTATIONS: tuple[str, ...] = ("auto", "xla", "blockwise", "cudnn", "splash")
@@ -448,8 +447,7 @@ def splash_attention(q_bthe, k_bkse, v_bkse, valid_bs, *, offset: int, scale: fl
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty:
         return local(q_bthe, k_bkse, v_bkse, valid_bs)
-    rows = tuple(a for a in LOGICAL_RULES["batch"] if a in mesh.axis_names)
-    rows = rows if rows and b % math.prod(mesh.shape[a] for a in rows) == 0 else None
+    rows = row_axes(mesh, b)
     heads = LOGICAL_RULES["kv_heads"]
     heads = heads if heads in mesh.axis_names and k % mesh.shape[heads] == 0 else None
     P = jax.sharding.PartitionSpec

@@ -36,7 +36,7 @@ from jaxrl_scale.hf import config_from_hf, resolve_checkpoint
 from jaxrl_scale.model import Policy, for_generation
 from jaxrl_scale.rollout import decodes_with_copy
 from jaxrl_scale.sampler import Interruption, Sampling, decode
-from jaxrl_scale.step import Batch, TrainState, compile_train_step, make_optimizer
+from jaxrl_scale.step import Batch, TrainState, compile_run_step, make_optimizer
 
 GIB = 2**30
 DEFAULT_PROMPT_LEN = 1024  # tokens of a math prompt when --prompt-len does not say
@@ -128,15 +128,8 @@ def train_step_memory(cfg: ExperimentConfig, mesh, prompt_len: int) -> dict[str,
         batch_shapes,
         batch_sharding,
     )
-    step = compile_train_step(
-        graphdef,
-        tx,
-        group_size=cfg.train.group_size,
-        loss_cfg=cfg.loss,
-        temperature=cfg.sampler.temperature,
-        micro_batches=cfg.train.micro_batches,
-        state_sharding=state_sharding,
-        batch_sharding=batch_sharding,
+    step = compile_run_step(
+        cfg, graphdef, tx, state_sharding=state_sharding, batch_sharding=batch_sharding
     )
     out = _breakdown(step.lower(state, batch).compile())
     param_bytes = sum(_per_device_bytes(x) for x in jax.tree.leaves(state.params))

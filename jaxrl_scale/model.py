@@ -323,8 +323,10 @@ class Policy(nnx.Module):
             # everything) and the mask rides in the carry.
             apply = _layer_fn(graphdef, "none", write_index)
             # The stacked copy is cast to the compute dtype first (the layer would cast each
-            # matrix anyway), so it costs weights x 2 bytes in bfloat16.
-            stacked = _stack([_compute_state(blk, self.compute_dtype) for blk in self.layers])
+            # matrix anyway; `for_generation`'s rule), so it costs weights x 2 bytes in bf16.
+            stacked = _stack(
+                [for_generation(nnx.state(blk), cfg, copy=False) for blk in self.layers]
+            )
             if kv is not None:
                 kv = tuple(c if isinstance(c, jax.Array) else jnp.stack(c) for c in kv)
 
@@ -420,16 +422,6 @@ def _layer_fn(graphdef, remat: str, write_index):
 
 def _is_norm(var) -> bool:
     return var.get_metadata().get("logical_axes") == ("norm",)
-
-
-def _compute_state(block: Block, dtype):
-    """A layer's weights with its matrices (and biases) in the compute dtype; norm weights stay
-    float32 (rms_norm scales in float32)."""
-
-    def cast(var):
-        return var if _is_norm(var) else var.replace(var.get_value().astype(dtype))
-
-    return jax.tree.map(cast, nnx.state(block), is_leaf=lambda x: isinstance(x, nnx.Variable))
 
 
 def for_generation(params, cfg: ModelConfig, *, copy: bool = True):

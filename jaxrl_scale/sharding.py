@@ -112,12 +112,18 @@ def constrain_rows(x):
     shard them along the model dimension instead (each device then runs every row); this
     pins the data-parallel layout at each layer boundary."""
     mesh = jax.sharding.get_abstract_mesh()
-    if mesh.empty:
-        return x
-    axes = tuple(a for a in LOGICAL_RULES["batch"] if a in mesh.axis_names)
-    if not axes or x.shape[0] % math.prod(mesh.shape[a] for a in axes):
+    axes = None if mesh.empty else row_axes(mesh, x.shape[0])
+    if axes is None:
         return x
     return jax.lax.with_sharding_constraint(x, PartitionSpec(axes, *([None] * (x.ndim - 1))))
+
+
+def row_axes(mesh, rows: int) -> tuple[str, ...] | None:
+    """The mesh's batch axes, when they split `rows` evenly (else None: rows stay whole)."""
+    axes = tuple(a for a in LOGICAL_RULES["batch"] if a in mesh.axis_names)
+    if not axes or rows % math.prod(mesh.shape[a] for a in axes):
+        return None
+    return axes
 
 
 def replicated(mesh: Mesh) -> NamedSharding:

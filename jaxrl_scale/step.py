@@ -14,7 +14,7 @@ import optax
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
-from jaxrl_scale.config import LossConfig, OptimConfig
+from jaxrl_scale.config import ExperimentConfig, LossConfig, OptimConfig
 from jaxrl_scale.losses import combine_sums, loss_sums, loss_weights, metrics_from_sums
 from jaxrl_scale.model import completion_logprobs, token_logprobs
 from jaxrl_scale.sharding import LOGICAL_RULES, replicated
@@ -277,6 +277,21 @@ def compile_train_step(
         in_shardings=(state_sharding, batch_sharding),
         out_shardings=(state_sharding, replicated(mesh)),
         donate_argnums=0,
+    )
+
+
+def compile_run_step(cfg: ExperimentConfig, graphdef, tx, *, state_sharding, batch_sharding):
+    """`compile_train_step` with a run's settings from `cfg` (group size, loss, sampling
+    temperature, micro-batches): the step a run trains with and `jaxrl-scale memory` plans."""
+    return compile_train_step(
+        graphdef,
+        tx,
+        group_size=cfg.train.group_size,
+        loss_cfg=cfg.loss,
+        temperature=cfg.sampler.temperature,
+        micro_batches=cfg.train.micro_batches,
+        state_sharding=state_sharding,
+        batch_sharding=batch_sharding,
     )
 
 

@@ -49,7 +49,7 @@ from jaxrl_scale.metrics import MetricsWriter, read_metrics
 from jaxrl_scale.model import Policy
 from jaxrl_scale.pipeline import ParamsSource, make_feeder, staleness_bound
 from jaxrl_scale.rollout import Rollouts, RolloutWorker, rollouts_from_host, rollouts_to_host
-from jaxrl_scale.step import Batch, compile_train_step, init_train_state, make_optimizer
+from jaxrl_scale.step import Batch, compile_run_step, init_train_state, make_optimizer
 from jaxrl_scale.tasks import make_task
 from jaxrl_scale.warm_start import warm_start
 
@@ -100,15 +100,8 @@ def setup(cfg: ExperimentConfig, out: str | Path, *, resume: bool = True) -> Run
     n_new = cfg.sampler.max_new_tokens
     rows = cfg.train.prompts_per_step * cfg.train.group_size
     batch_sharding = sharding.batch_shardings(Batch.shapes(rows, 1, n_new), mesh)
-    train_step = compile_train_step(
-        graphdef,
-        tx,
-        group_size=cfg.train.group_size,
-        loss_cfg=cfg.loss,
-        temperature=cfg.sampler.temperature,
-        micro_batches=cfg.train.micro_batches,
-        state_sharding=state_sharding,
-        batch_sharding=batch_sharding,
+    train_step = compile_run_step(
+        cfg, graphdef, tx, state_sharding=state_sharding, batch_sharding=batch_sharding
     )
 
     def new_train_state(params):
