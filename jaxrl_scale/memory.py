@@ -253,6 +253,7 @@ def plan(
             part["fits"] = part["per_device_bytes"] <= limit
             if not part["fits"]:
                 part["advice"] = _advice(name, part, cfg)
+        report["fits"] = all(report[name]["fits"] for name in names)
     return report
 
 

@@ -52,6 +52,9 @@ def test_a_config_that_does_not_fit_exits_1_and_names_the_biggest_term(capsys):
     out = capsys.readouterr().out
     assert "fits in 0.1 MiB: NO" in out
     assert "temporaries (activations and gradients" in out and "train.micro_batches" in out
+    # pipeline_rl on shared devices: both programs at once are judged too.
+    assert "train step + generate on the same devices" in out
+    assert "fits: NO" in out and "pipeline.generator_devices" in out
 
 
 def _temporaries(overrides):
