@@ -35,16 +35,17 @@ from collections.abc import Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 
 from jaxrl_scale import distributed
 from jaxrl_scale.model import KVCache
 from jaxrl_scale.sampler import (
     LENGTH,
+    THINKING,
     DecodeState,
     Interruption,
     Sampling,
     decode,
-    prefill,
 )
 from jaxrl_scale.sharding import LOGICAL_RULES, batch_sharding, replicated
 
@@ -65,16 +66,34 @@ class Finished:
     length: int  # completion tokens emitted (interruption text included)
 
 
+def batch_ways(mesh) -> int:
+    """How many ways the mesh's batch axes split the slots (1 without a mesh)."""
+    if mesh is None:
+        return 1
+    return math.prod(mesh.shape[a] for a in LOGICAL_RULES["batch"] if a in mesh.axis_names)
+
+
+def check_slots(slots: int, repeat: int, mesh) -> None:
+    """Slots that hold a group and split evenly over the mesh's batch shards (else every
+    device would hold, and decode, every slot's cache)."""
+    if slots < repeat:
+        raise ValueError(
+            f"sampler.slots: {slots} cannot hold at least one group of {repeat} rows "
+            "(train.group_size)"
+        )
+    ways = batch_ways(mesh)
+    if slots % ways:
+        raise ValueError(
+            f"sampler.slots: {slots} does not split over the generator's {ways} batch shards "
+            f"(use a multiple of {ways}, e.g. {-(-slots // ways) * ways})"
+        )
+
+
 def _slot_shardings(state: DecodeState, mesh):
-    """Per-slot fields split over the batch axes (when the slots divide evenly), the step
-    counter and key replicated."""
-    ways = math.prod(mesh.shape[a] for a in LOGICAL_RULES["batch"])
-    slots = state.done.shape[0]
+    """Per-slot fields split over the batch axes, the step counter and key replicated."""
 
     def one(x):
-        if np.ndim(x) == 0 or slots % ways:
-            return replicated(mesh)
-        return batch_sharding(mesh, np.ndim(x))
+        return replicated(mesh) if np.ndim(x) == 0 else batch_sharding(mesh, np.ndim(x))
 
     return jax.tree.map(one, state)
 
@@ -119,37 +138,120 @@ def _empty_state(model_cfg, b: int, prompt_len: int, n_new: int, pad_id: int, ke
     )
 
 
-def _admit(state: DecodeState, new: DecodeState, slot_idx):
-    """`new`'s rows written into the slots `slot_idx` (an index >= B is padding: dropped).
-    Every per-row field is replaced, the cache rows whole, and the rows start at column 0."""
+def _admit_local(state: DecodeState, k_new, v_new, valid_new, h_new, source, budget, think):
+    """One batch shard's slots take their prompts: slot i (source[i] >= 0) gets prompt
+    source[i] of this shard's prefilled prompts, a fresh row starting at column 0. A prompt's
+    keys and values fill the first L cache columns; the columns after them keep whatever a
+    previous occupant wrote, invisible behind `valid` (False there). Slots with source -1
+    are left as they are."""
+    admit = source >= 0
+    src = jnp.maximum(source, 0)
+    prompt_len = valid_new.shape[1]
 
-    def put(big, small):
-        return big.at[slot_idx].set(small.astype(big.dtype), mode="drop")
+    def keep_or(new, old):
+        pick = admit.reshape(admit.shape + (1,) * (old.ndim - 1))
+        return jnp.where(pick, new.astype(old.dtype), old)
 
+    def prompt_columns(big, small):  # [s, K, S, E] <- [m, K, L, E] by source
+        return big.at[:, :, :prompt_len].set(keep_or(small[src], big[:, :, :prompt_len]))
+
+    valid = valid_new[src]
+    zeros = jnp.zeros_like(state.logp)
     cache = KVCache(
-        k=tuple(map(put, state.cache.k, new.cache.k)),
-        v=tuple(map(put, state.cache.v, new.cache.v)),
-        valid=put(state.cache.valid, new.cache.valid),
+        k=tuple(map(prompt_columns, state.cache.k, k_new)),
+        v=tuple(map(prompt_columns, state.cache.v, v_new)),
+        valid=keep_or(jnp.pad(valid, ((0, 0), (0, state.cache.valid.shape[1] - prompt_len))),
+                      state.cache.valid),
+    )  # fmt: skip
+    fresh = dict(
+        h_bd=h_new[src],
+        tokens=jnp.zeros_like(state.tokens),
+        logp=zeros,
+        mask=zeros,
+        versions=jnp.full_like(state.versions, -1),
+        col=jnp.zeros_like(state.col),
+        position=jnp.sum(valid, axis=1, dtype=jnp.int32),
+        done=jnp.zeros_like(state.done),
+        finish=jnp.full_like(state.finish, LENGTH),
+        phase=jnp.full_like(state.phase, THINKING),
+        counts=jnp.zeros_like(state.counts),
+        matched=jnp.zeros_like(state.matched),
+        think_budget=think,
+        budget=budget,
     )
-    rows = {
-        f.name: put(getattr(state, f.name), getattr(new, f.name))
-        for f in dataclasses.fields(DecodeState)
-        if f.name not in ("cache", "step", "col", "key")
-    }
-    col = state.col.at[slot_idx].set(0, mode="drop")
-    return dataclasses.replace(state, cache=cache, col=col, **rows)
+    rows = {name: keep_or(value, getattr(state, name)) for name, value in fresh.items()}
+    return dataclasses.replace(state, cache=cache, **rows)
 
 
 @functools.partial(
     jax.jit,
-    static_argnames=("graphdef", "n_new", "interruption", "mesh", "repeat"),
+    static_argnames=("graphdef", "n_new", "interruption", "mesh"),
     donate_argnames=("state",),
 )
-def _prefill_into(state, graphdef, params, tokens, mask, key, budget, slot_idx, **static):
-    """Prefill prompts (`sampler.prefill`, G rows each) straight into the slots `slot_idx`:
-    one program, so an admission costs one dispatch."""
-    new = prefill(graphdef, params, tokens, mask, key, **static)
-    return _admit(state, dataclasses.replace(new, budget=budget), slot_idx)
+def _prefill_into(state, graphdef, params, tokens, mask, key, source, budget, *, n_new,
+                  interruption, mesh):  # fmt: skip
+    """Admission as one program: prefill `tokens` [W * m, L] (each of the W batch shards' m
+    prompts, the ones its own slots take) and write each admitted slot's prompt into it
+    (`source` [slots]: the index of its prompt among its shard's m, -1 for a slot left
+    alone; `budget` [slots]: its completion budget). Every device prefills and writes only
+    its own shard's rows, so what admission holds per device does not grow with the number
+    of devices, and nothing crosses between them."""
+    model = nnx.merge(graphdef, params)
+
+    def rows(x):  # split over the batch shards like the slots
+        if mesh is None:
+            return x
+        return jax.lax.with_sharding_constraint(x, batch_sharding(mesh, x.ndim))
+
+    tokens, mask, source, budget = map(rows, (tokens, mask, source, budget))
+    cache = jax.tree.map(rows, KVCache.empty(model.cfg, *tokens.shape))
+    positions = jnp.maximum(jnp.cumsum(mask, axis=1) - 1, 0)
+    h_btd, cache = model.extend(cache, tokens, positions, mask, 0)
+    slots = source.shape[0]
+    if interruption is None:
+        think = jnp.full((slots,), n_new + 1, jnp.int32)  # never reached
+    else:
+        think = jax.random.randint(
+            key, (slots,), interruption.think_min, interruption.think_max + 1, jnp.int32
+        )
+    think = rows(think)
+    args = (state, cache.k, cache.v, mask, rows(h_btd[:, -1]), source, budget, think)
+    if mesh is None:
+        return _admit_local(*args)
+    spec = jax.sharding.PartitionSpec
+    split = tuple(a for a in LOGICAL_RULES["batch"] if a in mesh.axis_names)
+    specs = jax.tree.map(lambda x: spec() if np.ndim(x) == 0 else spec(split), args)
+    return jax.shard_map(
+        _admit_local, mesh=mesh, in_specs=specs, out_specs=specs[0], check_vma=False
+    )(*args)
+
+
+def lower_admission(graphdef, params, state: DecodeState, *, repeat: int, prompt_len: int,
+                    n_new: int, interruption, mesh):  # fmt: skip
+    """The admission program lowered for the widest admission a shard can see (what
+    `jaxrl-scale memory` plans), from abstract `params` and `state` (`abstract_slots`)."""
+    slots = state.done.shape[0]
+    ways = batch_ways(mesh)
+    width = admission_width(slots // ways, repeat)
+    shape = lambda *s, dtype: jax.ShapeDtypeStruct(  # noqa: E731
+        s, dtype, sharding=None if mesh is None else batch_sharding(mesh, len(s))
+    )
+    return _prefill_into.lower(
+        state, graphdef, params,
+        shape(ways * width, prompt_len, dtype=jnp.int32),
+        shape(ways * width, prompt_len, dtype=jnp.bool_),
+        jax.random.key(0),
+        shape(slots, dtype=jnp.int32),
+        shape(slots, dtype=jnp.int32),
+        n_new=n_new, interruption=interruption, mesh=mesh,
+    )  # fmt: skip
+
+
+def admission_width(per_shard: int, repeat: int) -> int:
+    """The most prompts one shard's slots can take in one admission, as compiled (a power of
+    two, so few shapes): each of its `per_shard` slots takes a row of a group of `repeat`,
+    and the groups cut by the shard's edges add one."""
+    return _bucket(min(per_shard, -(-per_shard // repeat) + 1), per_shard)
 
 
 @jax.jit
@@ -187,8 +289,8 @@ class SlotEngine:
         key=None,
         mesh: jax.sharding.Mesh | None = None,
     ):
-        if slots < repeat:
-            raise ValueError(f"slots ({slots}) must hold at least one group of {repeat} rows")
+        check_slots(slots, repeat, mesh)
+        self.ways = batch_ways(mesh)  # batch shards: each admits into its own slots
         self.graphdef, self.slots, self.repeat, self.mesh = graphdef, slots, repeat, mesh
         self.prompt_len, self.n_new, self.pad_id = prompt_len, n_new, pad_id
         # Admissions draw from one stream, decode steps from another (the state's, donated).
@@ -258,12 +360,16 @@ class SlotEngine:
 
     # ------------------------------------------------------------------ steps
 
-    def _put(self, host: np.ndarray) -> np.ndarray | jax.Array:
+    def _put(self, host: np.ndarray, rows: bool = False) -> np.ndarray | jax.Array:
         """A host array, the same on every process, as an input of the engine's programs:
-        across processes each one places its copy on its devices of the mesh."""
-        if self.mesh is None or jax.process_count() == 1:
+        replicated, or with `rows` split over the batch shards like the slots. Across
+        processes each one places its part on its devices of the mesh."""
+        if self.mesh is None:
             return host  # moved with the call that takes it
-        return distributed.place(host, replicated(self.mesh))
+        where = batch_sharding(self.mesh, host.ndim) if rows else replicated(self.mesh)
+        if jax.process_count() == 1:
+            return jax.device_put(host, where) if rows else host
+        return distributed.place(host, where)
 
     def _admit_waiting(self, params, version: int) -> None:
         free = [i for i, o in enumerate(self.occupant) if o is None]
@@ -276,32 +382,40 @@ class SlotEngine:
         if not n:
             return
         groups = [self.waiting.popleft() for _ in range(n)]
-        width = _bucket(n, self.slots // self.repeat)
-        tokens = np.full((width, self.prompt_len), self.pad_id, np.int32)
-        mask = np.zeros((width, self.prompt_len), bool)
-        mask[:, -1] = True  # padding prompts: one token each, their rows dropped below
-        slot_idx = np.full(width * self.repeat, self.slots, np.int32)  # >= B: dropped
-        budget = np.full(width * self.repeat, self.n_new, np.int32)
-        for g, (request, t, m, max_new, _) in enumerate(groups):
-            tokens[g], mask[g] = t, m
-            budget[g * self.repeat : (g + 1) * self.repeat] = max_new
+        # Each batch shard prefills the prompts its own slots take (a group cut by a shard's
+        # edge is prefilled on both sides): `needed[d]` lists shard d's groups, `source` gives
+        # each slot its prompt's index among them.
+        per_shard = self.slots // self.ways
+        needed: list[list[int]] = [[] for _ in range(self.ways)]
+        source = np.full(self.slots, -1, np.int32)
+        budget = np.full(self.slots, self.n_new, np.int32)
+        for g, (request, _, _, max_new, _) in enumerate(groups):
             for r in range(self.repeat):
                 slot = free[g * self.repeat + r]
-                slot_idx[g * self.repeat + r] = slot
+                shard = needed[slot // per_shard]
+                if not shard or shard[-1] != g:
+                    shard.append(g)
+                source[slot], budget[slot] = len(shard) - 1, max_new
                 self.occupant[slot] = (request, r)
+        width = _bucket(max(map(len, needed)), per_shard)
+        tokens = np.full((self.ways * width, self.prompt_len), self.pad_id, np.int32)
+        mask = np.zeros((self.ways * width, self.prompt_len), bool)
+        mask[:, -1] = True  # padding prompts: one token each, taken by no slot
+        for d, shard in enumerate(needed):
+            for j, g in enumerate(shard):
+                tokens[d * width + j], mask[d * width + j] = groups[g][1], groups[g][2]
         key = jax.random.fold_in(self.key, self.admissions)
         self.admissions += 1
         self.state = _prefill_into(
             self.state,
             self.graphdef,
             params,
-            *map(self._put, (tokens, mask)),
+            *(self._put(x, rows=True) for x in (tokens, mask)),
             key,
-            *map(self._put, (budget, slot_idx)),
+            *(self._put(x, rows=True) for x in (source, budget)),
             n_new=self.n_new,
             interruption=self.interruption,
             mesh=self.mesh,
-            repeat=self.repeat,
         )
 
     def _collect(self):

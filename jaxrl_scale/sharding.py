@@ -205,6 +205,9 @@ def check_divisible(cfg: ExperimentConfig, mesh: Mesh, gen_mesh: Mesh | None) ->
                 "generator",
             ),
         ]
+    if cfg.sampler.slots:  # the KV cache's rows, split like a batch's (else every device
+        # would hold and decode every slot); static waves decode this many rows at a time
+        checks.append(("sampler.slots", cfg.sampler.slots, gen_mesh or mesh, "generator"))
     for name, size, m, where in checks:
         ways = m.shape["data"] * m.shape["fsdp"]
         if size % ways:
