@@ -1,4 +1,4 @@
-"""Grouped-query attention under a slot mask, in three implementations behind one call.
+"""Grouped-query attention under a slot mask, in four implementations behind one call.
 
 Shape key: B batch, T queries, S key slots, H query heads, K kv-heads (G = H / K queries share
 one), E head dim. Keys and values are heads-major [B, K, S, E] (the KV cache's layout: a decode step
@@ -16,12 +16,12 @@ Implementations (`model.attention`):
   but the scores are stored for the backward pass, so memory grows as T S.
 - "blockwise": online softmax over key blocks inside query blocks (flash attention written in
   XLA), with a hand-written backward that recomputes each block from the saved log-sum-exp:
-  only [B, K, G, bq, bk] is live at a time and nothing quadratic is stored. Blocks that the mask
-  hides entirely (the causal upper triangle, left padding) are skipped.
-- "cudnn": the fused cuDNN kernel through `jax.nn.dot_product_attention`, for self-attention
-  over rows whose real tokens are contiguous (left-padded prompt, completion, right padding:
-  what the trainer builds): each row is rotated so its tokens start at slot 0, which turns the
-  mask into cuDNN's causal-with-sequence-lengths mask. bfloat16/float16 only.
+  only [B, K, G, bq, bk] is live at a time and nothing quadratic is stored. Block pairs that the
+  mask hides in every row (the causal upper triangle, left padding) are skipped, decided once
+  per call before the loops (no collective inside them when the rows are split over devices).
+- "cudnn": the fused cuDNN kernel through `jax.nn.dot_product_attention`, for self-attention:
+  each row's valid slots are gathered to the front in order (whatever the padding or holes),
+  which turns the mask into cuDNN's causal-with-sequence-lengths mask. bfloat16/float16 only.
 - "splash": the Pallas splash-attention kernel for TPUs (`jax.experimental.pallas.ops.tpu`),
   for calls whose queries sit at the same static slot offset in every row (self-attention,
   and appending to a cache at a Python-int index): a causal mask with that offset, and the
@@ -102,7 +102,8 @@ def attend(
     query_offset: int | None = None,
 ):
     """softmax(q k^T * scale + mask) v -> [B, T, H, E] in q's dtype; scores and softmax in
-    float32. A query that sees no key gets zeros (xla: a uniform average of the values).
+    float32. A query that sees no key gets zeros (xla: a uniform average of the values);
+    "cudnn" and "splash" give the slot mask's output only at queries whose own slot is valid.
     "splash" needs `query_offset` (qslot_bt = query_offset + t in every row)."""
     if implementation == "xla":
         return _attend_xla(q_bthe, k_bkse, v_bkse, slot_mask(valid_bs, qslot_bt), scale, precision)
@@ -184,9 +185,25 @@ def _block_scores(q_bkgte, k_bkse, mask, scale, precision):
     return jnp.where(mask, s * scale, _NEG)
 
 
-def _skip_if_hidden(mask, step, carry):
-    """Run `step(carry)` unless the block's mask hides every pair (then carry passes through)."""
-    return jax.lax.cond(jnp.any(mask), step, lambda c: c, carry)
+def _visible_blocks(qslot, valid, slots):
+    """[nq, nk] bool: whether key block j holds a slot that some query of block i sees, in any
+    row (False: the block pair's work can be skipped). A query block sees a key block in row b
+    iff the block's first valid slot is at or before the block's last query slot.
+
+    Decided once per call for all rows together, before the loops over blocks: under a mesh
+    that splits the rows, the loops then read a replicated table (one [nq, nk] all-reduce here)
+    instead of agreeing on each step's skip with an all-reduce inside the loop. A decision per
+    device would skip more only where devices' rows hide different blocks (padding); the
+    causal upper triangle, most of what is skipped, is hidden in every row."""
+    last_query_ib = jnp.max(qslot, axis=-1)
+    hidden = jnp.iinfo(jnp.int32).max
+    first_key_jb = jnp.min(jnp.where(valid, slots[:, None, :], hidden), axis=-1)
+    return jnp.any(first_key_jb[None, :, :] <= last_query_ib[:, None, :], axis=-1)
+
+
+def _skip_if_hidden(visible, step, carry):
+    """Run `step(carry)` where the block pair is visible (else carry passes through)."""
+    return jax.lax.cond(visible, step, lambda c: c, carry)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7))
@@ -212,13 +229,14 @@ def _layout(q_bthe, k_bkse, v_bkse, valid_bs, qslot_bt, block):
 
 def _blockwise_fwd(q_bthe, k_bkse, v_bkse, valid_bs, qslot_bt, scale, precision, block):
     q, qslot, k, v, valid, slots = _layout(q_bthe, k_bkse, v_bkse, valid_bs, qslot_bt, block)
+    visible_ij = _visible_blocks(qslot, valid, slots)
 
     def one_query_block(xs):
-        q_i, qslot_i = xs
+        q_i, qslot_i, visible_j = xs
         stats = q_i.shape[:-1]  # [B, K, G, bq]
 
         def one_key_block(carry, ys):
-            k_j, v_j, valid_j, slots_j = ys
+            k_j, v_j, valid_j, slots_j, visible = ys
             mask = _block_mask(valid_j, slots_j, qslot_i)
 
             def step(carry):
@@ -236,27 +254,28 @@ def _blockwise_fwd(q_bthe, k_bkse, v_bkse, valid_bs, qslot_bt, scale, precision,
                 )
                 return m_new, alpha * denom + jnp.sum(p, axis=-1), alpha[..., None] * acc + pv
 
-            return _skip_if_hidden(mask, step, carry), None
+            return _skip_if_hidden(visible, step, carry), None
 
         init = (
             jnp.full(stats, _NEG, jnp.float32),
             jnp.zeros(stats, jnp.float32),
             jnp.zeros((*stats, q_i.shape[-1]), jnp.float32),
         )
-        (m, denom, acc), _ = jax.lax.scan(one_key_block, init, (k, v, valid, slots))
+        (m, denom, acc), _ = jax.lax.scan(one_key_block, init, (k, v, valid, slots, visible_j))
         seen = denom > 0
         out = acc / jnp.where(seen, denom, 1.0)[..., None]
         return out.astype(q_i.dtype), jnp.where(seen, m + jnp.log(jnp.where(seen, denom, 1.0)), 0.0)
 
-    out, lse = jax.lax.map(one_query_block, (q, qslot))
+    out, lse = jax.lax.map(one_query_block, (q, qslot, visible_ij))
     t = q_bthe.shape[1]
     out_bthe = _ungrouped(_unblocks(out, 3, t))
-    residuals = (q_bthe, k_bkse, v_bkse, valid_bs, qslot_bt, out_bthe, _unblocks(lse, 3, t))
+    lse_bkgt = _unblocks(lse, 3, t)
+    residuals = (q_bthe, k_bkse, v_bkse, valid_bs, qslot_bt, out_bthe, lse_bkgt, visible_ij)
     return out_bthe, residuals
 
 
 def _blockwise_bwd(scale, precision, block, residuals, dout_bthe):
-    q_bthe, k_bkse, v_bkse, valid_bs, qslot_bt, out_bthe, lse_bkgt = residuals
+    q_bthe, k_bkse, v_bkse, valid_bs, qslot_bt, out_bthe, lse_bkgt, visible_ij = residuals
     n_kv = k_bkse.shape[1]
     t, s = q_bthe.shape[1], k_bkse.shape[2]
     bq = min(block, t)
@@ -281,10 +300,10 @@ def _blockwise_bwd(scale, precision, block, residuals, dout_bthe):
         return p, p * (dp - d_i[..., None])
 
     def dq_block(xs):
-        q_i, qslot_i, do_i, lse_i, d_i = xs
+        q_i, qslot_i, do_i, lse_i, d_i, visible_j = xs
 
         def one_key_block(dq, ys):
-            k_j, v_j, valid_j, slots_j = ys
+            k_j, v_j, valid_j, slots_j, visible = ys
 
             mask = _block_mask(valid_j, slots_j, qslot_i)
 
@@ -298,16 +317,17 @@ def _blockwise_bwd(scale, precision, block, residuals, dout_bthe):
                     preferred_element_type=jnp.float32,
                 )
 
-            return _skip_if_hidden(mask, step, dq), None
+            return _skip_if_hidden(visible, step, dq), None
 
-        dq, _ = jax.lax.scan(one_key_block, jnp.zeros(q_i.shape, jnp.float32), (k, v, valid, slots))
+        zeros = jnp.zeros(q_i.shape, jnp.float32)
+        dq, _ = jax.lax.scan(one_key_block, zeros, (k, v, valid, slots, visible_j))
         return (dq * scale).astype(q_i.dtype)
 
     def dkv_block(ys):
-        k_j, v_j, valid_j, slots_j = ys
+        k_j, v_j, valid_j, slots_j, visible_i = ys
 
         def one_query_block(carry, xs):
-            q_i, qslot_i, do_i, lse_i, d_i = xs
+            q_i, qslot_i, do_i, lse_i, d_i, visible = xs
             mask = _block_mask(valid_j, slots_j, qslot_i)
 
             def step(carry):
@@ -329,14 +349,15 @@ def _blockwise_bwd(scale, precision, block, residuals, dout_bthe):
                 )
                 return dk, dv
 
-            return _skip_if_hidden(mask, step, carry), None
+            return _skip_if_hidden(visible, step, carry), None
 
         zeros = jnp.zeros(k_j.shape, jnp.float32)
-        (dk, dv), _ = jax.lax.scan(one_query_block, (zeros, zeros), (q, qslot, do, lse, d))
+        queries = (q, qslot, do, lse, d, visible_i)
+        (dk, dv), _ = jax.lax.scan(one_query_block, (zeros, zeros), queries)
         return (dk * scale).astype(k_j.dtype), dv.astype(v_j.dtype)
 
-    dq = jax.lax.map(dq_block, (q, qslot, do, lse, d))
-    dk, dv = jax.lax.map(dkv_block, (k, v, valid, slots))
+    dq = jax.lax.map(dq_block, (q, qslot, do, lse, d, visible_ij))
+    dk, dv = jax.lax.map(dkv_block, (k, v, valid, slots, visible_ij.T))
     dq_bthe = _ungrouped(_unblocks(dq, 3, t))
     return dq_bthe, _unblocks(dk, 2, s), _unblocks(dv, 2, s), None, None
 
@@ -347,24 +368,37 @@ blockwise_attention.defvjp(_blockwise_fwd, _blockwise_bwd)
 # --------------------------------------------------------------------------- cuDNN
 
 
-def _rotate(x, shift_b, axis: int):
-    """Row b of x shifted left by shift_b[b] along `axis` (circularly)."""
-    n = x.shape[axis]
-    idx = (jnp.arange(n)[None, :] + shift_b[:, None]) % n  # [B, n]
-    idx = idx.reshape(idx.shape[0], *([1] * (axis - 1)), n, *([1] * (x.ndim - axis - 1)))
+def _gather_slots(x, idx_bn, axis: int):
+    """x[b, ..., idx_bn[b, n], ...] along `axis`: each row reads its own slots."""
+    n = idx_bn.shape[1]
+    idx = idx_bn.reshape(idx_bn.shape[0], *([1] * (axis - 1)), n, *([1] * (x.ndim - axis - 1)))
     return jnp.take_along_axis(x, idx, axis=axis)
 
 
+def _compaction(valid_bs):
+    """Each row's slots reordered with its valid ones first, in order, then the rest:
+    (src_bs, dest_bs), where position p of the new order holds slot src_bs[b, p] and slot s
+    moves to position dest_bs[b, s]."""
+    valid = valid_bs.astype(jnp.int32)
+    rank_bs = jnp.cumsum(valid, axis=1) - 1
+    rest_bs = jnp.sum(valid, axis=1, keepdims=True) + jnp.cumsum(1 - valid, axis=1) - 1
+    dest_bs = jnp.where(valid_bs, rank_bs, rest_bs)
+    return jnp.argsort(dest_bs, axis=1).astype(jnp.int32), dest_bs
+
+
 def cudnn_self_attention(q_bthe, k_bkse, v_bkse, valid_bs, *, scale: float, implementation="cudnn"):
-    """Causal self-attention (T = S, query t at slot t) over rows whose real tokens are one
-    contiguous run, through `jax.nn.dot_product_attention`. Rotating each row left by its
-    padding puts its tokens at 0..len-1, where "causal + sequence lengths" is exactly the slot
-    mask; the output rotates back. `implementation=None` runs the same path in XLA (tests)."""
-    start_b = jnp.argmax(valid_bs, axis=1).astype(jnp.int32)
+    """Causal self-attention (T = S, query t at slot t) under any slot validity, through
+    `jax.nn.dot_product_attention`. Each row's valid slots move to the front, in order (left
+    padding, holes and right padding alike): the query at a row's i-th valid slot then sits at
+    position i and sees positions 0..i, exactly the valid slots up to its own, so "causal +
+    sequence lengths" is the slot mask; the output moves back. Outputs at slots that hold no
+    token are not the slot mask's (a slot without a token predicts nothing).
+    `implementation=None` runs the same path in XLA (tests)."""
+    src_bs, dest_bs = _compaction(valid_bs)
     len_b = jnp.sum(valid_bs, axis=1, dtype=jnp.int32)
-    q = _rotate(q_bthe, start_b, 1)
-    k = _rotate(k_bkse.swapaxes(1, 2), start_b, 1)
-    v = _rotate(v_bkse.swapaxes(1, 2), start_b, 1)
+    q = _gather_slots(q_bthe, src_bs, 1)
+    k = _gather_slots(k_bkse.swapaxes(1, 2), src_bs, 1)
+    v = _gather_slots(v_bkse.swapaxes(1, 2), src_bs, 1)
     out = jax.nn.dot_product_attention(
         q,
         k,
@@ -375,7 +409,7 @@ def cudnn_self_attention(q_bthe, k_bkse, v_bkse, valid_bs, *, scale: float, impl
         key_value_seq_lengths=len_b,
         implementation=implementation,
     )
-    return _rotate(out, (q.shape[1] - start_b) % q.shape[1], 1)
+    return _gather_slots(out, dest_bs, 1)
 
 
 # --------------------------------------------------------------------------- TPU splash

@@ -1,8 +1,10 @@
-"""Blockwise attention, the cuDNN path's row rotation, remat and scanned layers: each against
-the stored-scores reference (values and gradients), and memory read from the compiled program."""
+"""Blockwise attention, the cuDNN path's slot gathering, splash, remat and scanned layers: each
+against the stored-scores reference (values and gradients), and memory and collectives read from
+the compiled program."""
 
 import dataclasses
 import functools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -99,23 +101,103 @@ def test_blockwise_stores_nothing_quadratic():
     assert temp("blockwise", 4096) < temp("xla", 4096) / 8
 
 
-def test_cudnn_rotation_is_the_slot_mask_on_contiguous_rows():
-    """The cuDNN path rotates each row so its tokens start at 0 and asks for causal attention
+def _collectives_in_loops(hlo: str) -> tuple[int, list[str]]:
+    """(number of while loops, collective instructions inside any while loop's body or
+    condition or any computation those call) of a compiled HLO module's text."""
+    computations, name = {}, None
+    for line in hlo.splitlines():
+        head = re.match(r"(?:ENTRY )?%([\w.\-]+) \(", line)
+        if head:
+            name = head.group(1)
+            computations[name] = []
+        elif name is not None:
+            computations[name].append(line)
+    callee = r"\b(?:body|condition|calls|to_apply|branch_computations|true_computation|" \
+        r"false_computation)=(\{[^}]*\}|%[\w.\-]+)"  # fmt: skip
+
+    def called(lines):
+        refs = (r for line in lines for r in re.findall(callee, line))
+        return {n for r in refs for n in re.findall(r"%([\w.\-]+)", r)}
+
+    loops = [ln for lines in computations.values() for ln in lines if re.search(r" while\(", ln)]
+    todo = {n for ln in loops for n in re.findall(r"\b(?:body|condition)=%([\w.\-]+)", ln)}
+    inside = set()
+    while todo:
+        name = todo.pop()
+        inside.add(name)
+        todo |= called(computations[name]) - inside
+    op = r" (all-reduce|all-gather|collective-permute|all-to-all|reduce-scatter)(-start)?\("
+    found = [ln.strip() for n in inside for ln in computations[n] if re.search(op, ln)]
+    return len(loops), found
+
+
+def test_blockwise_under_split_rows_has_no_collective_inside_its_loops():
+    """Rows split over 8 devices (the train step's batch axes, traced under its mesh): the
+    compiled forward + backward decides which block pairs to skip before its loops, so no
+    loop body holds a collective, and its values and gradients are the stored-scores ones."""
+    b, t, block = 8, 64, 16
+    q, kk, v, valid, _ = _random_case(7, b=b, t=t, s=t)
+    valid = valid | (jnp.arange(t) >= 40)[None]  # holes, but every row's tail is real
+    qslot = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+    mesh = sharding.make_mesh(MeshConfig(data=2, fsdp=4, tensor=1))
+    rows = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(("data", "fsdp")))
+    args = jax.device_put((q, kk, v, valid, qslot), rows)
+    cotangent = jax.random.normal(jax.random.key(1), q.shape) * valid[:, :, None, None]
+
+    def grads(implementation):
+        def loss(q, k, v, valid, qslot):
+            out = attention.attend(
+                q, k, v, valid, qslot, scale=0.3, implementation=implementation, block_size=block
+            )
+            return jnp.sum(out * cotangent)
+
+        return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))
+
+    with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+        step = grads("blockwise")
+        loops, collectives = _collectives_in_loops(step.lower(*args).compile().as_text())
+        got, got_g = step(*args)
+    assert loops >= 6  # forward, dq and dk/dv: a loop over blocks inside a loop over blocks
+    assert not collectives, collectives
+    want, want_g = grads("xla")(q, kk, v, valid, qslot)
+    np.testing.assert_allclose(got, want, rtol=1e-5)
+    for a, b_ in zip(got_g, want_g, strict=True):
+        np.testing.assert_allclose(a, b_, atol=1e-5)
+
+
+def test_cudnn_gathering_is_the_slot_mask_on_any_rows():
+    """The cuDNN path gathers each row's valid slots to the front and asks for causal attention
     with sequence lengths; run through jax's XLA implementation of the same call, it equals
-    the slot mask on rows with left and right padding."""
+    the slot mask at every valid slot, in values and gradients, on rows with left padding,
+    right padding and holes (a packed row or a prompt followed by a gap)."""
     rng = np.random.default_rng(3)
-    b, t, h, k, e = 3, 12, 4, 2, 8
+    b, t, h, k, e = 4, 12, 4, 2, 8
     q = jnp.asarray(rng.normal(size=(b, t, h, e)), jnp.float32)
     kk = jnp.asarray(rng.normal(size=(b, k, t, e)), jnp.float32)
     v = jnp.asarray(rng.normal(size=(b, k, t, e)), jnp.float32)
-    starts, lengths = np.array([0, 3, 5]), np.array([12, 6, 2])
-    valid = (np.arange(t) >= starts[:, None]) & (np.arange(t) < (starts + lengths)[:, None])
+    valid = np.zeros((b, t), bool)
+    valid[0, :] = True
+    valid[1, 3:9] = True  # left and right padding
+    valid[2, [1, 2, 5, 6, 7, 10]] = True  # holes
+    valid[3, [0, 1, 2, 3, 8, 9, 10, 11]] = True  # one hole in the middle
     qslot = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
-    want = attention.attend(q, kk, v, jnp.asarray(valid), qslot, scale=0.3)
-    got = attention.cudnn_self_attention(
-        q, kk, v, jnp.asarray(valid), scale=0.3, implementation=None
+    cotangent = jnp.asarray(rng.normal(size=q.shape) * valid[:, :, None, None], jnp.float32)
+
+    def value_and_grads(run):
+        f = lambda q, k, v: jnp.sum(run(q, k, v) * cotangent)  # noqa: E731
+        return jax.jit(run)(q, kk, v), jax.jit(jax.grad(f, argnums=(0, 1, 2)))(q, kk, v)
+
+    want, want_g = value_and_grads(
+        lambda q, k, v: attention.attend(q, k, v, jnp.asarray(valid), qslot, scale=0.3)
+    )
+    got, got_g = value_and_grads(
+        lambda q, k, v: attention.cudnn_self_attention(
+            q, k, v, jnp.asarray(valid), scale=0.3, implementation=None
+        )
     )
     np.testing.assert_allclose(np.asarray(got)[valid], np.asarray(want)[valid], atol=1e-5)
+    for a, b_ in zip(got_g, want_g, strict=True):
+        np.testing.assert_allclose(a, b_, atol=1e-5)
 
 
 @pytest.mark.parametrize("holes", [True, False])
