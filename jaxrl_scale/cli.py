@@ -73,6 +73,14 @@ def _parser() -> argparse.ArgumentParser:
     memory.add_argument(
         "--device-memory", type=float, default=None, metavar="GIB", help="say whether it fits"
     )
+    memory.add_argument(
+        "--mem-fraction",
+        type=float,
+        default=None,
+        metavar="F",
+        help="the share of --device-memory JAX's pool gets (default: "
+        "XLA_PYTHON_CLIENT_MEM_FRACTION, else 0.75 as JAX preallocates on a GPU; 1 for a TPU)",
+    )
     memory.add_argument("--json", action="store_true", help="print one JSON object")
 
     fit = sub.add_parser("fit", help="fit scaling curves to CSV / JSONL files or run directories")
@@ -140,7 +148,12 @@ def _memory(args) -> int:
     from jaxrl_scale.memory import format_plan, plan, resolve_model
 
     cfg = resolve_model(load_config(args.config, args.overrides))
-    report = plan(cfg, prompt_len=args.prompt_len, device_memory_gib=args.device_memory)
+    report = plan(
+        cfg,
+        prompt_len=args.prompt_len,
+        device_memory_gib=args.device_memory,
+        mem_fraction=args.mem_fraction,
+    )
     print(json.dumps(report, indent=2) if args.json else format_plan(report))
     return 0 if report.get("fits", True) else 1
 

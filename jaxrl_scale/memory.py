@@ -1,5 +1,6 @@
-"""Will a config fit? Compile its train step and a decode chunk from abstract shapes and read
-XLA's memory analysis, per device, before anything is allocated.
+"""Will a config fit? Compile every program a run puts on each device (the train step; the
+generator's decode chunk, admission or prefill, and held-out evaluation) from abstract shapes
+and read XLA's memory analysis, per device, before anything is allocated.
 
     XLA_FLAGS=--xla_force_host_platform_device_count=8 \\
         jaxrl-scale memory --config configs/scalerl_qwen3-8b_math.yaml --device-memory 80
@@ -8,8 +9,14 @@ Nothing here touches real weights or data: the model, optimizer state and batche
 ShapeDtypeStructs carrying the shardings the run would give them, so a laptop with fake CPU
 devices plans a pod's run. The numbers are what XLA's compiler reserves for one device on the
 platform it compiled for (the CPU compiler's buffer assignment when run on fake devices: the
-same program and shapes as on an accelerator, though fusion and scheduling differ, so treat
-a margin of 10-15% as noise).
+same shapes and shardings as on an accelerator, though fusion and scheduling differ, so treat
+a margin of 10-15% as noise). Under `model.attention: auto` the CPU compiles the blockwise
+attention where a GPU runs cuDNN and a TPU the splash kernel; the report names the program
+it compiled, and only a plan run on the accelerator compiles the accelerator's own.
+
+A verdict compares what one device holds at once with the memory pool JAX gets there: on a
+GPU, XLA_PYTHON_CLIENT_MEM_FRACTION of the device (JAX preallocates 0.75 unless it is set;
+the launchers set it), on a TPU the whole device (`--mem-fraction 1`).
 
 On CPU a bf16 program's temporaries hold float32 copies of every bf16 matmul operand (the CPU
 has no bf16 matmuls; for a decode chunk that is every layer's weights and the whole KV cache,
@@ -29,17 +36,20 @@ import jax
 import numpy as np
 from flax import nnx
 
-from jaxrl_scale import sharding
+from jaxrl_scale import attention, sharding
 from jaxrl_scale.config import ExperimentConfig
-from jaxrl_scale.engine import abstract_slots
+from jaxrl_scale.engine import abstract_slots, batch_ways, lower_admission
 from jaxrl_scale.hf import config_from_hf, resolve_checkpoint
 from jaxrl_scale.model import Policy, for_generation
-from jaxrl_scale.rollout import decodes_with_copy
-from jaxrl_scale.sampler import Interruption, Sampling, decode
+from jaxrl_scale.rollout import decodes_with_copy, wave_prompts
+from jaxrl_scale.sampler import Interruption, Sampling, decode, prefill
 from jaxrl_scale.step import Batch, TrainState, compile_run_step, make_optimizer
 
 GIB = 2**30
 DEFAULT_PROMPT_LEN = 1024  # tokens of a math prompt when --prompt-len does not say
+# The share of a GPU's memory JAX takes for its pool when XLA_PYTHON_CLIENT_MEM_FRACTION is
+# not set (it preallocates it at start-up): what a plan compares with on a GPU.
+JAX_GPU_MEM_FRACTION = 0.75
 
 
 def task_prompt_len(cfg: ExperimentConfig) -> tuple[int, str]:
@@ -141,6 +151,55 @@ def train_step_memory(cfg: ExperimentConfig, mesh, prompt_len: int) -> dict[str,
     return out
 
 
+def _interruption(cfg: ExperimentConfig) -> Interruption | None:
+    """The config's forced interruption with placeholder token ids (only their count
+    matters to memory)."""
+    i = cfg.sampler.interruption
+    if i is None:
+        return None
+    text = tuple(range(max(1, len(i.text) // 4)))
+    return Interruption(text, i.think_min, i.think_max, i.answer_budget, (1,))
+
+
+def _decode_chunk(cfg, graphdef, params, state, prompt_len: int, temperature: float):
+    lowered = decode.lower(
+        graphdef,
+        params,
+        state,
+        0,
+        max(cfg.sampler.chunk_size, 1),
+        sampling=Sampling(temperature, 1.0, 0),
+        eos_ids=(1,),
+        pad_id=0,
+        interruption=_interruption(cfg),
+        prompt_len=prompt_len,
+    )
+    return _breakdown(lowered.compile())
+
+
+def _wave_prefill(cfg, graphdef, params, mesh, prompts: int, prompt_len: int, repeat: int):
+    """The static path's prefill of one wave: `prompts` prompts (on every device, as
+    `RolloutWorker.generate` places them) into `repeat` rows each."""
+    where = sharding.batch_sharding(mesh) if repeat == 1 else sharding.replicated(mesh)
+    shape = lambda dtype: jax.ShapeDtypeStruct((prompts, prompt_len), dtype, sharding=where)  # noqa: E731
+    lowered = prefill.lower(
+        graphdef,
+        params,
+        shape(np.int32),
+        shape(np.bool_),
+        jax.random.key(0),
+        n_new=cfg.sampler.max_new_tokens,
+        interruption=_interruption(cfg),
+        mesh=mesh,
+        repeat=repeat,
+    )
+    return _breakdown(lowered.compile())
+
+
+def _state_bytes(state) -> int:
+    return sum(_per_device_bytes(x) for x in jax.tree.leaves(state))
+
+
 def generate_memory(
     cfg: ExperimentConfig, mesh, prompt_len: int, *, copy: bool = True, copies: int = 1
 ) -> dict[str, Any]:
@@ -151,28 +210,11 @@ def generate_memory(
     else with the trainer's."""
     graphdef, params = _abstract_params(cfg, mesh, generation=copy)
     slots = cfg.sampler.slots or cfg.train.prompts_per_step * cfg.train.group_size
-    n_new = cfg.sampler.max_new_tokens
-    state = abstract_slots(cfg.model, slots, prompt_len, n_new, mesh)
-    i = cfg.sampler.interruption
-    interruption = None
-    if i is not None:  # the text's tokens only matter for their count: one placeholder each
-        text = tuple(range(max(1, len(i.text) // 4)))
-        interruption = Interruption(text, i.think_min, i.think_max, i.answer_budget, (1,))
-    lowered = decode.lower(
-        graphdef,
-        params,
-        state,
-        0,
-        max(cfg.sampler.chunk_size, 1),
-        sampling=Sampling(cfg.sampler.temperature, 1.0, 0),
-        eos_ids=(1,),
-        pad_id=0,
-        interruption=interruption,
-        prompt_len=prompt_len,
-    )
-    out = _breakdown(lowered.compile())
+    state = abstract_slots(cfg.model, slots, prompt_len, cfg.sampler.max_new_tokens, mesh)
+    out = _decode_chunk(cfg, graphdef, params, state, prompt_len, cfg.sampler.temperature)
     cache = state.cache
     out["kv_cache_bytes"] = sum(_per_device_bytes(x) for x in jax.tree.leaves((cache.k, cache.v)))
+    out["decode_state_bytes"] = _state_bytes(state)
     out["parameters_bytes"] = sum(_per_device_bytes(x) for x in jax.tree.leaves(params))
     out["parameter_copies"] = copies
     out["per_device_bytes"] += (copies - 1) * out["parameters_bytes"]
@@ -180,42 +222,115 @@ def generate_memory(
     return out
 
 
+def prefill_memory(cfg: ExperimentConfig, mesh, prompt_len: int, *, copy: bool) -> dict[str, Any]:
+    """The program that starts rows: on the slot engine (`sampler.batching` continuous) its
+    admission, the widest one a batch shard can see; on the static path the prefill of one
+    wave. Its `extra_bytes`: what it holds beyond the parameters and the slots' state that
+    the decode chunk holds too."""
+    graphdef, params = _abstract_params(cfg, mesh, generation=copy)
+    g, n_new = cfg.train.group_size, cfg.sampler.max_new_tokens
+    if cfg.batching == "continuous":
+        slots = cfg.sampler.slots or cfg.train.prompts_per_step * g
+        state = abstract_slots(cfg.model, slots, prompt_len, n_new, mesh)
+        lowered = lower_admission(
+            graphdef, params, state, repeat=g, prompt_len=prompt_len, n_new=n_new,
+            interruption=_interruption(cfg), mesh=mesh,
+        )  # fmt: skip
+        out = _breakdown(lowered.compile())
+        out["program"] = "slot engine admission"
+        out["extra_bytes"] = out["temporaries_bytes"] + out["outputs_bytes"]  # state donated
+        return out
+    prompts = wave_prompts(cfg, g, batch_ways(mesh), cfg.train.prompts_per_step)
+    out = _wave_prefill(cfg, graphdef, params, mesh, prompts, prompt_len, g)
+    out["program"] = f"prefill of a wave ({prompts} prompts x {g} rows)"
+    out["extra_bytes"] = out["temporaries_bytes"]  # its output is the wave's decode state
+    return out
+
+
+def evaluate_memory(
+    cfg: ExperimentConfig, mesh, prompt_len: int, *, copy: bool, own_copy: bool
+) -> dict[str, Any]:
+    """Held-out evaluation on the generator's devices: waves of task.num_eval prompts x
+    train.eval_samples rows (`rollout.wave_prompts`), each prefilled and decoded to the end.
+    Its total: the wave's decode state, the larger of its two programs' working memory and,
+    with `own_copy`, the parameter copy it decodes with (beside those the generator holds)."""
+    graphdef, params = _abstract_params(cfg, mesh, generation=copy)
+    k, n_new = cfg.train.eval_samples, cfg.sampler.max_new_tokens
+    prompts = wave_prompts(cfg, k, batch_ways(mesh), cfg.task.num_eval)
+    first = _wave_prefill(cfg, graphdef, params, mesh, prompts, prompt_len, k)
+    state = abstract_slots(cfg.model, prompts * k, prompt_len, n_new, mesh)
+    chunk = _decode_chunk(cfg, graphdef, params, state, prompt_len, cfg.train.eval_temperature)
+    params_bytes = sum(_per_device_bytes(x) for x in jax.tree.leaves(params))
+    state_bytes = _state_bytes(state)
+    # Working memory: what each program holds beyond the parameters and the wave's state
+    # (the prefill's output is that state; the decode chunk's is donated to it).
+    working = max(first["temporaries_bytes"], chunk["temporaries_bytes"] + chunk["outputs_bytes"])
+    out = {
+        "rows_per_wave": prompts * k,
+        "waves": -(-cfg.task.num_eval // prompts),
+        "decode_state_bytes": state_bytes,
+        "working_bytes": working,
+        "parameters_bytes": params_bytes if own_copy else 0,
+        "prefill": first,
+        "decode_chunk": chunk,
+    }
+    out["per_device_bytes"] = out["parameters_bytes"] + state_bytes + working
+    return out
+
+
 def _per_device_bytes(x) -> int:
     shard = x.sharding.shard_shape(x.shape) if x.sharding is not None else x.shape
+    if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+        return int(np.prod(shard)) * 8  # a threefry key: two uint32
     return int(np.prod(shard)) * np.dtype(x.dtype).itemsize
 
 
 def plan(
-    cfg: ExperimentConfig, *, prompt_len: int | None = None, device_memory_gib: float | None = None
+    cfg: ExperimentConfig,
+    *,
+    prompt_len: int | None = None,
+    device_memory_gib: float | None = None,
+    mem_fraction: float | None = None,
 ) -> dict[str, Any]:
-    """Both programs' per-device bytes on the config's meshes, whether each fits in
-    `device_memory_gib` (when given), and for one that does not, its biggest term and the
-    settings that shrink it."""
+    """Every program's per-device bytes on the config's meshes, what each set of devices
+    holds at once, whether that fits the memory pool (`device_memory_gib` x `mem_fraction`,
+    when given), and for what does not, its biggest term and the settings that shrink it.
+
+    The generator's devices hold, at once: its parameter copies, the slots' decode state,
+    the working memory of whichever of its programs runs (a decode chunk, or the admission /
+    prefill that starts rows), and a held-out evaluation (its waves are decoded beside the
+    generator, which keeps its slots; in threaded pipeline_rl the two run concurrently, so
+    the plan always adds them, an upper bound elsewhere)."""
     source = "--prompt-len"
     if prompt_len is None:
         prompt_len, source = task_prompt_len(cfg)
     if prompt_len < 1:
         raise ValueError(f"prompt length must be >= 1, got {prompt_len}")
-    stand_in = None
+    if mem_fraction is not None and not 0 < mem_fraction <= 1:
+        raise ValueError(f"--mem-fraction must be in (0, 1], got {mem_fraction}")
+    attention_note = _attention_program(cfg, prompt_len)
     if jax.default_backend() == "cpu" and cfg.model.attention in ("cudnn", "splash"):
         # The fused kernels do not compile for CPU (splash only interpreted): the blockwise
         # attention, whose memory is linear in T as theirs is, stands in for them.
-        stand_in = f"{cfg.model.attention} estimated as blockwise on CPU"
         cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, attention="blockwise"))
     mesh, gen_mesh = sharding.make_meshes(cfg)
     sharding.check_divisible(cfg, mesh, gen_mesh)
+    gmesh = gen_mesh or mesh
     copy = decodes_with_copy(cfg, gen_mesh)
     # pipeline_rl: new weights arrive while a chunk decodes with older ones, so up to three
     # copies sit on the generator's devices (the running chunk's, the newest published and
     # not yet picked up, the one being placed).
     copies = 3 if cfg.pipeline.mode == "pipeline_rl" else 1
+    # Evaluation decodes with a copy of its own (`RolloutWorker.to_generator`) wherever the
+    # generator has one; else with the trainer's parameters.
+    own_copy = copy
 
     def programs(cfg):
         return {
             "train_step": train_step_memory(cfg, mesh, prompt_len),
-            "generate": generate_memory(
-                cfg, gen_mesh or mesh, prompt_len, copy=copy, copies=copies
-            ),
+            "generate": generate_memory(cfg, gmesh, prompt_len, copy=copy, copies=copies),
+            "prefill": prefill_memory(cfg, gmesh, prompt_len, copy=copy),
+            "evaluate": evaluate_memory(cfg, gmesh, prompt_len, copy=copy, own_copy=own_copy),
         }
 
     report = {
@@ -224,11 +339,10 @@ def plan(
         "prompt_len_from": source,
         "max_new_tokens": cfg.sampler.max_new_tokens,
         "train_mesh": dict(mesh.shape),
-        "generate_mesh": dict((gen_mesh or mesh).shape),
+        "generate_mesh": dict(gmesh.shape),
+        "attention": attention_note,
         **programs(cfg),
     }
-    if stand_in:
-        report["attention"] = stand_in
     if jax.default_backend() == "cpu" and cfg.model.dtype != "float32":
         # The CPU compiler has no bf16 matmuls: it converts their operands (every layer's
         # weights, the whole KV cache) to float32 copies that an accelerator never makes. The
@@ -237,24 +351,106 @@ def plan(
         wide = programs(
             dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, dtype="float32"))
         )
-        for name, part in wide.items():
-            _bound_temporaries(report[name], part["temporaries_bytes"])
-    names = ["train_step", "generate"]
-    if gen_mesh is None and cfg.pipeline.mode == "pipeline_rl":
-        # One set of devices runs both programs at once: each holds its buffers throughout.
-        both = report["train_step"]["per_device_bytes"] + report["generate"]["per_device_bytes"]
-        report["train_and_generate"] = {"per_device_bytes": both}
-        names.append("train_and_generate")
+        for name in ("train_step", "generate", "prefill"):
+            _bound_temporaries(report[name], wide[name]["temporaries_bytes"])
+        report["prefill"]["extra_bytes"] = min(
+            report["prefill"]["extra_bytes"], wide["prefill"]["extra_bytes"]
+        )
+        ev, wide_ev = report["evaluate"], wide["evaluate"]
+        ev["working_bytes_as_compiled"] = ev["working_bytes"]
+        ev["working_bytes"] = min(ev["working_bytes"], wide_ev["working_bytes"])
+        ev["per_device_bytes"] = (
+            ev["parameters_bytes"] + ev["decode_state_bytes"] + ev["working_bytes"]
+        )
+    report["generator"] = _generator_devices(report, trainer_params=not copy)
+    names = ["train_step", "generator"]
+    if gen_mesh is None:
+        # One set of devices: the train state stays while the generator works (pipeline_rl:
+        # the train step runs at once too).
+        train = report["train_step"]
+        if cfg.pipeline.mode == "pipeline_rl":
+            both = train["per_device_bytes"]
+        else:
+            both = train["parameters_bytes"] + train["optimizer_state_bytes"]
+        report["train_and_generate"] = {
+            "per_device_bytes": both + report["generator"]["per_device_bytes"],
+            "concurrent": cfg.pipeline.mode == "pipeline_rl",
+        }
+        names = ["train_step", "train_and_generate"]
     if device_memory_gib is not None:
-        limit = int(device_memory_gib * GIB)
-        report["device_memory_bytes"] = limit
+        fraction = mem_fraction if mem_fraction is not None else default_mem_fraction()
+        pool = int(device_memory_gib * fraction * GIB)
+        report["device_memory_bytes"] = int(device_memory_gib * GIB)
+        report["mem_fraction"] = fraction
+        report["pool_bytes"] = pool
         for name in names:
             part = report[name]
-            part["fits"] = part["per_device_bytes"] <= limit
+            part["fits"] = part["per_device_bytes"] <= pool
             if not part["fits"]:
-                part["advice"] = _advice(name, part, cfg)
+                part["advice"] = _advice(name, part, cfg, report)
         report["fits"] = all(report[name]["fits"] for name in names)
     return report
+
+
+def default_mem_fraction() -> float:
+    """The share of a device's memory JAX's pool gets: XLA_PYTHON_CLIENT_MEM_FRACTION where
+    set, else JAX's GPU default (a TPU's pool is the whole device: pass 1)."""
+    import os
+
+    value = os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION")
+    if not value:
+        return JAX_GPU_MEM_FRACTION
+    try:
+        fraction = float(value)
+    except ValueError:
+        raise ValueError(f"XLA_PYTHON_CLIENT_MEM_FRACTION={value!r} is not a number") from None
+    if not 0 < fraction <= 1:
+        raise ValueError(f"XLA_PYTHON_CLIENT_MEM_FRACTION={value} must be in (0, 1]")
+    return fraction
+
+
+def _attention_program(cfg: ExperimentConfig, prompt_len: int) -> str:
+    """Which attention the plan's train step compiles, on this platform, and what it stands
+    for: under `auto` an accelerator runs its own kernel, planned only when compiled there."""
+    t = prompt_len + cfg.sampler.max_new_tokens
+    m = cfg.model
+    platform = jax.default_backend()
+    wanted = m.attention
+    if platform == "cpu" and wanted in ("cudnn", "splash"):
+        return f"{wanted} estimated as blockwise on CPU"
+    compiled = attention.resolve(
+        wanted, queries=t, keys=t, block_size=m.attention_block_size, dtype=m.dtype,
+        query_offset=0, head_dim=m.resolved_head_dim,
+    )  # fmt: skip
+    if wanted != "auto":
+        return f"{compiled} (model.attention: {wanted}) on {platform}"
+    if compiled == "xla":
+        return "auto compiled as xla: every key fits one block, the same on every platform"
+    if platform == "cpu":
+        return (
+            f"auto compiled as {compiled} on cpu: a GPU runs cudnn (half-precision "
+            "self-attention) and a TPU splash instead, whose memory is linear in T as "
+            "blockwise's is; run the plan on the accelerator to plan its own program"
+        )
+    return f"auto compiled as {compiled} on {platform}: the program this platform runs"
+
+
+def _generator_devices(report: dict[str, Any], *, trainer_params: bool) -> dict[str, Any]:
+    """What the generator's devices hold at once (see `plan`). `trainer_params`: the
+    generator decodes with the trainer's parameters (counted with the train state)."""
+    gen, first, ev = report["generate"], report["prefill"], report["evaluate"]
+    params = 0 if trainer_params else gen["parameter_copies"] * gen["parameters_bytes"]
+    state = gen["decode_state_bytes"]
+    decoding = gen["temporaries_bytes"] + gen["outputs_bytes"]  # the state is donated
+    working = max(decoding, first["extra_bytes"])
+    return {
+        "parameters_bytes": params,
+        "decode_state_bytes": state,
+        "working_bytes": working,
+        "working_program": first["program"] if first["extra_bytes"] > decoding else "decode",
+        "evaluation_bytes": ev["per_device_bytes"],
+        "per_device_bytes": params + state + working + ev["per_device_bytes"],
+    }
 
 
 def _bound_temporaries(part: dict[str, Any], float32_program: int) -> None:
@@ -265,25 +461,18 @@ def _bound_temporaries(part: dict[str, Any], float32_program: int) -> None:
     part["per_device_bytes"] += part["temporaries_bytes"] - as_compiled
 
 
-def _advice(name: str, part: dict[str, Any], cfg: ExperimentConfig) -> str:
+def _advice(name: str, part: dict[str, Any], cfg: ExperimentConfig, report) -> str:
     m = cfg.model
     if name == "train_and_generate":
+        run = "run at once" if part["concurrent"] else "keep the train state while generating"
         return (
-            "the train step and the generator share these devices in pipeline_rl and run at "
-            "once: give the generator its own (pipeline.generator_devices), or shrink either "
-            "program (sampler.slots; train.micro_batches, model.remat)"
+            f"the train step and the generator share these devices and {run}: give the "
+            "generator its own (pipeline.generator_devices), or shrink either side "
+            f"(generator: {_generator_advice(report['generator'], report, cfg)}; train step: "
+            "train.micro_batches, model.remat)"
         )
-    if name == "generate":
-        if part["kv_cache_bytes"] >= part["temporaries_bytes"]:
-            return (
-                f"the KV cache ({_gib(part['kv_cache_bytes'])} per device) is the biggest term: "
-                f"fewer rows in flight (sampler.slots, now {part['slots']}) or more generator "
-                "devices (pipeline.generator_devices, or a larger batch axis of the mesh)"
-            )
-        return (
-            f"temporaries ({_gib(part['temporaries_bytes'])}) are the biggest term: fewer rows "
-            f"in flight (sampler.slots, now {part['slots']}) or more generator devices"
-        )
+    if name == "generator":
+        return _generator_advice(part, report, cfg)
     state = part["parameters_bytes"] + part["optimizer_state_bytes"]
     if state >= part["temporaries_bytes"]:
         return (
@@ -306,6 +495,36 @@ def _advice(name: str, part: dict[str, Any], cfg: ExperimentConfig) -> str:
     )
 
 
+def _generator_advice(part: dict[str, Any], report, cfg: ExperimentConfig) -> str:
+    """The generator devices' biggest term and what shrinks it."""
+    ev, gen = report["evaluate"], report["generate"]
+    terms = {
+        "parameter copies": part["parameters_bytes"],
+        "decode state": part["decode_state_bytes"],
+        "working memory": part["working_bytes"],
+        "evaluation": part["evaluation_bytes"],
+    }
+    biggest = max(terms, key=terms.get)
+    size = _gib(terms[biggest])
+    if biggest == "evaluation":
+        return (
+            f"held-out evaluation ({size}: {ev['rows_per_wave']} rows per wave) is the biggest "
+            f"term: fewer rows per wave (sampler.slots, now {cfg.sampler.slots}, bounds a wave; "
+            f"train.eval_samples, now {cfg.train.eval_samples}) or more generator devices"
+        )
+    if biggest == "parameter copies":
+        return (
+            f"the parameter copies ({size}, {gen['parameter_copies']} of them) are the biggest "
+            "term: split the generator's weights (mesh.tensor) or use a bf16 model.dtype"
+        )
+    return (
+        f"the {biggest} ({size}; the KV cache of {gen['slots']} slots is "
+        f"{_gib(gen['kv_cache_bytes'])}) is the biggest term: fewer rows in flight "
+        f"(sampler.slots, now {cfg.sampler.slots or gen['slots']}) or more generator devices "
+        "(pipeline.generator_devices, or a larger batch axis of the mesh)"
+    )
+
+
 def _gib(n: int) -> str:
     return f"{n / GIB:.2f} GiB" if n >= GIB else f"{n / 2**20:.1f} MiB"
 
@@ -314,10 +533,9 @@ def format_plan(report: dict[str, Any]) -> str:
     lines = [
         f"sequence length {report['sequence_length']:,} tokens "
         f"(prompt {report['prompt_len']:,} [{report['prompt_len_from']}] + max_new_tokens "
-        f"{report['max_new_tokens']:,})"
+        f"{report['max_new_tokens']:,})",
+        f"attention: {report['attention']}",
     ]
-    if "attention" in report:
-        lines.append(f"attention: {report['attention']}")
     titles = {
         "train_step": ("train step", report["train_mesh"]),
         "generate": ("generate (one decode chunk)", report["generate_mesh"]),
@@ -345,7 +563,7 @@ def format_plan(report: dict[str, Any]) -> str:
             ("outputs (not aliased)", part["outputs_bytes"]),
             ("total", part["per_device_bytes"]),
         ]
-        lines += [f"  {label:<26}{_gib(n):>12}" for label, n in rows]
+        lines += _table(rows)
         if "temporaries_bytes_as_compiled" in part:
             lines.append(
                 "  temporaries: the smaller of two upper bounds, bf16 as the CPU compiles it "
@@ -353,19 +571,44 @@ def format_plan(report: dict[str, Any]) -> str:
                 f"operands) and the float32 program "
                 f"({_gib(part['temporaries_bytes_float32_program'])})"
             )
-        if "fits" in part:
-            limit = _gib(report["device_memory_bytes"])
-            lines.append(f"  fits in {limit}: {'yes' if part['fits'] else 'NO'}")
-            if not part["fits"]:
-                lines.append(f"  {part['advice']}")
+    first, ev, gen = report["prefill"], report["evaluate"], report["generator"]
+    lines.append(f"\n{first['program']}: {_gib(first['extra_bytes'])} per device beyond the "
+                 "parameters and the slots' state")  # fmt: skip
+    lines.append(
+        f"held-out evaluation: {ev['waves']} wave(s) of {ev['rows_per_wave']} rows, "
+        f"{_gib(ev['per_device_bytes'])} per device beside the generator"
+    )
+    lines.append("\nthe generator's devices hold at once, per device:")
+    lines += _table([
+        ("parameter copies", gen["parameters_bytes"]),
+        ("decode state (KV cache, rows)", gen["decode_state_bytes"]),
+        (f"working ({gen['working_program']})", gen["working_bytes"]),
+        ("held-out evaluation", gen["evaluation_bytes"]),
+        ("total", gen["per_device_bytes"]),
+    ])  # fmt: skip
+    if "pool_bytes" in report:
+        lines.append(
+            f"\nmemory pool: {_gib(report['pool_bytes'])} per device = "
+            f"{_gib(report['device_memory_bytes'])} x {report['mem_fraction']:g} (JAX takes "
+            "XLA_PYTHON_CLIENT_MEM_FRACTION of a GPU, 0.75 unless set; --mem-fraction plans "
+            "another, 1 for a TPU)"
+        )
+    verdicts = {"train_step": "train step", "generator": "generator's devices"}
     if "train_and_generate" in report:
         part = report["train_and_generate"]
-        lines.append(
-            "\ntrain step + generate on the same devices (pipeline_rl runs both at once): "
-            f"{_gib(part['per_device_bytes'])} per device"
-        )
+        how = "at once" if part["concurrent"] else "with the train state resident"
+        lines.append(f"\ntrain step + generator on the same devices ({how}): "
+                     f"{_gib(part['per_device_bytes'])} per device")  # fmt: skip
+        verdicts = {"train_step": "train step", "train_and_generate": "train + generator"}
+    for name, title in verdicts.items():
+        part = report[name]
         if "fits" in part:
-            lines.append(f"  fits: {'yes' if part['fits'] else 'NO'}")
+            verdict = "yes" if part["fits"] else "NO"
+            lines.append(f"  {title}: {_gib(part['per_device_bytes'])}, fits: {verdict}")
             if not part["fits"]:
-                lines.append(f"  {part['advice']}")
+                lines.append(f"    {part['advice']}")
     return "\n".join(lines)
+
+
+def _table(rows) -> list[str]:
+    return [f"  {label:<32}{_gib(n):>12}" for label, n in rows]

@@ -596,7 +596,7 @@ def completion_logprobs(
         head_dim=cfg.resolved_head_dim,
     )
     if fused == "cudnn":
-        # The fused kernel takes self-attention over contiguous rows only: run each completion
+        # The fused kernel takes self-attention only: run each completion
         # behind its own copy of the prompt (the prompt's work is G times, a small share of
         # long completions), then score as below.
         tokens_bt = jnp.concatenate([jnp.repeat(prompt_tokens_pl, g, axis=0), tokens_bn], 1)

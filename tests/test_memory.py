@@ -42,19 +42,25 @@ def test_json_reports_both_programs_and_the_parameters_match_real_shards(capsys)
     gen = report["generate"]
     assert gen["parameter_copies"] == 3 and gen["parameters_bytes"] == real
     assert gen["per_device_bytes"] >= gen["arguments_bytes"] + 2 * real
-    together = report["train_step"]["per_device_bytes"] + gen["per_device_bytes"]
+    # Both at once: the train step and all the generator's devices hold (its copies and
+    # slots, its working memory, held-out evaluation).
+    together = report["train_step"]["per_device_bytes"] + report["generator"]["per_device_bytes"]
     assert report["train_and_generate"]["per_device_bytes"] == together
+    assert report["generator"]["per_device_bytes"] > gen["per_device_bytes"]
 
 
-def test_a_config_that_does_not_fit_exits_1_and_names_the_biggest_term(capsys):
+def test_a_config_that_does_not_fit_exits_1_and_names_the_biggest_term(capsys, monkeypatch):
+    monkeypatch.delenv("XLA_PYTHON_CLIENT_MEM_FRACTION", raising=False)
     args = ["memory", "--config", TINY, "--set", "mesh.data=-1", "--device-memory", "0.0001"]
     assert main(args + [f"--set={o}" for o in LONG]) == 1
     out = capsys.readouterr().out
-    assert "fits in 0.1 MiB: NO" in out
+    assert "memory pool: 0.1 MiB per device = 0.1 MiB x 0.75" in out
+    assert "train step: " in out and ", fits: NO" in out
     assert "temporaries (activations and gradients" in out and "train.micro_batches" in out
     # pipeline_rl on shared devices: both programs at once are judged too.
-    assert "train step + generate on the same devices" in out
-    assert "fits: NO" in out and "pipeline.generator_devices" in out
+    assert "train step + generator on the same devices (at once)" in out
+    assert "train + generator" in out and "fits: NO" in out
+    assert "pipeline.generator_devices" in out
 
 
 def _temporaries(overrides):
@@ -121,3 +127,106 @@ def test_bf16_generator_on_its_own_devices_reports_its_copy_and_the_smaller_boun
         )
     assert gen["temporaries_bytes"] < gen["temporaries_bytes_as_compiled"]
     assert "train_and_generate" not in report  # the generator has its own devices
+
+
+def _live_bytes_per_device() -> dict[int, int]:
+    """Bytes of every live jax array on each device (a replicated array on each of its)."""
+    out: dict[int, int] = {}
+    for x in jax.live_arrays():
+        try:
+            if x.is_deleted():
+                continue
+            n = int(np.prod(x.sharding.shard_shape(x.shape))) * x.dtype.itemsize
+            devices = x.sharding.device_set
+        except RuntimeError:  # deleted (donated) while being read
+            continue
+        for d in devices:
+            out[d.id] = out.get(d.id, 0) + n
+    return out
+
+
+def test_the_generator_plan_covers_the_live_buffers_of_a_real_run(tmp_path):
+    """A tiny pipeline_rl run with its own generator devices, long enough completions that
+    the KV cache dominates, and held-out evaluation on those devices: the most that was ever
+    live on one generator device (sampled every few ms on another thread) lies within the
+    plan's arrays (parameter copies, the slots' state, the evaluation wave's state and copy)
+    and no more than 35% below them; the plan's total, which adds the programs' working
+    memory, is above it."""
+    import threading
+    import time
+
+    from conftest import FAST, TINY_CONFIG
+
+    from jaxrl_scale.train import setup, train_run
+
+    cfg = load_config(TINY_CONFIG, [
+        *FAST, "mesh.data=4", "pipeline.generator_devices=4", "sampler.slots=16",
+        "sampler.max_new_tokens=256", "model.hidden_size=64", "model.num_layers=2",
+        "train.steps=3", "train.eval_every=2", "task.num_eval=32", "train.eval_samples=4",
+        "pipeline.lockstep=true", "warm_start.steps=0",
+    ])  # fmt: skip
+    report = plan(cfg)
+    gen = report["generator"]
+    arrays = gen["per_device_bytes"] - gen["working_bytes"] - report["evaluate"]["working_bytes"]
+    peak: dict[int, int] = {}
+    stop = threading.Event()
+
+    def sample():
+        while not stop.is_set():
+            for d, n in _live_bytes_per_device().items():
+                peak[d] = max(peak.get(d, 0), n)
+            time.sleep(0.002)
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    try:
+        run = setup(cfg, tmp_path)
+        train_run(run)
+    finally:
+        stop.set()
+        sampler.join(timeout=10)
+    measured = max(peak[d.id] for d in run.worker.gen_mesh.devices.flat)
+    assert 0.65 * arrays <= measured <= arrays < gen["per_device_bytes"], (measured, gen)
+
+
+def test_the_plan_covers_admission_evaluation_and_the_pool(capsys, monkeypatch):
+    """Every program on the generator's devices is planned and added: the decode chunk or
+    the engine's admission (whichever needs more), the slots' state, the parameter copies
+    and held-out evaluation, in waves bounded by sampler.slots; the verdict is against the
+    pool JAX gets (XLA_PYTHON_CLIENT_MEM_FRACTION of the device, 0.75 unless set)."""
+    overrides = ["pipeline.generator_devices=4", "mesh.data=4", "sampler.slots=16",
+                 "task.num_eval=40", "train.eval_samples=4", *LONG]  # fmt: skip
+    cfg = load_config(TINY, overrides)
+    report = plan(cfg, prompt_len=8)
+    gen, ev, first = report["generator"], report["evaluate"], report["prefill"]
+    assert first["program"] == "slot engine admission" and first["extra_bytes"] > 0
+    # Waves of at most sampler.slots rows (4 prompts x 4 samples), split over 4 devices.
+    assert ev["rows_per_wave"] == 16 and ev["waves"] == 10
+    assert ev["decode_state_bytes"] == report["generate"]["decode_state_bytes"]
+    assert gen["working_bytes"] == max(
+        first["extra_bytes"],
+        report["generate"]["temporaries_bytes"] + report["generate"]["outputs_bytes"],
+    )
+    assert gen["per_device_bytes"] == (
+        gen["parameters_bytes"] + gen["decode_state_bytes"] + gen["working_bytes"]
+        + ev["per_device_bytes"]
+    )  # fmt: skip
+    # A device just large enough at fraction 1 fails under JAX's default GPU pool.
+    need = max(gen["per_device_bytes"], report["train_step"]["per_device_bytes"])
+    gib = need / 2**30
+    assert plan(cfg, prompt_len=8, device_memory_gib=gib * 1.01, mem_fraction=1.0)["fits"]
+    monkeypatch.delenv("XLA_PYTHON_CLIENT_MEM_FRACTION", raising=False)
+    tight = plan(cfg, prompt_len=8, device_memory_gib=gib * 1.01)
+    assert tight["mem_fraction"] == 0.75 and not tight["fits"]
+    monkeypatch.setenv("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.99")
+    assert plan(cfg, prompt_len=8, device_memory_gib=gib * 1.02)["fits"]
+    with pytest.raises(ValueError, match="--mem-fraction must be in"):
+        plan(cfg, prompt_len=8, device_memory_gib=1, mem_fraction=1.5)
+
+
+def test_the_plan_says_which_attention_it_compiled():
+    long = plan(load_config(TINY, ["mesh.data=1", "model.attention_block_size=8", *LONG]))
+    assert long["attention"].startswith("auto compiled as blockwise on cpu")
+    assert "a GPU runs cudnn" in long["attention"]
+    short = plan(load_config(TINY, ["mesh.data=1"]))  # every key in one block
+    assert short["attention"].startswith("auto compiled as xla")
