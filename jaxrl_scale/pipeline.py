@@ -10,13 +10,18 @@
   is generated only to be thrown away.
 - `pipeline_rl` with `lockstep` (always so across processes): no generator thread; the next
   batch is generated inside `trained`, on the generator's devices, while the step just
-  dispatched runs on the trainer's, with the new weights swapped in at a fixed chunk.
+  dispatched runs on the trainer's, with the new weights swapped in halfway through the
+  batch's decode steps.
 
 A producer is `produce(params_for_chunk, key, oldest=v) -> batch`: it calls
 `params_for_chunk(c)` -> (version, params) for the parameters to decode chunk c with (c = 0
 also prefills), and the batch has a `versions` array (per-token policy version, -1 if none).
 Where new weights reach the generator is therefore an explicit chunk index, never a count of
-calls. `oldest` is the oldest version a token of this batch may carry (the staleness bound of
+calls. A chunk is a fixed run of decode steps: `sampler.chunk_size` steps on the static path
+(numbered on across its waves), one engine run of `sampler.admit_every` steps on the slot
+engine. `make_feeder`'s `chunks` is how many chunks a batch's decode steps span
+(`RolloutWorker.chunks`), so chunk `ceil(chunks / 2)` begins about halfway through them.
+`oldest` is the oldest version a token of this batch may carry (the staleness bound of
 the step that trains it); the next batch's is one more. A producer that starts the next
 batch's rows early (the slot engine queues it behind this one) holds each back until it can
 sample it with a version at least that.
@@ -30,7 +35,8 @@ without generating or waiting), `trained(params, version)` (called as soon
 as the step that made `version` is dispatched, before its result is read), `take_dropped()`
 (batches generated but never to be trained on, for the run to count and charge), `pending`
 (batches generated but not yet handed out that a checkpoint can keep: empty for the generator
-thread, whose timing is not reproducible) and `stop()`.
+thread, whose timing is not reproducible) and `stop()` (which waits for the generator thread
+to end: a batch in progress is abandoned at its next chunk and counted by `untrained()`).
 """
 
 from __future__ import annotations
@@ -111,6 +117,10 @@ class SyncFeeder:
         return 0
 
 
+class _Halted(Exception):
+    """Raised into a producer by `params_for_chunk` once its feeder is stopping."""
+
+
 class PipelineFeeder:
     """pipeline_rl: a generator thread fills a buffer from the newest published parameters.
 
@@ -119,7 +129,10 @@ class PipelineFeeder:
     is at most k versions old if it starts with the parameters of update n - k or later. The
     generator therefore waits until `trained` has published n - k updates before it starts
     batch n; the trainer waits on an empty buffer. The buffer still drops (and keeps for
-    `take_dropped`) anything staler, which this schedule never produces."""
+    `take_dropped`) anything staler, which this schedule never produces.
+
+    Batch keys are numbered from the run's first step (`version`), as in lockstep, so a
+    resumed run samples with keys the run before it never used."""
 
     def __init__(self, produce: Producer, source: ParamsSource, key, *, k: int, version: int):
         self.produce, self.source, self.key = produce, source, key
@@ -132,8 +145,10 @@ class PipelineFeeder:
         self._published = 0
         self._progress = threading.Condition()
         self.halt = threading.Event()
-        self.unbuffered = 0  # a batch made and never buffered: set by the generator thread,
-        # read after `stop` joined it
+        # Set by the generator thread, read after `stop` joined it: a batch made and never
+        # buffered (halted while waiting for room), a batch halted mid-generation.
+        self.unbuffered = 0
+        self.abandoned = 0
         self.thread = threading.Thread(target=self._run, name="generator", daemon=True)
         self.thread.start()
 
@@ -146,14 +161,24 @@ class PipelineFeeder:
                 self._progress.wait(timeout=0.1)
         return not self.halt.is_set()
 
+    def _newest(self, chunk: int) -> tuple[int, Any]:
+        """The parameters for the next chunk (in flight); between chunks is where a stopping
+        feeder halts the batch in progress."""
+        if self.halt.is_set():
+            raise _Halted
+        return self.source.latest()
+
     def _run(self) -> None:
         n = 0
         try:
             while self._wait_for_update(n - self.k):
-                newest = lambda chunk: self.source.latest()  # noqa: E731  in flight
-                key = jax.random.fold_in(self.key, 2**20 + n)
+                key = jax.random.fold_in(self.key, 2**20 + self.start_version + n)
                 # Taken after n updates, so with version start + n, its tokens k at most older.
-                batch = self.produce(newest, key, oldest=self.start_version + n - self.k)
+                try:
+                    batch = self.produce(self._newest, key, oldest=self.start_version + n - self.k)
+                except _Halted:
+                    self.abandoned = 1
+                    return
                 n += 1
                 if not self.buffer.put(batch, batch.versions, halt=self.halt):
                     self.unbuffered = 1  # halted while waiting for room
@@ -184,25 +209,36 @@ class PipelineFeeder:
             self._progress.notify_all()
 
     def stop(self) -> None:
+        """Halt the generator and wait until its thread has ended. It looks at the halt
+        between decode chunks (engine runs), so the wait is at most the chunk in progress
+        (with `sampler.chunk_size: 0`, a static wave's whole decode); the batch it was
+        generating is abandoned and counted (`abandoned`, `untrained`)."""
         self.halt.set()
-        self.thread.join(timeout=60)
+        while self.thread.is_alive():
+            self.thread.join(timeout=60)
+            if self.thread.is_alive():
+                print("pipeline_rl: stopping; waiting for the generator's decode chunk in "
+                      "progress to end", flush=True)  # fmt: skip
 
     def untrained(self) -> int:
-        """Batches generated that neither the trainer nor a checkpoint took: the buffer's
-        (up to k at a run's end; exact after `stop`, approximate were the generator still
-        running), and one the generator had made when it was halted. A resumed run generates
-        them again."""
-        return len(self.buffer) + self.unbuffered
+        """Batches generated (or begun) that neither the trainer nor a checkpoint took: the
+        buffer's (up to k at a run's end), one the generator had made when it was halted, and
+        one it was generating (`abandoned`). Exact once `stop` has returned. A resumed run
+        generates them again."""
+        return len(self.buffer) + self.unbuffered + self.abandoned
 
 
 class LockstepFeeder:
     """pipeline_rl from one thread, in an order fixed in advance (so every process issues the
     same programs in the same order). While the trainer's step v -> v + 1 runs (dispatched,
-    not yet finished), the next batch is generated: chunks before `swap_at` with version v,
-    which is already on the generator, the rest with v + 1, pushed as soon as the step was
-    dispatched (an in-flight update; the generator waits for the step only if it gets there
-    first). The generator is one batch ahead, so staleness is at most 1. On the slot engine
-    (`sampler.batching: continuous`) a chunk is one engine run of `sampler.admit_every` steps."""
+    not yet finished), the next batch is generated: chunks before `swap_at` (the middle of the
+    `chunks` a batch's decode steps span) with version v, which is already on the generator,
+    the rest with v + 1, pushed as soon as the step was dispatched (an in-flight update; the
+    generator waits for the step only if it gets there first). The generator is one batch
+    ahead, so staleness is at most 1. On the slot engine (`sampler.batching: continuous`) a
+    chunk is one engine run of `sampler.admit_every` steps (on the static path
+    `sampler.chunk_size` steps), so on both the swap lands about halfway through the batch's
+    decode steps."""
 
     def __init__(
         self, produce: Producer, source: ParamsSource, key, *, chunks: int, start: int, pending
@@ -268,8 +304,10 @@ def make_feeder(
     resumed: list[Any] = (),
 ):
     """The feeder for `cfg.mode`, starting at policy `version` (the steps taken so far).
-    `resumed`: batches an interrupted run had generated but not trained on (deterministic
-    modes); those staler than this run's k are handed to `take_dropped`, the rest are used."""
+    `chunks`: how many chunks a batch's decode steps span (`RolloutWorker.chunks`; lockstep
+    swaps weights at the middle one). `resumed`: batches an interrupted run had generated but
+    not trained on (deterministic modes); those staler than this run's k are handed to
+    `take_dropped`, the rest are used."""
     k = staleness_bound(cfg)
     fresh, stale = [], []
     for batch in resumed:

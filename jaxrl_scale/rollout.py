@@ -23,6 +23,7 @@ verifier, which is safe to share (math's holds a lock; the others are pure funct
 from __future__ import annotations
 
 import dataclasses
+import math
 import time
 from typing import Any
 
@@ -47,6 +48,7 @@ from jaxrl_scale.sampler import (
     num_chunks,
     pad_prompts,
     prefill,
+    prompt_width,
     to_rollout,
 )
 from jaxrl_scale.step import Batch
@@ -91,7 +93,6 @@ class RolloutWorker:
         s = cfg.sampler
         self.sampling = Sampling(s.temperature, s.top_p, s.top_k)
         self.interruption = Interruption.from_config(s, self.tok)
-        self.chunks = num_chunks(s.max_new_tokens, s.chunk_size)
         self.reference = bool(cfg.loss.kl_coef)  # GRPO's KL term: the flops of its forward
         self.curriculum = Curriculum(
             len(task.train_examples),
@@ -114,6 +115,20 @@ class RolloutWorker:
             )
         # Continuous batching: rows in flight (0 = one batch's rows).
         self.slots = s.slots or cfg.train.prompts_per_step * cfg.train.group_size
+        self._longest: int | None = None  # the task's longest prompt, measured when needed
+        # Static waves (evaluation's always) are checked here, so a config whose waves cannot
+        # split over the generator's devices fails at setup rather than at the first eval.
+        ways = batch_shards(gen_mesh or mesh)
+        wave_prompts(cfg, cfg.train.eval_samples, ways, len(task.eval_examples))
+        # The chunks a training batch's decode steps span (lockstep swaps weights at the
+        # middle one): engine runs of `admit_every` steps, or static chunks of `chunk_size`
+        # numbered on across the batch's waves.
+        if cfg.batching == "continuous":
+            self.chunks = num_chunks(s.max_new_tokens, s.admit_every)
+        else:
+            p, g = cfg.train.prompts_per_step, cfg.train.group_size
+            waves = -(-p // wave_prompts(cfg, g, ways, p))
+            self.chunks = waves * num_chunks(s.max_new_tokens, s.chunk_size)
 
     # ------------------------------------------------------------------ placement
 
@@ -145,25 +160,42 @@ class RolloutWorker:
     ) -> Rollout:
         """Sample `repeat` completions of each prompt (consecutive rows), prefilling each
         prompt once for its rows; chunk c decodes with `params_for_chunk(c)` (in-flight
-        updates, asked for once the chunk before the running one has finished). With
-        `sampler.slots` below
-        the rows, the prompts are decoded in waves of that many rows (the KV cache's bound),
-        each wave until its longest row ends; chunks are counted across waves."""
-        host_tokens, host_mask = pad_prompts(prompts, self.tok.pad_id)
-        per_wave = len(prompts)
-        if self.cfg.sampler.slots:
-            per_wave = max(1, self.cfg.sampler.slots // repeat)
+        updates, asked for once the chunk before the running one has finished). The prompts
+        are decoded in waves of `wave_prompts` prompts (the KV cache's bound; rows that split
+        evenly over the generator's devices), each wave until its longest row ends; chunks
+        are counted across waves. The last wave is filled up with copies of its last prompt,
+        whose rows are dropped. Prompts are left-padded to `sampler.prompt_width` columns,
+        capped by the task's longest prompt: a run compiles a few widths."""
+        n = len(prompts)
+        per_wave = wave_prompts(self.cfg, repeat, batch_shards(self.gen_mesh or self.mesh), n)
+        width = prompt_width(max(len(p) for p in prompts), self._longest_prompt())
+        host_tokens, host_mask = pad_prompts(prompts, self.tok.pad_id, width=width)
+        fill = -n % per_wave
+        if fill:
+            host_tokens, host_mask = (
+                np.concatenate([x, np.repeat(x[-1:], fill, axis=0)])
+                for x in (host_tokens, host_mask)
+            )
         parts, chunk = [], 0
-        for w in range(0, len(prompts), per_wave):
+        for w in range(0, n, per_wave):
             ro, chunk = self._generate_wave(
                 params_for_chunk, chunk, host_tokens[w : w + per_wave],
                 host_mask[w : w + per_wave], jax.random.fold_in(key, w) if w else key,
                 sampling=sampling, n_new=n_new, repeat=repeat,
             )  # fmt: skip
             parts.append(ro)
-        if len(parts) == 1:
-            return parts[0]
-        return jax.tree.map(lambda *xs: jnp.concatenate(xs), *parts)
+        ro = parts[0] if len(parts) == 1 else jax.tree.map(lambda *xs: jnp.concatenate(xs), *parts)
+        if fill:
+            ro = jax.tree.map(lambda x: x[: n * repeat], ro)
+        return ro
+
+    def _longest_prompt(self) -> int:
+        """The task's longest prompt (train and held-out), in tokens: the widest prompts are
+        padded to."""
+        if self._longest is None:
+            examples = self.task.train_examples + self.task.eval_examples
+            self._longest = max(len(p) for p in self._encode(examples))
+        return self._longest
 
     def _generate_wave(
         self, params_for_chunk, chunk, host_tokens, host_mask, key, *, sampling, n_new, repeat
@@ -229,11 +261,10 @@ class RolloutWorker:
         until the version is at least `oldest` (None: not held)."""
         cfg = self.cfg
         if self.engine is None:
-            lengths = [len(p) for p in self._encode(self.task.train_examples)]
             self.engine = SlotEngine(
                 self.graphdef,
                 slots=self.slots,
-                prompt_len=-(-max(lengths) // 8) * 8,
+                prompt_len=-(-self._longest_prompt() // 8) * 8,
                 n_new=cfg.sampler.max_new_tokens,
                 repeat=cfg.train.group_size,
                 sampling=self.sampling,
@@ -301,7 +332,10 @@ class RolloutWorker:
     ) -> Rollouts:
         """Draw a batch of prompts, sample G completions each, score, compute advantages.
         `oldest`: the oldest version its tokens may carry (the feeder's staleness bound;
-        what the slot engine holds the batch it queues next to)."""
+        what the slot engine holds the batch it queues next to). An exception raised by
+        `params_for_chunk` (a feeder stopping) abandons the batch between two chunks: its
+        prompts stay drawn (the curriculum snapshots that checkpoints keep predate them) and
+        on the slot engine stay queued, counted by `in_flight`."""
         cfg, g = self.cfg, self.cfg.train.group_size
         start = time.perf_counter()
         if cfg.batching == "continuous":
@@ -380,6 +414,45 @@ class RolloutWorker:
         scores = [self.task.score(t, examples[i // k]) for i, t in enumerate(texts)]
         scores = np.asarray(scores, float).reshape(len(examples), k)
         return float(scores.mean()), sampling_sd(scores)
+
+
+def batch_shards(mesh: jax.sharding.Mesh) -> int:
+    """How many shards `mesh`'s batch axes split a batch's rows into."""
+    axes = sharding.LOGICAL_RULES["batch"]
+    return math.prod(mesh.shape[a] for a in ((axes,) if isinstance(axes, str) else axes))
+
+
+def wave_prompts(cfg: ExperimentConfig, repeat: int, batch_ways: int, n_prompts: int) -> int:
+    """Prompts per wave when `n_prompts` prompts of `repeat` rows each are generated on a mesh
+    whose batch axes split rows `batch_ways` ways.
+
+    A wave holds at most `sampler.slots` rows (0: one train batch's, train.prompts_per_step x
+    train.group_size), the KV cache's bound, and a multiple of `batch_ways` rows, so the cache
+    is split over the devices rather than copied whole to each: a multiple of
+    m = batch_ways / gcd(batch_ways, repeat) prompts, the most that fit, but no more than
+    `n_prompts` rounded up to m (the last wave is filled up with prompts whose rows are
+    dropped). Raises ConfigError when not even m prompts fit."""
+    rows = cfg.sampler.slots or cfg.train.prompts_per_step * cfg.train.group_size
+    multiple = batch_ways // math.gcd(batch_ways, repeat)
+    fits = rows // repeat // multiple * multiple
+    if not fits:
+        bound = "sampler.slots" if cfg.sampler.slots else (
+            "sampler.slots = 0: train.prompts_per_step x train.group_size"
+        )  # fmt: skip
+        raise ConfigError(
+            f"sampler.slots / train.eval_samples: a wave holds at most {rows} rows ({bound}), "
+            f"but with {repeat} samples per prompt (train.eval_samples, or train.group_size "
+            f"in training) the smallest wave whose rows split over the generator's "
+            f"{batch_ways} batch shards is {multiple} prompts = {multiple * repeat} rows; "
+            f"raise sampler.slots to at least {multiple * repeat} or choose a sample count "
+            f"that shares more factors with {batch_ways}"
+        )
+    return min(fits, -(-n_prompts // multiple) * multiple)
+
+
+def wave_rows(cfg: ExperimentConfig, repeat: int, batch_ways: int, n_prompts: int) -> int:
+    """The rows of one full wave as compiled (`wave_prompts` x `repeat`, fill included)."""
+    return wave_prompts(cfg, repeat, batch_ways, n_prompts) * repeat
 
 
 def sampling_sd(scores) -> float:

@@ -373,11 +373,25 @@ def to_rollout(prompt_tokens, prompt_mask, state: DecodeState) -> Rollout:
     )
 
 
-def pad_prompts(prompts: Sequence[Sequence[int]], pad_id: int, multiple: int = 8):
-    """Left-pad token-id lists to one length (rounded up to `multiple`): (tokens, mask) numpy."""
+def prompt_width(longest: int, cap: int | None = None) -> int:
+    """Columns to pad prompts of up to `longest` tokens to: the next power of two times 8, at
+    most `cap` (the longest prompt there will be) rounded up to 8. A run then compiles its
+    prefill, decode and train step for a few prompt widths, not one per multiple of 8."""
+    width = 8 << (max(-(-longest // 8), 1) - 1).bit_length()
+    if cap is not None:
+        width = min(width, -(-max(longest, cap) // 8) * 8)
+    return width
+
+
+def pad_prompts(prompts: Sequence[Sequence[int]], pad_id: int, width: int | None = None):
+    """Left-pad token-id lists to `width` columns (None: the longest rounded up to 8):
+    (tokens, mask) numpy."""
     if not prompts or any(len(p) == 0 for p in prompts):
         raise ValueError("every prompt needs at least one token")
-    length = -(-max(len(p) for p in prompts) // multiple) * multiple
+    longest = max(len(p) for p in prompts)
+    length = -(-longest // 8) * 8 if width is None else width
+    if longest > length:
+        raise ValueError(f"a prompt of {longest} tokens does not fit in {length} columns")
     tokens = np.full((len(prompts), length), pad_id, np.int32)
     mask = np.zeros((len(prompts), length), bool)
     for i, p in enumerate(prompts):

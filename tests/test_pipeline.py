@@ -2,6 +2,7 @@
 the lockstep swap point, the PPO-off-policy schedule, resumed batches."""
 
 import dataclasses
+import threading
 import time
 
 import jax
@@ -73,6 +74,53 @@ def test_a_resumed_generator_thread_counts_versions_from_the_restored_step():
     finally:
         feeder.stop()
     assert feeder.take_dropped() == []
+
+
+def test_stop_abandons_the_batch_in_progress_and_counts_it():
+    """A batch of 1,000 chunks (10 s) is being generated when the run stops: the generator
+    halts at its next chunk, the thread ends at once, and the batch is counted as untrained."""
+    started = threading.Event()
+
+    def produce(params_for_chunk, key, *, oldest):
+        versions = []
+        for c in range(1000):
+            versions.append(params_for_chunk(c)[0])
+            started.set()
+            time.sleep(0.01)
+        return FakeBatch(np.array([versions]))
+
+    feeder = PipelineFeeder(produce, ParamsSource(0, None), jax.random.key(0), k=1, version=0)
+    assert started.wait(timeout=10)
+    began = time.perf_counter()
+    feeder.stop()
+    assert time.perf_counter() - began < 2
+    assert not feeder.thread.is_alive()
+    assert feeder.untrained() == 1 and feeder.abandoned == 1
+
+
+def test_a_resumed_generator_thread_samples_with_fresh_keys():
+    """Batch keys are numbered from the run's first step: a run resumed at version 5 samples
+    its first batch with the key the uninterrupted run used for its sixth, not its first."""
+
+    def keys(version: int, steps: int) -> list[list[int]]:
+        seen = []
+
+        def produce(params_for_chunk, key, *, oldest):
+            seen.append(jax.random.key_data(key).tolist())
+            return FakeBatch(np.array([[params_for_chunk(0)[0]]]))
+
+        source = ParamsSource(version, None)
+        feeder = PipelineFeeder(produce, source, jax.random.key(0), k=1, version=version)
+        try:
+            for step in range(version + 1, version + steps + 1):
+                feeder.next()
+                feeder.trained(None, step)
+        finally:
+            feeder.stop()
+        return seen
+
+    whole, resumed = keys(0, 6), keys(5, 1)
+    assert resumed[0] == whole[5] and resumed[0] not in whole[:5]
 
 
 def test_lockstep_swaps_weights_at_the_middle_chunk():

@@ -18,6 +18,7 @@ from jaxrl_scale.sampler import (
     generate,
     pad_prompts,
     prefill,
+    prompt_width,
     sample_token,
     to_rollout,
 )
@@ -234,3 +235,16 @@ def test_sharded_greedy_equals_single_device(qwen2):
     np.testing.assert_array_equal(sharded.completion_tokens, single.completion_tokens)
     np.testing.assert_allclose(sharded.behavior_logp, single.behavior_logp, atol=1e-5)
     assert len(sharded.completion_tokens.sharding.device_set) == 8
+
+
+def test_prompt_widths_are_few_and_every_prompt_fits():
+    """Each width compiles prefill, decode and the train step once: prompts of 1..1000 tokens
+    (the task's longest 1000) get 8 widths, not one per multiple of 8."""
+    widths = [prompt_width(n, 1000) for n in range(1, 1001)]
+    assert len(set(widths)) <= 8 and max(widths) == 1000  # capped by the longest, not 1024
+    assert all(n <= w and w % 8 == 0 for n, w in enumerate(widths, start=1))
+    tokens, mask = pad_prompts([[3] * 9, [4] * 17], 0, width=prompt_width(17))
+    assert tokens.shape == (2, 32) and mask.sum(axis=1).tolist() == [9, 17]
+    assert mask[:, -1].all() and tokens[1, -17:].tolist() == [4] * 17  # left-padded
+    with pytest.raises(ValueError, match="does not fit"):
+        pad_prompts([[3] * 9], 0, width=8)
