@@ -11,9 +11,13 @@ LAUNCH = ROOT / "launch"
 SCRIPTS = sorted([*LAUNCH.glob("*.sh"), *LAUNCH.glob("*.sbatch")])
 
 
-def _dry(script, *args):
+def _dry(script, *args, env=None):
     result = subprocess.run(
-        ["bash", str(LAUNCH / script), *args], capture_output=True, text=True, timeout=30
+        ["bash", str(LAUNCH / script), *args],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        env=env,
     )
     assert result.returncode == 0, result.stderr
     return [shlex.split(line) for line in result.stdout.splitlines()]
@@ -54,8 +58,14 @@ def test_local_multiprocess_dry_run():
 
 
 def test_slurm_dry_run():
-    (words,) = _dry("gpu_slurm.sbatch", "--dry-run", "--config", "c.yaml", "--out", "/shared/x")
+    import os
+
+    env = {k: v for k, v in os.environ.items() if k != "XLA_PYTHON_CLIENT_MEM_FRACTION"}
+    args = ("--dry-run", "--config", "c.yaml", "--out", "/shared/x")
+    (words,) = _dry("gpu_slurm.sbatch", *args, env=env)
+    # JAX's pool on each GPU: 0.95 of the device unless the environment says otherwise.
     assert words == [
+        "XLA_PYTHON_CLIENT_MEM_FRACTION=0.95",
         "srun",
         "--kill-on-bad-exit=1",
         "jaxrl-scale",
@@ -65,6 +75,14 @@ def test_slurm_dry_run():
         "--out",
         "/shared/x",
     ]
+
+
+def test_slurm_keeps_a_memory_fraction_the_user_set():
+    import os
+
+    env = {**os.environ, "XLA_PYTHON_CLIENT_MEM_FRACTION": "0.9"}
+    (words,) = _dry("gpu_slurm.sbatch", "--dry-run", "--config", "c.yaml", env=env)
+    assert words[0] == "XLA_PYTHON_CLIENT_MEM_FRACTION=0.9"
 
 
 def test_tpu_pod_dry_run_creates_installs_and_runs_on_every_worker():
