@@ -1,6 +1,8 @@
 """The math task: loading, answer extraction, math-verify equivalence in a worker with a timeout."""
 
 import json
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -11,6 +13,7 @@ from jaxrl_scale.tasks.math import (
     MathDataError,
     MathTask,
     Verifier,
+    VerifierError,
     extract_answer,
     last_boxed,
     load_examples,
@@ -73,6 +76,7 @@ def test_a_hanging_verification_times_out_and_the_worker_is_replaced():
         # sympy would compute this power tower exactly: it does not finish.
         assert verifier("1", "9^{9^{9^{9^{9}}}} - 9^{9^{9^{9^{9}}}} + 1") is False
         assert time.perf_counter() - start < 10
+        assert verifier.abandoned == 1  # counted (and logged)
         assert verifier("\\frac{1}{2}", "0.5")  # a fresh worker answers again
     finally:
         verifier.close()
@@ -154,3 +158,35 @@ def test_two_threads_share_the_verifier_while_one_call_hangs():
         assert [ok for name, ok in results if name == "equal"] == [True, True, True]
     finally:
         verifier.close()
+
+
+def test_a_script_without_a_main_guard_still_verifies(tmp_path):
+    """A user's script that scores at its top level, with no `if __name__ == "__main__":`
+    guard: the worker must not run the script again (a multiprocessing child would, fail,
+    and every equivalent answer would score 0)."""
+    script = tmp_path / "score.py"
+    script.write_text(
+        "from jaxrl_scale.tasks.math import MathTask\n"
+        "from jaxrl_scale.tokenizer import CharTokenizer\n"
+        f"task = MathTask(data={str(FIXTURE)!r}, tokenizer=CharTokenizer('0123456789'), "
+        "num_eval=3)\n"
+        "print('score', task.score('It is \\\\boxed{0.5}', {'answer': '\\\\frac{1}{2}'}))\n"
+        "task.verifier.close()\n"
+    )
+    done = subprocess.run(
+        [sys.executable, str(script)], cwd=tmp_path, capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.splitlines() == ["score 1.0"], done.stdout + done.stderr[-2000:]
+
+
+def test_without_math_verify_scoring_is_an_error_not_zero(tmp_path, monkeypatch):
+    (tmp_path / "math_verify.py").write_text("raise ImportError('not installed here')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))  # the worker inherits the import path
+    task = MathTask(data=str(FIXTURE), tokenizer=TOK, num_eval=3)
+    try:
+        assert task.score("\\boxed{5}", {"answer": "5"}) == 1.0  # equal text: no worker
+        with pytest.raises(VerifierError, match=r"pip install 'jaxrl-scale\[math\]'"):
+            task.score("It is \\boxed{0.5}", {"answer": "\\frac{1}{2}"})
+    finally:
+        task.verifier.close()

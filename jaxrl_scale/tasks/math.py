@@ -10,17 +10,22 @@ Scoring: the completion's final answer is the content of its last `\\boxed{...}`
 matched), else of a final-answer line ("Final answer: ...", "The answer is ...", "#### ...").
 Score range {0.0, 1.0}. An answer equal to the reference after whitespace and `$` removal
 scores 1.0 at once; otherwise `math_verify.verify` decides in a worker process with a timeout,
-so a pathological expression cannot hang training (it scores 0.0 and the worker is replaced).
+so a pathological expression cannot hang training (it scores 0.0, counted and logged, and the
+worker is replaced). The worker is an interpreter of its own (`Verifier`): the script that
+starts training needs no `if __name__ == "__main__":` guard, and a worker that cannot start
+(math-verify not installed) is an error, not a run of 0.0 scores.
 """
 
 from __future__ import annotations
 
-import concurrent.futures
+import contextlib
 import json
-import multiprocessing
+import os
 import re
+import select
+import subprocess
+import sys
 import threading
-from concurrent.futures.process import BrokenProcessPool
 from pathlib import Path
 
 import numpy as np
@@ -75,48 +80,125 @@ def _verify(gold: str, answer: str) -> bool:
     return bool(verify(parse(f"${gold}$"), parse(f"${answer}$")))
 
 
+def serve() -> None:
+    """The verifier's worker process: a `ready` line once math-verify is imported, then for
+    each `[gold, answer]` JSON line on stdin a line `1` (equivalent) or `0` on stdout."""
+    replies = os.fdopen(os.dup(1), "w")  # the parent reads only these lines: whatever the
+    os.dup2(2, 1)  # libraries print goes to stderr
+    try:
+        import math_verify  # noqa: F401
+    except ImportError as e:
+        message = f"the math task needs math-verify ({e}): pip install 'jaxrl-scale[math]'"
+        replies.write(f"error: {message}\n")
+        replies.flush()
+        return
+    replies.write("ready\n")
+    replies.flush()
+    for line in sys.stdin:
+        gold, answer = json.loads(line)
+        try:
+            equal = _verify(gold, answer)
+        except Exception:  # math-verify could not parse or compare: not a match
+            equal = False
+        replies.write("1\n" if equal else "0\n")
+        replies.flush()
+
+
+class VerifierError(RuntimeError):
+    """The math-verify worker cannot run; scoring would silently be wrong."""
+
+
 class Verifier:
     """math-verify in a separate process, one call at a time, each with a timeout.
 
+    The worker is a fresh interpreter that runs `serve` (not a multiprocessing child, which
+    would import the script that started training again and, in a script without an
+    `if __name__ == "__main__":` guard, run its training again instead of verifying). A call
+    that takes longer than `timeout` seconds, or whose worker dies, scores 0.0, is counted in
+    `abandoned` and logged, and the worker is replaced. A worker that cannot start (no
+    math-verify installed, or no `ready` line within `start_timeout` seconds) is a
+    VerifierError, never a score.
+
     Shared by threads: in `pipeline_rl` the generator thread scores training rollouts while the
     main thread scores evaluations, and either may find the worker hung and replace it. The
-    lock makes each call (submit, wait, replace) one unit, so no thread waits on a pool that
-    another has just shut down; calls are one at a time anyway (one worker)."""
+    lock makes each call (write, wait, replace) one unit, so no thread talks to a worker that
+    another has just killed; calls are one at a time anyway (one worker)."""
 
-    def __init__(self, timeout: float = 5.0):
-        self.timeout = timeout
+    def __init__(self, timeout: float = 5.0, *, start_timeout: float = 120.0):
+        self.timeout, self.start_timeout = timeout, start_timeout
+        self.abandoned = 0  # calls scored 0.0 because they timed out or their worker died
         self._lock = threading.Lock()
-        self._pool: concurrent.futures.ProcessPoolExecutor | None = None
+        self._worker: subprocess.Popen | None = None
 
-    def _executor(self) -> concurrent.futures.ProcessPoolExecutor:
-        if self._pool is None:
-            context = multiprocessing.get_context("spawn")  # never fork a process running JAX
-            self._pool = concurrent.futures.ProcessPoolExecutor(1, mp_context=context)
-        return self._pool
+    def _started(self) -> subprocess.Popen:
+        if self._worker is not None:
+            return self._worker
+        # The parent's import path, as multiprocessing gives its children, and nothing else.
+        code = (
+            f"import sys; sys.path[:] = {sys.path!r}; import jaxrl_scale.tasks.math as m; m.serve()"
+        )
+        command = [sys.executable, "-c", code]
+        worker = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        line = _read_line(worker, self.start_timeout)
+        if line != "ready\n":
+            worker.kill()
+            worker.wait()
+            if line and line.startswith("error: "):
+                raise VerifierError(line[len("error: ") :].strip())
+            raise VerifierError(
+                "the math-verify worker process "
+                + ("exited" if line == "" else f"did not start within {self.start_timeout:g} s")
+                + f" (its stderr is above; {sys.executable} runs it)"
+            )
+        self._worker = worker
+        return worker
 
     def __call__(self, gold: str, answer: str) -> bool:
         with self._lock:
-            future = self._executor().submit(_verify, gold, answer)
+            worker = self._started()
             try:
-                return future.result(timeout=self.timeout)
-            except (concurrent.futures.TimeoutError, BrokenProcessPool):
-                self._close(kill=True)  # the worker is stuck or dead: replace it
-                return False
-            except Exception:  # math-verify could not parse or compare: not a match
-                return False
+                worker.stdin.write(json.dumps([gold, answer]) + "\n")
+                worker.stdin.flush()
+                reply = _read_line(worker, self.timeout)
+            except BrokenPipeError:  # the worker died between calls
+                reply = ""
+            if reply in ("1\n", "0\n"):
+                return reply == "1\n"
+            self._close(kill=True)  # stuck (no reply in time) or dead: replace it
+            self.abandoned += 1
+            why = f"no answer within {self.timeout:g} s" if reply is None else "the worker died"
+            print(
+                f"math-verify: {why} checking {answer[:80]!r} against {gold[:80]!r}; scored 0.0, "
+                f"worker replaced ({self.abandoned} so far)",
+                file=sys.stderr,
+                flush=True,
+            )
+            return False
 
     def close(self, kill: bool = False) -> None:
         with self._lock:
             self._close(kill)
 
     def _close(self, kill: bool) -> None:
-        if self._pool is None:
+        worker, self._worker = self._worker, None
+        if worker is None:
             return
         if kill:
-            for process in list(getattr(self._pool, "_processes", {}).values()):
-                process.kill()
-        self._pool.shutdown(wait=not kill, cancel_futures=True)
-        self._pool = None
+            worker.kill()
+        with contextlib.suppress(BrokenPipeError):
+            worker.stdin.close()  # a live worker's loop ends at the end of its input
+        try:
+            worker.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            worker.kill()
+            worker.wait()
+        worker.stdout.close()
+
+
+def _read_line(worker: subprocess.Popen, timeout: float) -> str | None:
+    """The worker's next line ("" if it exited), or None when none came within `timeout`."""
+    ready, _, _ = select.select([worker.stdout], [], [], timeout)
+    return worker.stdout.readline() if ready else None
 
 
 def _read_rows(source: str) -> list[dict]:
