@@ -11,7 +11,10 @@ run's processes come from:
   topology from the environment.
 - otherwise: one process, and `jax.distributed` is not started.
 
-Inside a run: process 0 alone writes metrics.jsonl, TensorBoard and fits; orbax checkpoints are
+Inside a run: process 0 alone writes metrics.jsonl, TensorBoard and fits, and reads the metrics
+back on resume (other hosts need not see the run directory's files other than its checkpoints);
+what it decides from them that changes the run's course (an early stop) reaches the others by
+`decided_by_main`. Orbax checkpoints are
 written and read by all processes together; each process places its rows of every batch with
 `jax.make_array_from_process_local_data`; host-side values of sharded arrays (completions to
 score) are gathered with `multihost_utils.process_allgather`; new weights reach generator
@@ -101,6 +104,14 @@ def initialize(cfg: DistributedConfig) -> bool:
 def is_main() -> bool:
     """Process 0: the one that writes logs, metrics and fits."""
     return jax.process_index() == 0
+
+
+def decided_by_main(decision: bool) -> bool:
+    """Process 0's `decision` on every process (the others' argument is ignored): for choices
+    that change which collectives run next, so that all processes take the same branch."""
+    if jax.process_count() == 1:
+        return bool(decision)
+    return bool(multihost_utils.broadcast_one_to_all(np.int32(decision)))
 
 
 def to_host(x) -> np.ndarray:

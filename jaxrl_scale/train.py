@@ -21,6 +21,8 @@ Who owns what. Main thread: the train state, the feeder's consumer side, the met
 the forecaster, the checkpointer, the run's totals. Feeding thread (the main thread except in
 threaded pipeline_rl): the rollout worker's curriculum; checkpoints save the snapshot each
 batch carries. Shared, with a lock: ParamsSource (pipeline.py), the math verifier, RunClock.
+Across processes, process 0 alone writes and reads back the metrics log and forecasts; its
+decision to stop early reaches the others by a broadcast.
 """
 
 from __future__ import annotations
@@ -113,7 +115,7 @@ def setup(cfg: ExperimentConfig, out: str | Path, *, resume: bool = True) -> Run
     # generated but not trained on (sync, ppo_off_policy, lockstep), placed on the trainer,
     # those staler than this run's k dropped and counted (pipeline.make_feeder); then the
     # metrics rows after the checkpoint's step are cut (MetricsWriter) and the forecaster
-    # replays the eval curve so far (train_run).
+    # replays the eval curve so far (train_run; both on process 0, which alone keeps the log).
     checkpointer = Checkpointer(out, keep=cfg.checkpoint.keep)
     restored = None
     if resume:
@@ -164,7 +166,9 @@ def train_run(run: Run) -> list[dict[str, Any]]:
     rows: list[dict[str, Any]] = []
     # ---------------------------------------------------------------- warm start, step-0 eval
     if run.resumed:
-        forecaster.replay(curve_from_rows(read_metrics(run.out), x=cfg.forecast.x, clean=False))
+        if distributed.is_main():  # the log as trimmed just above: only process 0 reads it
+            rows_so_far = read_metrics(run.out)
+            forecaster.replay(curve_from_rows(rows_so_far, x=cfg.forecast.x, clean=False))
     else:
         if cfg.warm_start.steps:
             params, _ = warm_start(
@@ -195,7 +199,7 @@ def train_run(run: Run) -> list[dict[str, Any]]:
 
     def finish(record: _Step, ended: float, evaluation: tuple | None = None) -> dict[str, Any]:
         row = _row(record, ended, totals, clock, cfg, evaluation)
-        if evaluation is not None:
+        if evaluation is not None and distributed.is_main():
             row.update(forecaster.observe(record.step, row[cfg.forecast.x], evaluation[0]) or {})
         metrics_log.write(row)
         rows.append(row)
@@ -243,10 +247,7 @@ def train_run(run: Run) -> list[dict[str, Any]]:
                     evaluation = worker.evaluate_with_sd(train_state.params, eval_key)
             finish(unlogged, time.perf_counter(), evaluation)
             unlogged = None
-            stop = forecaster.should_stop() if evaluation is not None else None
-            if stop is not None:
-                if distributed.is_main():
-                    print(stop, flush=True)
+            if evaluation is not None and _should_stop(forecaster):
                 break
             if on_save:
                 save()
@@ -265,6 +266,17 @@ def train_run(run: Run) -> list[dict[str, Any]]:
 
 
 # --------------------------------------------------------------------------- helpers
+
+
+def _should_stop(forecaster: OnlineForecast) -> bool:
+    """Whether the run stops early after this evaluation (`forecast.stop_when_gain_below`).
+    Process 0 decides, from the forecast it alone keeps, and every process follows: were each
+    to decide for itself, one could stop while the others go on into the next step's
+    collectives and wait there."""
+    reason = forecaster.should_stop() if distributed.is_main() else None
+    if reason is not None:
+        print(reason, flush=True)
+    return distributed.decided_by_main(reason is not None)
 
 
 def _report_untrained(batches: int, queued: int, generated: int) -> None:
@@ -319,7 +331,7 @@ def _row(s: _Step, ended: float, totals: dict, clock: RunClock, cfg, evaluation)
     totals["tokens"] += stats["gen_tokens"]
     totals["skipped_updates"] += int(metrics["skipped"])
     totals["device_seconds"] = clock.device_seconds()
-    hidden = ("gen_flops", "train_flops", "gen_tokens")
+    hidden = ("gen_flops", "train_flops")  # charged to compute_flops
     row = {
         "step": s.step,
         "policy_version": s.step,

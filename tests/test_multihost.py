@@ -1,6 +1,7 @@
 """Several processes in one run through jax.distributed: CPU processes on 127.0.0.1, gloo
 collectives, each process with 2 devices."""
 
+import json
 import os
 import socket
 import subprocess
@@ -13,8 +14,9 @@ import pytest
 from conftest import FAST, TINY_CONFIG
 
 from jaxrl_scale.config import load_config
+from jaxrl_scale.fit.curves import sigmoid
 from jaxrl_scale.metrics import read_metrics
-from jaxrl_scale.train import setup, train_run
+from jaxrl_scale.train import setup, train, train_run
 
 TINY = TINY_CONFIG
 # The fast settings over the whole mesh (all processes' devices), deterministic mode.
@@ -113,7 +115,9 @@ def test_a_dead_process_makes_the_others_exit_with_an_error(tmp_path):
     assert "another task died" in out or "stopped sending heartbeats" in out, out[-2000:]
 
 
-def _run_two(out, steps, *extra, timeout=300):
+def _run_two(out, steps, *extra, timeout=300, out1=None):
+    """Two processes of one run (process 1 with `out1` as its run directory when given); both
+    are killed and the test fails if they are not done within `timeout` seconds."""
     port = _free_port()
     procs = []
     for i in range(2):
@@ -123,7 +127,7 @@ def _run_two(out, steps, *extra, timeout=300):
             JAXRL_NUM_PROCESSES="2",
             JAXRL_PROCESS_ID=str(i),
         )
-        cmd = _train_cmd(out, steps)
+        cmd = _train_cmd(out1 if i == 1 and out1 is not None else out, steps)
         for e in extra:
             cmd += ["--set", e]
         procs.append(
@@ -131,7 +135,14 @@ def _run_two(out, steps, *extra, timeout=300):
                 cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
             )
         )
-    outs = [p.communicate(timeout=timeout)[0] for p in procs]
+    deadline = time.monotonic() + timeout
+    try:
+        outs = [p.communicate(timeout=max(deadline - time.monotonic(), 0.1))[0] for p in procs]
+    except subprocess.TimeoutExpired:
+        for p in procs:
+            p.kill()
+        outs = [p.communicate()[0] for p in procs]
+        pytest.fail(f"not done within {timeout} s:\n" + "\n".join(o[-3000:] for o in outs))
     return [p.returncode for p in procs], outs
 
 
@@ -165,3 +176,46 @@ def test_a_generator_split_that_leaves_a_process_without_trainer_devices_is_refu
     codes, outs = _run_two(tmp_path / "run", 3, *PIPELINE[:1], "pipeline.generator_devices=3")
     assert codes == [2, 2]
     assert all("same number of devices from each of the 2 processes" in o for o in outs), outs
+
+
+def test_a_resumed_run_stops_early_on_every_process_at_the_same_step(tmp_path):
+    """On resume, process 0 alone replays the eval curve from the metrics log (which it alone
+    keeps, and has just cut back to the checkpoint) and decides the forecast's early stop for
+    every process. Process 1 here has a run directory of its own that shares only the
+    checkpoints: its copy of the log still holds the rows a killed run wrote after its last
+    checkpoint, with which the forecast would go on. Deciding from that copy, process 1 would
+    enter step 10's collectives while process 0 stopped after step 9, and both would wait."""
+    run, host1 = tmp_path / "run", tmp_path / "host1"
+    train(load_config(TINY, [*SETTINGS, "train.steps=8", "train.eval_every=8"]), run)
+    rows = read_metrics(run)
+    assert [r["step"] for r in rows] == list(range(9))  # and a checkpoint at step 8
+    # The log's eval curve becomes a clean sigmoid past its inflection, at compute far beyond
+    # this tiny run's: the first fit after the resume is identifiable with little gain left
+    # (the resumed run's own evaluation, near compute 0, falls below forecast.c_min_fraction's
+    # cut). The killed run's later rows climb on: fitted with them, gain is left (> 0.1).
+    for r in rows:
+        r["compute_flops"] = r["step"] * 1e12
+        r["eval_pass_rate"] = float(sigmoid(r["compute_flops"], 0.6, 3.0, 2.5e12, 0.1))
+    rows[0]["eval_pass_rate"] = 0.1  # R0
+    killed = [
+        {"step": s, "compute_flops": s * 1e12, "eval_pass_rate": 0.6 + 0.08 * (s - 8)}
+        for s in range(9, 15)
+    ]
+    log = "".join(json.dumps(r) + "\n" for r in rows + killed)
+    (run / "metrics.jsonl").write_text(log)
+    host1.mkdir()
+    (host1 / "metrics.jsonl").write_text(log)
+    (host1 / "checkpoints").symlink_to(run / "checkpoints")
+    forecast = ["forecast.every=1", "forecast.bootstrap=10", "forecast.stop_when_gain_below=0.05"]
+    codes, outs = _run_two(run, 20, "train.eval_every=1", *forecast, out1=host1, timeout=150)
+    assert codes == [0, 0], outs[0][-3000:] + outs[1][-3000:]
+    assert "forecast.stop_when_gain_below = 0.05; stopping" in outs[0], outs[0][-3000:]
+    after = read_metrics(run)
+    assert [r["step"] for r in after] == list(range(10))  # the killed run's rows cut
+    assert after[:9] == rows
+    assert after[9]["forecast_status"] == "ok" and after[9]["forecast_gain_left_hi"] < 0.05
+    assert after[9]["forecast_left_out"] == 1  # the resumed run's own evaluation
+    # Both processes saved the last checkpoint together where they stopped.
+    saved = sorted(int(p.name) for p in (run / "checkpoints").iterdir() if p.name.isdigit())
+    assert saved[-1] == 9
+    assert (host1 / "metrics.jsonl").read_text() == log  # process 1 writes no log

@@ -37,16 +37,21 @@ def test_every_loss_kind_trains_in_sync_mode(loss, tmp_path):
     kind, *extra = loss.split(",")
     rows = train(_cfg(f"loss.kind={kind}", "pipeline.mode=sync", *extra), tmp_path)
     assert [r["step"] for r in rows] == [0, 1, 2, 3]
-    for r in rows[1:]:
+    for before, r in zip(rows[:-1], rows[1:], strict=True):
         assert np.isfinite(r["loss"]) and r["skipped"] == 0
         assert r["staleness_max"] == 0
         assert r["compute_flops"] > 0
         assert r["tokens_per_s"] > 0 and 0 <= r["trainer_idle_fraction"] <= 1
+        # The step's generated tokens: every row's length summed; `tokens` is their running total.
+        assert isinstance(r["gen_tokens"], int) and r["gen_tokens"] > 0
+        assert r["gen_tokens"] == round(r["gen_length_mean"] * 4 * 4)  # FAST: 4 prompts x 4
+        assert r["tokens"] - before["tokens"] == r["gen_tokens"]
     assert (
         "eval_pass_rate" in rows[0] and "eval_pass_rate" in rows[2] and "eval_pass_rate" in rows[3]
     )
     assert rows[3]["compute_flops"] > rows[1]["compute_flops"]
-    assert len(read_metrics(tmp_path)) == 4
+    logged = read_metrics(tmp_path)
+    assert [r.get("gen_tokens") for r in logged] == [None] + [r["gen_tokens"] for r in rows[1:]]
     assert any(p.name.startswith("events") for p in (tmp_path / "tensorboard").iterdir())
     if extra:  # the KL reference is the warm-started policy and survives a restart
         assert rows[1]["kl_ref"] == 0.0
