@@ -29,7 +29,6 @@ from __future__ import annotations
 import collections
 import dataclasses
 import functools
-import math
 from collections.abc import Sequence
 
 import jax
@@ -47,7 +46,7 @@ from jaxrl_scale.sampler import (
     Sampling,
     decode,
 )
-from jaxrl_scale.sharding import LOGICAL_RULES, batch_sharding, replicated
+from jaxrl_scale.sharding import LOGICAL_RULES, batch_sharding, batch_ways, replicated
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,13 +63,6 @@ class Finished:
     versions: np.ndarray  # [N] int32 version per sampled token, -1 elsewhere
     finish_reason: int  # index into sampler.FINISH_REASONS
     length: int  # completion tokens emitted (interruption text included)
-
-
-def batch_ways(mesh) -> int:
-    """How many ways the mesh's batch axes split the slots (1 without a mesh)."""
-    if mesh is None:
-        return 1
-    return math.prod(mesh.shape[a] for a in LOGICAL_RULES["batch"] if a in mesh.axis_names)
 
 
 def check_slots(slots: int, repeat: int, mesh) -> None:

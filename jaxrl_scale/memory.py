@@ -38,7 +38,7 @@ from flax import nnx
 
 from jaxrl_scale import attention, sharding
 from jaxrl_scale.config import ExperimentConfig
-from jaxrl_scale.engine import abstract_slots, batch_ways, lower_admission
+from jaxrl_scale.engine import abstract_slots, lower_admission
 from jaxrl_scale.hf import config_from_hf, resolve_checkpoint
 from jaxrl_scale.model import Policy, for_generation
 from jaxrl_scale.rollout import decodes_with_copy, wave_prompts
@@ -240,7 +240,7 @@ def prefill_memory(cfg: ExperimentConfig, mesh, prompt_len: int, *, copy: bool) 
         out["program"] = "slot engine admission"
         out["extra_bytes"] = out["temporaries_bytes"] + out["outputs_bytes"]  # state donated
         return out
-    prompts = wave_prompts(cfg, g, batch_ways(mesh), cfg.train.prompts_per_step)
+    prompts = wave_prompts(cfg, g, sharding.batch_ways(mesh), cfg.train.prompts_per_step)
     out = _wave_prefill(cfg, graphdef, params, mesh, prompts, prompt_len, g)
     out["program"] = f"prefill of a wave ({prompts} prompts x {g} rows)"
     out["extra_bytes"] = out["temporaries_bytes"]  # its output is the wave's decode state
@@ -256,7 +256,7 @@ def evaluate_memory(
     with `own_copy`, the parameter copy it decodes with (beside those the generator holds)."""
     graphdef, params = _abstract_params(cfg, mesh, generation=copy)
     k, n_new = cfg.train.eval_samples, cfg.sampler.max_new_tokens
-    prompts = wave_prompts(cfg, k, batch_ways(mesh), cfg.task.num_eval)
+    prompts = wave_prompts(cfg, k, sharding.batch_ways(mesh), cfg.task.num_eval)
     first = _wave_prefill(cfg, graphdef, params, mesh, prompts, prompt_len, k)
     state = abstract_slots(cfg.model, prompts * k, prompt_len, n_new, mesh)
     chunk = _decode_chunk(cfg, graphdef, params, state, prompt_len, cfg.train.eval_temperature)
@@ -317,10 +317,10 @@ def plan(
     sharding.check_divisible(cfg, mesh, gen_mesh)
     gmesh = gen_mesh or mesh
     copy = decodes_with_copy(cfg, gen_mesh)
-    # pipeline_rl: new weights arrive while a chunk decodes with older ones, so up to three
-    # copies sit on the generator's devices (the running chunk's, the newest published and
-    # not yet picked up, the one being placed).
-    copies = 3 if cfg.pipeline.mode == "pipeline_rl" else 1
+    # pipeline_rl: new weights arrive while a chunk decodes with older ones, so two copies
+    # sit on the generator's devices (the running chunk's and the newest; a version never
+    # picked up is dropped before the next is placed: `pipeline.ParamsSource`).
+    copies = 2 if cfg.pipeline.mode == "pipeline_rl" else 1
     # Evaluation decodes with a copy of its own (`RolloutWorker.to_generator`) wherever the
     # generator has one; else with the trainer's parameters.
     own_copy = copy

@@ -57,21 +57,39 @@ Producer = Callable[..., Any]  # (params_for_chunk, key, *, oldest: int) -> batc
 class ParamsSource:
     """The newest published parameters and their version, read by the generator. `place` puts
     a published (version, params) where the generator reads them (a copy, or another device
-    set). Written by the trainer thread, read by the generator thread: behind a lock."""
+    set). Written by the trainer thread, read by the generator thread: behind a lock.
+
+    Where the generator reads them at most two placed copies exist at once: the one it decodes
+    with (the last `latest` handed out) and the newest. A version published and never handed
+    out is dropped before the next one is placed, so placing never makes a third; while it is
+    placed, `latest` hands out the copy the generator already has (versions never go back).
+    Readers that are not the generator (held-out evaluation) use `newest`."""
 
     def __init__(
         self, version: int, params, *, place: Callable[[Any], Any] = lambda params: params
     ):
         self._lock = threading.Lock()
         self._place = place
+        self._latest: tuple[int, Any] | None = None
+        self._handed: tuple[int, Any] | None = None
         self.publish(version, params)
 
     def publish(self, version: int, params) -> None:
+        with self._lock:
+            if self._handed is not None:  # superseded unless the generator has it
+                self._latest = self._handed
         placed = self._place(params)
         with self._lock:
             self._latest = (version, placed)
 
     def latest(self) -> tuple[int, Any]:
+        """The newest (version, params), for the generator to decode with."""
+        with self._lock:
+            self._handed = self._latest
+            return self._latest
+
+    def newest(self) -> tuple[int, Any]:
+        """The newest (version, params), without handing them to the generator."""
         with self._lock:
             return self._latest
 

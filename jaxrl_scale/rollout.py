@@ -118,7 +118,7 @@ class RolloutWorker:
         self._longest: int | None = None  # the task's longest prompt, measured when needed
         # Static waves (evaluation's always) are checked here, so a config whose waves cannot
         # split over the generator's devices fails at setup rather than at the first eval.
-        ways = batch_shards(gen_mesh or mesh)
+        ways = sharding.batch_ways(gen_mesh or mesh)
         wave_prompts(cfg, cfg.train.eval_samples, ways, len(task.eval_examples))
         # The chunks a training batch's decode steps span (lockstep swaps weights at the
         # middle one): engine runs of `admit_every` steps, or static chunks of `chunk_size`
@@ -167,7 +167,9 @@ class RolloutWorker:
         whose rows are dropped. Prompts are left-padded to `sampler.prompt_width` columns,
         capped by the task's longest prompt: a run compiles a few widths."""
         n = len(prompts)
-        per_wave = wave_prompts(self.cfg, repeat, batch_shards(self.gen_mesh or self.mesh), n)
+        per_wave = wave_prompts(
+            self.cfg, repeat, sharding.batch_ways(self.gen_mesh or self.mesh), n
+        )
         width = prompt_width(max(len(p) for p in prompts), self._longest_prompt())
         host_tokens, host_mask = pad_prompts(prompts, self.tok.pad_id, width=width)
         fill = -n % per_wave
@@ -397,11 +399,13 @@ class RolloutWorker:
         """mean@k pass rate on the held-out split (k = train.eval_samples)."""
         return self.evaluate_with_sd(params, key)[0]
 
-    def evaluate_with_sd(self, params, key) -> tuple[float, float]:
-        """(mean@k pass rate on the held-out split, its sampling sd; see `sampling_sd`)."""
+    def evaluate_with_sd(self, params, key, *, placed=None) -> tuple[float, float]:
+        """(mean@k pass rate on the held-out split, its sampling sd; see `sampling_sd`).
+        `placed`: the same parameters already as the generator decodes them (the newest
+        published copy), evaluated without placing another copy beside the generator's."""
         k = self.cfg.train.eval_samples
         examples = self.task.eval_examples
-        frozen = (-1, self.to_generator(params))
+        frozen = (-1, self.to_generator(params) if placed is None else placed)
         ro = self.generate(
             lambda chunk: frozen,
             self._encode(examples),
@@ -414,12 +418,6 @@ class RolloutWorker:
         scores = [self.task.score(t, examples[i // k]) for i, t in enumerate(texts)]
         scores = np.asarray(scores, float).reshape(len(examples), k)
         return float(scores.mean()), sampling_sd(scores)
-
-
-def batch_shards(mesh: jax.sharding.Mesh) -> int:
-    """How many shards `mesh`'s batch axes split a batch's rows into."""
-    axes = sharding.LOGICAL_RULES["batch"]
-    return math.prod(mesh.shape[a] for a in ((axes,) if isinstance(axes, str) else axes))
 
 
 def wave_prompts(cfg: ExperimentConfig, repeat: int, batch_ways: int, n_prompts: int) -> int:

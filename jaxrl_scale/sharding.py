@@ -126,6 +126,14 @@ def row_axes(mesh, rows: int) -> tuple[str, ...] | None:
     return axes
 
 
+def batch_ways(mesh: Mesh | None) -> int:
+    """How many shards the mesh's batch axes split a batch's rows (or the generator's slots)
+    into; 1 without a mesh."""
+    if mesh is None:
+        return 1
+    return math.prod(mesh.shape[a] for a in LOGICAL_RULES["batch"] if a in mesh.axis_names)
+
+
 def replicated(mesh: Mesh) -> NamedSharding:
     """A full copy on every device of `mesh`."""
     return NamedSharding(mesh, PartitionSpec())
@@ -209,7 +217,7 @@ def check_divisible(cfg: ExperimentConfig, mesh: Mesh, gen_mesh: Mesh | None) ->
         # would hold and decode every slot); static waves decode this many rows at a time
         checks.append(("sampler.slots", cfg.sampler.slots, gen_mesh or mesh, "generator"))
     for name, size, m, where in checks:
-        ways = m.shape["data"] * m.shape["fsdp"]
+        ways = batch_ways(m)
         if size % ways:
             raise ConfigError(
                 f"{name}: {size} does not split over the {where}'s {ways} batch shards"

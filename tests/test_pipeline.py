@@ -203,3 +203,38 @@ def test_make_feeder_picks_the_mode():
         multiprocess=True,
     )
     assert isinstance(multi, LockstepFeeder)
+
+
+def test_params_source_keeps_at_most_two_copies_where_the_generator_reads():
+    """A version published and never handed to the generator is dropped before the next one
+    is placed: placing sees only the generator's copy alive, and meanwhile the generator is
+    handed the copy it has (never the dropped one, never nothing)."""
+    import weakref
+
+    from jaxrl_scale.pipeline import ParamsSource
+
+    class Copy:
+        def __init__(self, version):
+            self.version = version
+
+    alive = weakref.WeakSet()
+    seen = []  # (copies alive, version the generator is handed) while each version is placed
+
+    def place(params):
+        handed = source.latest()[0] if seen else None
+        seen.append((len(alive), handed))
+        copy = Copy(params)
+        alive.add(copy)
+        return copy
+
+    source = None
+    source = ParamsSource(0, 0, place=place)
+    running = source.latest()  # the generator decodes with version 0
+    source.publish(1, 1)  # never handed out
+    source.publish(2, 2)  # placing 2: version 1 is gone, the generator still gets 0
+    assert seen == [(0, None), (1, 0), (1, 0)]
+    assert source.newest()[0] == 2 and running[0] == 0
+    assert source.latest()[0] == 2 and len(alive) == 2  # 0 (still running) and 2
+    del running
+    source.publish(3, 3)  # the generator moved to 2: placing 3 keeps 2 alive only
+    assert seen[-1] == (1, 2)
