@@ -321,9 +321,9 @@ def plan(
     # sit on the generator's devices (the running chunk's and the newest; a version never
     # picked up is dropped before the next is placed: `pipeline.ParamsSource`).
     copies = 2 if cfg.pipeline.mode == "pipeline_rl" else 1
-    # Evaluation decodes with a copy of its own (`RolloutWorker.to_generator`) wherever the
-    # generator has one; else with the trainer's parameters.
-    own_copy = copy
+    # Evaluation after a step decodes with the generator's newest copy, that step's (the
+    # first, before the generator starts, makes one of its own): no copy beside them.
+    own_copy = False
 
     def programs(cfg):
         return {

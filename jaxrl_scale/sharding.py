@@ -203,16 +203,8 @@ def check_divisible(cfg: ExperimentConfig, mesh: Mesh, gen_mesh: Mesh | None) ->
     """Batches split evenly over the batch axes of the meshes they live on."""
     batch = cfg.train.prompts_per_step * cfg.train.group_size
     checks = [("train.prompts_per_step x train.group_size", batch, mesh, "mesh")]
-    if gen_mesh is not None:
-        checks += [
-            ("train.prompts_per_step x train.group_size", batch, gen_mesh, "generator"),
-            (
-                "task.num_eval x train.eval_samples",
-                cfg.task.num_eval * cfg.train.eval_samples,
-                gen_mesh,
-                "generator",
-            ),
-        ]
+    if gen_mesh is not None:  # (held-out waves are filled up to split: rollout.wave_prompts)
+        checks.append(("train.prompts_per_step x train.group_size", batch, gen_mesh, "generator"))
     if cfg.sampler.slots:  # the KV cache's rows, split like a batch's (else every device
         # would hold and decode every slot); static waves decode this many rows at a time
         checks.append(("sampler.slots", cfg.sampler.slots, gen_mesh or mesh, "generator"))

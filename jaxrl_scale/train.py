@@ -244,7 +244,12 @@ def train_run(run: Run) -> list[dict[str, Any]]:
             if on_eval:
                 with clock.excluded():
                     eval_key = jax.random.fold_in(key, 10**9 + step)
-                    evaluation = worker.evaluate_with_sd(train_state.params, eval_key)
+                    # The generator's newest copy is this step's: no copy of its own beside it.
+                    version, placed = source.newest()
+                    placed = placed if version == step else None
+                    evaluation = worker.evaluate_with_sd(
+                        train_state.params, eval_key, placed=placed
+                    )
             finish(unlogged, time.perf_counter(), evaluation)
             unlogged = None
             if evaluation is not None and _should_stop(forecaster):

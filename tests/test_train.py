@@ -374,8 +374,13 @@ def test_config_errors_are_named(tmp_path):
         _cfg("loss.kind=dapo", "loss.eps_max=4")
     with pytest.raises(ConfigError, match="pipeline.generator_devices"):
         setup(_cfg("pipeline.generator_devices=8"), tmp_path)
-    with pytest.raises(ConfigError, match="task.num_eval x train.eval_samples: 6 does not split"):
-        setup(_cfg("pipeline.generator_devices=4", "task.num_eval=3"), tmp_path)
+    # Held-out waves are filled up to split over the generator's devices (3 prompts x 2
+    # samples run as one wave of 4 prompts); a sample count no wave of sampler.slots rows can
+    # split over them is refused.
+    setup(_cfg("pipeline.generator_devices=4", "task.num_eval=3"), tmp_path / "ok")
+    with pytest.raises(ConfigError, match="sampler.slots / train.eval_samples"):
+        setup(_cfg("pipeline.generator_devices=4", "sampler.slots=4", "train.eval_samples=3"),
+              tmp_path)  # fmt: skip
     # The interruption budget with the text's real token count (3 characters, 3 tokens):
     # 1 + 3 + 1 > sampler.max_new_tokens = 4, though 1 + (at least 1) + 1 fits.
     interrupt = "{text: '123', think_min: 1, think_max: 1, answer_budget: 1, think_end: null}"
