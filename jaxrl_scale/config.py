@@ -311,8 +311,10 @@ class SamplerConfig:
     # "auto": continuous in pipeline_rl, static in sync and ppo_off_policy (ExperimentConfig.
     # batching).
     batching: Literal["auto", "static", "continuous"] = "auto"
-    # Rows decoded at once (the KV cache's size); 0 = one batch's rows. static decodes a batch
-    # in waves of `slots` rows, each until its longest row ends.
+    # Rows decoded at once (the KV cache's size); 0 = one train batch's rows. They split over
+    # the generator's batch shards (each device holds its own). static (and held-out
+    # evaluation) decodes in waves of at most this many rows whose count splits over the
+    # generator's batch shards, each until its longest row ends.
     slots: int = 0
     admit_every: int = 8  # continuous: decode steps between reads of the done flags
 
