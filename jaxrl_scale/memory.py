@@ -317,10 +317,10 @@ def plan(
     sharding.check_divisible(cfg, mesh, gen_mesh)
     gmesh = gen_mesh or mesh
     copy = decodes_with_copy(cfg, gen_mesh)
-    # pipeline_rl: new weights arrive while a chunk decodes with older ones, so two copies
-    # sit on the generator's devices (the running chunk's and the newest; a version never
-    # picked up is dropped before the next is placed: `pipeline.ParamsSource`).
-    copies = 2 if cfg.pipeline.mode == "pipeline_rl" else 1
+    # A copy of its own: new weights are placed while the generator may still decode with
+    # the ones it has (pipeline_rl), or while the source still holds them (every mode), so
+    # two copies sit on its devices; never three (`pipeline.ParamsSource`).
+    copies = 2 if copy else 1
     # Evaluation after a step decodes with the generator's newest copy, that step's (the
     # first, before the generator starts, makes one of its own): no copy beside them.
     own_copy = False
@@ -394,12 +394,13 @@ def plan(
 
 def default_mem_fraction() -> float:
     """The share of a device's memory JAX's pool gets: XLA_PYTHON_CLIENT_MEM_FRACTION where
-    set, else JAX's GPU default (a TPU's pool is the whole device: pass 1)."""
+    set, else JAX's GPU default; planned on a TPU, the whole device (a TPU plan made
+    elsewhere passes `--mem-fraction 1`)."""
     import os
 
     value = os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION")
     if not value:
-        return JAX_GPU_MEM_FRACTION
+        return 1.0 if jax.default_backend() == "tpu" else JAX_GPU_MEM_FRACTION
     try:
         fraction = float(value)
     except ValueError:

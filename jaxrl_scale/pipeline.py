@@ -60,37 +60,55 @@ class ParamsSource:
     set). Written by the trainer thread, read by the generator thread: behind a lock.
 
     Where the generator reads them at most two placed copies exist at once: the one it decodes
-    with (the last `latest` handed out) and the newest. A version published and never handed
-    out is dropped before the next one is placed, so placing never makes a third; while it is
-    placed, `latest` hands out the copy the generator already has (versions never go back).
-    Readers that are not the generator (held-out evaluation) use `newest`."""
+    with and the newest. A version published and never handed out (`latest`) is dropped
+    before the next one is placed, so placing never makes a third; until that one is placed,
+    `latest` waits for it (so a reader never gets a version older than one already
+    published). The generator lets go of a copy before it asks for the next: its programs
+    that used it have finished. Readers that are not the generator (held-out evaluation) use
+    `newest`, which neither waits nor hands out."""
 
     def __init__(
         self, version: int, params, *, place: Callable[[Any], Any] = lambda params: params
     ):
-        self._lock = threading.Lock()
+        self._cond = threading.Condition()
         self._place = place
-        self._latest: tuple[int, Any] | None = None
-        self._handed: tuple[int, Any] | None = None
+        self._latest: tuple[int, Any] | None = None  # None: the next is being placed
+        self._handed: int | None = None  # the version `latest` last handed out
+        self._failed: BaseException | None = None
         self.publish(version, params)
 
     def publish(self, version: int, params) -> None:
-        with self._lock:
-            if self._handed is not None:  # superseded unless the generator has it
-                self._latest = self._handed
-        placed = self._place(params)
-        with self._lock:
+        with self._cond:
+            if self._latest is not None and self._latest[0] != self._handed:
+                self._latest = None  # superseded before the generator took it: freed
+        try:
+            placed = self._place(params)
+        except BaseException as e:
+            with self._cond:  # the trainer fails; a reader waiting for this one fails too
+                self._failed = e
+                self._cond.notify_all()
+            raise
+        with self._cond:
             self._latest = (version, placed)
+            self._cond.notify_all()
 
     def latest(self) -> tuple[int, Any]:
-        """The newest (version, params), for the generator to decode with."""
-        with self._lock:
-            self._handed = self._latest
+        """The newest (version, params), for the generator to decode with; waits while the
+        newest is being placed after an older one was dropped."""
+        with self._cond:
+            while self._latest is None:
+                if self._failed is not None:
+                    raise RuntimeError("publishing the newest parameters failed") from (
+                        self._failed
+                    )
+                self._cond.wait()
+            self._handed = self._latest[0]
             return self._latest
 
-    def newest(self) -> tuple[int, Any]:
-        """The newest (version, params), without handing them to the generator."""
-        with self._lock:
+    def newest(self) -> tuple[int, Any] | None:
+        """The newest (version, params) without handing them to the generator; None while
+        one is being placed."""
+        with self._cond:
             return self._latest
 
 

@@ -233,18 +233,19 @@ class RolloutWorker:
             prompt_len=tokens.shape[1],
         )
         chunk_size = self.cfg.sampler.chunk_size or n_new
-        lagging = None  # the done flags as of two chunks back
         for c in range(num_chunks(n_new, chunk_size)):
             if c:
-                # Run at most one chunk ahead of the device: else the loop dispatches every
-                # chunk at once with the weights of that moment, and weights published while
-                # the wave decodes never reach it. Waiting on the chunk before the one running
-                # keeps the device busy; a wave whose rows had all ended stops asking.
-                if lagging is not None and distributed.to_host(lagging).all():
+                # Each chunk asks for the newest weights once the chunk before it has ended
+                # (else every chunk is dispatched at once with the weights of that moment, and
+                # weights published while the wave decodes never reach it). No program still
+                # uses the copy it leaves, so the generator's devices hold two at most
+                # (pipeline.ParamsSource); the device waits one host round trip per chunk. A
+                # wave whose rows have all ended stops.
+                if distributed.to_host(state.done).all():
                     break
                 version, params = params_for_chunk(chunk + c)
-                lagging = jnp.copy(state.done)  # read before `decode` donates the state
             state = decode(self.graphdef, params, state, version, chunk_size, **static)
+        jax.block_until_ready(state.done)  # the next wave's weights: see above
         rows = lambda x: np.repeat(x, repeat, axis=0)  # noqa: E731
         ro = to_rollout(rows(host_tokens), rows(host_mask), state)
         return ro, chunk + num_chunks(n_new, chunk_size)
@@ -310,6 +311,9 @@ class RolloutWorker:
         indices, requests, _ = self.queued[0]
         g, chunk = self.cfg.train.group_size, 0
         while any(len(self.finished.get(r, ())) < g for r in requests):
+            # The engine's last run has ended before the next weights are asked for (as its
+            # `run` would wait for it next anyway): no program still uses the copy it leaves.
+            jax.block_until_ready(self.engine.state.done)
             version, params = params_for_chunk(chunk)
             chunk += 1
             for row in self.engine.run(params, version, self.cfg.sampler.admit_every):

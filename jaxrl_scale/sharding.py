@@ -205,8 +205,9 @@ def check_divisible(cfg: ExperimentConfig, mesh: Mesh, gen_mesh: Mesh | None) ->
     checks = [("train.prompts_per_step x train.group_size", batch, mesh, "mesh")]
     if gen_mesh is not None:  # (held-out waves are filled up to split: rollout.wave_prompts)
         checks.append(("train.prompts_per_step x train.group_size", batch, gen_mesh, "generator"))
-    if cfg.sampler.slots:  # the KV cache's rows, split like a batch's (else every device
-        # would hold and decode every slot); static waves decode this many rows at a time
+    if cfg.sampler.slots and cfg.batching == "continuous":  # the engine's slots split like a
+        # batch's rows (else every device would hold and decode every slot); static waves are
+        # sized to split (rollout.wave_prompts)
         checks.append(("sampler.slots", cfg.sampler.slots, gen_mesh or mesh, "generator"))
     for name, size, m, where in checks:
         ways = batch_ways(m)

@@ -245,8 +245,8 @@ def train_run(run: Run) -> list[dict[str, Any]]:
                 with clock.excluded():
                     eval_key = jax.random.fold_in(key, 10**9 + step)
                     # The generator's newest copy is this step's: no copy of its own beside it.
-                    version, placed = source.newest()
-                    placed = placed if version == step else None
+                    newest = source.newest()
+                    placed = newest[1] if newest is not None and newest[0] == step else None
                     evaluation = worker.evaluate_with_sd(
                         train_state.params, eval_key, placed=placed
                     )

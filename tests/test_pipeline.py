@@ -207,8 +207,8 @@ def test_make_feeder_picks_the_mode():
 
 def test_params_source_keeps_at_most_two_copies_where_the_generator_reads():
     """A version published and never handed to the generator is dropped before the next one
-    is placed: placing sees only the generator's copy alive, and meanwhile the generator is
-    handed the copy it has (never the dropped one, never nothing)."""
+    is placed: placing sees only the generator's copy alive; and the source itself keeps no
+    copy the generator has let go of."""
     import weakref
 
     from jaxrl_scale.pipeline import ParamsSource
@@ -218,23 +218,54 @@ def test_params_source_keeps_at_most_two_copies_where_the_generator_reads():
             self.version = version
 
     alive = weakref.WeakSet()
-    seen = []  # (copies alive, version the generator is handed) while each version is placed
+    seen = []  # copies alive while each version is placed
 
     def place(params):
-        handed = source.latest()[0] if seen else None
-        seen.append((len(alive), handed))
+        seen.append(len(alive))
         copy = Copy(params)
         alive.add(copy)
         return copy
 
-    source = None
     source = ParamsSource(0, 0, place=place)
     running = source.latest()  # the generator decodes with version 0
     source.publish(1, 1)  # never handed out
-    source.publish(2, 2)  # placing 2: version 1 is gone, the generator still gets 0
-    assert seen == [(0, None), (1, 0), (1, 0)]
-    assert source.newest()[0] == 2 and running[0] == 0
+    source.publish(2, 2)  # placing 2: version 1 is gone, 0 is the generator's
+    assert seen == [0, 1, 1] and running[0] == 0
     assert source.latest()[0] == 2 and len(alive) == 2  # 0 (still running) and 2
-    del running
-    source.publish(3, 3)  # the generator moved to 2: placing 3 keeps 2 alive only
-    assert seen[-1] == (1, 2)
+    del running  # the generator let go of 0: nothing keeps it
+    assert len(alive) == 1
+    source.publish(3, 3)  # 2 was handed out: it stays while 3 is placed, then goes
+    assert seen[-1] == 1 and len(alive) == 1 and source.newest()[0] == 3
+
+
+def test_a_reader_never_gets_a_version_older_than_one_published():
+    """While a version is placed after an unpicked one was dropped, the generator waits for
+    it instead of being handed its older copy: a batch that may start only once version 1
+    was published never samples with 0 (the staleness bound)."""
+    import threading
+
+    from jaxrl_scale.pipeline import ParamsSource
+
+    placing, release = threading.Event(), threading.Event()
+
+    def place(params):
+        if params == 2:
+            placing.set()
+            release.wait(10)
+        return params
+
+    source = ParamsSource(0, 0, place=place)
+    assert source.latest()[0] == 0  # the generator decodes with 0
+    source.publish(1, 1)  # published (a batch needing >= 1 may start), not picked up
+    trainer = threading.Thread(target=source.publish, args=(2, 2))
+    trainer.start()
+    assert placing.wait(10)
+    got = []
+    generator = threading.Thread(target=lambda: got.append(source.latest()[0]))
+    generator.start()
+    generator.join(0.3)
+    assert generator.is_alive() and not got  # waiting for 2, not handed 0
+    release.set()
+    trainer.join(10)
+    generator.join(10)
+    assert got == [2] and not generator.is_alive()
