@@ -263,7 +263,8 @@ def train_run(run: Run) -> list[dict[str, Any]]:
         feeder.stop()  # joins the generator thread (were it still running, the count below
         # would be approximate: it reads list and dict sizes only)
         if distributed.is_main():
-            _report_untrained(feeder.untrained(), *run.worker.in_flight())
+            abandoned = getattr(feeder, "abandoned", 0)  # the generator thread's only
+            _report_untrained(feeder.untrained(), abandoned, *run.worker.in_flight())
         clock.stop()
         run.checkpointer.close()
         metrics_log.close()
@@ -284,11 +285,14 @@ def _should_stop(forecaster: OnlineForecast) -> bool:
     return distributed.decided_by_main(reason is not None)
 
 
-def _report_untrained(batches: int, queued: int, generated: int) -> None:
-    """What generation ran ahead of the last step: work the run's end leaves untrained."""
+def _report_untrained(batches: int, abandoned: int, queued: int, generated: int) -> None:
+    """What generation ran ahead of the last step: work the run's end leaves untrained.
+    `abandoned` of the `batches` were stopped mid-generation (on the slot engine their
+    prompts are among the `queued` too)."""
     if batches:
-        print(f"pipeline_rl: {batches} batch(es) generated ahead were not trained; a resumed "
-              "run generates them again", flush=True)  # fmt: skip
+        also = f", {abandoned} of them stopped mid-generation" if abandoned else ""
+        print(f"pipeline_rl: {batches} batch(es) generated ahead were not trained{also}; a "
+              "resumed run generates them again", flush=True)  # fmt: skip
     if queued:
         print(f"continuous batching: {queued} prompt(s) queued ahead were not trained "
               f"({generated} row(s) of them generated or generating); a resumed run draws "

@@ -128,3 +128,38 @@ def test_waves_split_evenly_over_the_generator_devices(tmp_path):
 def test_a_wave_that_cannot_split_over_the_generator_is_refused_at_setup(tmp_path):
     with pytest.raises(ConfigError, match="train.eval_samples"):  # 8 prompts x 3 = 24 > 16
         _run(tmp_path, "mesh.data=-1", "sampler.slots=16", "train.eval_samples=3")
+
+
+@pytest.mark.parametrize("batching", ["continuous", "static"])
+def test_stopping_the_generator_thread_abandons_a_real_batch_between_chunks(tmp_path, batching):
+    """The worker's own generation (slot engine runs, or static chunks) stops at the next
+    chunk when the feeder stops: the halt is not swallowed, the thread ends, and the batch it
+    was generating is counted."""
+    import threading
+    import time
+
+    cfg, worker, params = _run(
+        tmp_path, "pipeline.mode=pipeline_rl", "model.vocab_size=512",
+        "sampler.max_new_tokens=4000", "sampler.chunk_size=2", "sampler.admit_every=2",
+        f"sampler.batching={batching}",
+    )  # fmt: skip
+    asked = threading.Event()
+    source = ParamsSource(0, params, place=worker.to_generator)
+
+    def produce(params_for_chunk, key, *, oldest):
+        def counted(chunk):
+            if chunk >= 3:  # well into the batch (its first chunks compiled)
+                asked.set()
+            return params_for_chunk(chunk)
+
+        return worker.rollouts(counted, key, oldest=oldest)
+
+    feeder = make_feeder(
+        cfg.pipeline, produce, source, jax.random.key(0), version=0, chunks=worker.chunks
+    )
+    assert asked.wait(timeout=120)
+    began = time.perf_counter()
+    feeder.stop()
+    assert time.perf_counter() - began < 30  # a chunk, not 4,000 decode steps
+    assert not feeder.thread.is_alive()
+    assert feeder.abandoned == 1 and feeder.untrained() == 1
