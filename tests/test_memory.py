@@ -161,8 +161,8 @@ def test_the_generator_plan_covers_the_live_buffers_of_a_real_run(tmp_path):
 
     cfg = load_config(TINY_CONFIG, [
         *FAST, "mesh.data=4", "pipeline.generator_devices=4", "sampler.slots=16",
-        "sampler.max_new_tokens=256", "model.hidden_size=64", "model.num_layers=2",
-        "train.steps=3", "train.eval_every=2", "task.num_eval=32", "train.eval_samples=4",
+        "sampler.max_new_tokens=128", "model.hidden_size=64", "model.num_layers=2",
+        "train.steps=2", "train.eval_every=2", "task.num_eval=32", "train.eval_samples=4",
         "pipeline.lockstep=true", "warm_start.steps=0",
     ])  # fmt: skip
     report = plan(cfg)
@@ -186,6 +186,7 @@ def test_the_generator_plan_covers_the_live_buffers_of_a_real_run(tmp_path):
         stop.set()
         sampler.join(timeout=10)
     measured = max(peak[d.id] for d in run.worker.gen_mesh.devices.flat)
+    print(f"live peak {measured:,} of the plan's arrays {arrays:,}")
     assert 0.65 * arrays <= measured <= arrays < gen["per_device_bytes"], (measured, gen)
 
 
