@@ -160,11 +160,12 @@ class RolloutWorker:
     ) -> Rollout:
         """Sample `repeat` completions of each prompt (consecutive rows), prefilling each
         prompt once for its rows; chunk c decodes with `params_for_chunk(c)` (in-flight
-        updates, asked for once the chunk before the running one has finished). The prompts
-        are decoded in waves of `wave_prompts` prompts (the KV cache's bound; rows that split
-        evenly over the generator's devices), each wave until its longest row ends; chunks
-        are counted across waves. The last wave is filled up with copies of its last prompt,
-        whose rows are dropped. Prompts are left-padded to `sampler.prompt_width` columns,
+        updates, asked for once the chunk before it has ended). The prompts are decoded in
+        waves of `wave_prompts` prompts (the KV cache's bound; rows that split evenly over
+        the generator's devices), each wave until its longest row ends; chunks are counted
+        across waves. The last wave is filled up with copies of its last prompt, whose rows
+        are dropped (their decode is not charged to compute_flops, which counts the rows
+        returned). Prompts are left-padded to `sampler.prompt_width` columns,
         capped by the task's longest prompt: a run compiles a few widths."""
         n = len(prompts)
         per_wave = wave_prompts(
