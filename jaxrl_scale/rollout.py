@@ -156,7 +156,15 @@ class RolloutWorker:
     # ------------------------------------------------------------------ generation
 
     def generate(
-        self, params_for_chunk: ParamsForChunk, prompts, key, *, sampling, n_new, repeat=1
+        self,
+        params_for_chunk: ParamsForChunk,
+        prompts,
+        key,
+        *,
+        sampling,
+        n_new,
+        repeat=1,
+        with_fill: bool = False,
     ) -> Rollout:
         """Sample `repeat` completions of each prompt (consecutive rows), prefilling each
         prompt once for its rows; chunk c decodes with `params_for_chunk(c)` (in-flight
@@ -164,8 +172,8 @@ class RolloutWorker:
         waves of `wave_prompts` prompts (the KV cache's bound; rows that split evenly over
         the generator's devices), each wave until its longest row ends; chunks are counted
         across waves. The last wave is filled up with copies of its last prompt, whose rows
-        are dropped (their decode is not charged to compute_flops, which counts the rows
-        returned). Prompts are left-padded to `sampler.prompt_width` columns,
+        are dropped (`with_fill`: kept after the rows asked for, for the caller to charge
+        their decode). Prompts are left-padded to `sampler.prompt_width` columns,
         capped by the task's longest prompt: a run compiles a few widths."""
         n = len(prompts)
         per_wave = wave_prompts(
@@ -188,7 +196,7 @@ class RolloutWorker:
             )  # fmt: skip
             parts.append(ro)
         ro = parts[0] if len(parts) == 1 else jax.tree.map(lambda *xs: jnp.concatenate(xs), *parts)
-        if fill:
+        if fill and not with_fill:
             ro = jax.tree.map(lambda x: x[: n * repeat], ro)
         return ro
 
@@ -358,7 +366,13 @@ class RolloutWorker:
                 sampling=self.sampling,
                 n_new=cfg.sampler.max_new_tokens,
                 repeat=g,
+                with_fill=True,
             )
+        # Rows decoded only to fill the last wave up: not trained, their decode charged.
+        rows, fill = len(examples) * g, None
+        if ro.lengths.shape[0] > rows:
+            fill = jax.tree.map(lambda x: x[rows:], ro)
+            ro = jax.tree.map(lambda x: x[:rows], ro)
         texts = self._texts(ro)
         rewards = np.array([self.task.score(t, examples[i // g]) for i, t in enumerate(texts)])
         pass_rates = rewards.reshape(-1, g).mean(axis=1)
@@ -386,8 +400,13 @@ class RolloutWorker:
             "retired": int(self.curriculum.retired.sum()),
             "gen_tokens": int(lengths.sum()),
             **batch_flops(cfg.model, prompt_lens, lengths, reference=self.reference),
+            "gen_fill_rows": 0 if fill is None else int(fill.lengths.shape[0]),
             "gen_seconds": time.perf_counter() - start,
         }
+        if fill is not None:  # compute spent, nothing to train on: on the x-axis
+            fill_lengths, fill_mask = map(distributed.to_host, (fill.lengths, fill.prompt_mask))
+            fill_prompts = fill_mask[::g].sum(axis=1)
+            stats["gen_flops"] += batch_flops(cfg.model, fill_prompts, fill_lengths)["gen_flops"]
         return Rollouts(batch, indices, versions, stats, self._curriculum_snapshot())
 
     def _curriculum_snapshot(self) -> dict[str, np.ndarray]:

@@ -163,3 +163,23 @@ def test_stopping_the_generator_thread_abandons_a_real_batch_between_chunks(tmp_
     assert time.perf_counter() - began < 30  # a chunk, not 4,000 decode steps
     assert not feeder.thread.is_alive()
     assert feeder.abandoned == 1 and feeder.untrained() == 1
+
+
+def test_rows_that_fill_the_last_wave_are_charged_not_trained(tmp_path):
+    """Four prompts in waves of three (sampler.slots = 12 rows of groups of 4): the second wave
+    is filled up with two copies of its prompt. The batch holds the 16 rows asked for; the 8
+    filling rows are counted and their decode is added to the generation compute."""
+    from jaxrl_scale.compute import batch_flops
+
+    def batch(*extra):
+        cfg, worker, params = _run(tmp_path / "_".join(extra), "sampler.batching=static", *extra)
+        ro = worker.rollouts(lambda chunk: (0, params), jax.random.key(0))
+        lengths = np.asarray(ro.batch.mask).sum(axis=1)  # every completion token sampled
+        prompts = np.asarray(ro.batch.prompt_mask)[:: cfg.train.group_size].sum(axis=1)
+        return ro, batch_flops(cfg.model, prompts, lengths)["gen_flops"]
+
+    whole, rows_only = batch("sampler.slots=16")
+    assert whole.stats["gen_fill_rows"] == 0 and whole.stats["gen_flops"] == rows_only
+    filled, rows_only = batch("sampler.slots=12")
+    assert filled.batch.mask.shape[0] == 16 and filled.stats["gen_fill_rows"] == 8
+    assert filled.stats["gen_flops"] > rows_only  # 8 more rows, each a prompt and a token
