@@ -567,6 +567,14 @@ class ExperimentConfig:
     forecast: ForecastConfig = dataclasses.field(default_factory=ForecastConfig)
     distributed: DistributedConfig = dataclasses.field(default_factory=DistributedConfig)
 
+    def __post_init__(self):
+        slots, g = self.sampler.slots, self.train.group_size
+        _require(
+            not slots or slots >= g,
+            "sampler.slots",
+            f"{slots} cannot hold one group of train.group_size = {g} rows",
+        )
+
     @property
     def batching(self) -> str:
         """`sampler.batching` with "auto" resolved: continuous in pipeline_rl, where the engine

@@ -39,9 +39,10 @@ from flax import nnx
 from jaxrl_scale import attention, sharding
 from jaxrl_scale.config import ExperimentConfig
 from jaxrl_scale.engine import abstract_slots, lower_admission
+from jaxrl_scale.generation import wave_prompts
 from jaxrl_scale.hf import config_from_hf, resolve_checkpoint
 from jaxrl_scale.model import Policy, for_generation
-from jaxrl_scale.rollout import decodes_with_copy, wave_prompts
+from jaxrl_scale.rollout import decodes_with_copy
 from jaxrl_scale.sampler import Interruption, Sampling, decode, prefill
 from jaxrl_scale.step import Batch, TrainState, compile_run_step, make_optimizer
 

@@ -208,3 +208,9 @@ def test_dump_config_reads_back_equal():
 def test_auto_batching_is_continuous_in_pipeline_rl_only(mode, batching, expected):
     cfg = load_config(DEMO, [f"pipeline.mode={mode}", f"sampler.batching={batching}"])
     assert cfg.batching == expected
+
+
+def test_slots_that_cannot_hold_a_group_are_refused():
+    with pytest.raises(ConfigError, match="sampler.slots: 4 cannot hold one group of"):
+        load_config(ROOT / "configs" / "tiny_arithmetic.yaml", ["sampler.slots=4",
+                                                                 "train.group_size=8"])  # fmt: skip

@@ -9,8 +9,8 @@ import pytest
 from conftest import FAST, TINY_CONFIG
 
 from jaxrl_scale.config import ConfigError, load_config
+from jaxrl_scale.generation import wave_prompts, wave_rows
 from jaxrl_scale.pipeline import ParamsSource, make_feeder
-from jaxrl_scale.rollout import wave_prompts, wave_rows
 from jaxrl_scale.sampler import Sampling, prompt_width
 from jaxrl_scale.train import setup
 
@@ -119,7 +119,7 @@ def test_waves_split_evenly_over_the_generator_devices(tmp_path):
     np.testing.assert_array_equal(ro.completion_tokens, single.completion_tokens)
     np.testing.assert_array_equal(ro.prompt_tokens, single.prompt_tokens)
     longest = max(len(p) for p in prompts)
-    assert ro.prompt_tokens.shape[1] == prompt_width(longest, eight._longest_prompt())
+    assert ro.prompt_tokens.shape[1] == prompt_width(longest, eight.waves.longest_prompt)
     # mean@3 over the 20 held-out prompts, in those waves: as on one device.
     rate = eight.evaluate(params, jax.random.key(1))
     assert rate == one.evaluate(params_one, jax.random.key(1))

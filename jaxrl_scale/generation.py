@@ -1,0 +1,325 @@
+"""The generator's side of a rollout: prompts in, completions (a `Rollout`) out.
+
+waves = WaveGenerator(cfg, graphdef, tokenizer, interruption, mesh=m, longest_prompt=L)
+ro = waves.generate(params_for_chunk, prompts, key, sampling=s, n_new=N, repeat=G)
+batches = EngineBatches(cfg, graphdef, tokenizer, interruption, mesh=m, prompt_len=L,
+                        slots=S, curriculum=c, examples=train_examples)
+indices, ro = batches.next(params_for_chunk, key, oldest=v)
+
+`WaveGenerator` is the static path (and every held-out evaluation): prompts decoded in waves
+of at most `sampler.slots` rows, each until its longest row ends. `EngineBatches` is
+continuous batching: it draws each batch's prompts from the curriculum into the slot engine
+(`jaxrl_scale.engine`), queues the next batch behind it, and hands a batch over once all its
+groups are complete. Neither scores, places batches for the trainer or knows the feeder: that
+is `rollout.RolloutWorker`.
+
+Threads. A `WaveGenerator` holds no mutable state: the feeding thread's rollouts and the main
+thread's evaluation share it. An `EngineBatches`, with its engine, queue and the curriculum
+it draws from, is owned by the thread that calls `next` (the feeding thread).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxrl_scale import distributed, sharding
+from jaxrl_scale.config import ConfigError, ExperimentConfig
+from jaxrl_scale.curriculum import Curriculum
+from jaxrl_scale.engine import Finished, SlotEngine
+from jaxrl_scale.pipeline import ParamsForChunk
+from jaxrl_scale.sampler import (
+    Interruption,
+    Rollout,
+    Sampling,
+    decode,
+    num_chunks,
+    pad_prompts,
+    prefill,
+    prompt_width,
+    to_rollout,
+)
+
+
+def wave_prompts(cfg: ExperimentConfig, repeat: int, batch_ways: int, n_prompts: int) -> int:
+    """Prompts per wave when `n_prompts` prompts of `repeat` rows each are generated on a mesh
+    whose batch axes split rows `batch_ways` ways.
+
+    A wave holds at most `sampler.slots` rows (0: one train batch's, train.prompts_per_step x
+    train.group_size), the KV cache's bound, and a multiple of `batch_ways` rows, so the cache
+    is split over the devices rather than copied whole to each: a multiple of
+    m = batch_ways / gcd(batch_ways, repeat) prompts, the most that fit, but no more than
+    `n_prompts` rounded up to m (the last wave is filled up with prompts whose rows are
+    dropped). Raises ConfigError when not even m prompts fit."""
+    rows = cfg.sampler.slots or cfg.train.prompts_per_step * cfg.train.group_size
+    multiple = batch_ways // math.gcd(batch_ways, repeat)
+    fits = rows // repeat // multiple * multiple
+    if not fits:
+        bound = "sampler.slots" if cfg.sampler.slots else (
+            "sampler.slots = 0: train.prompts_per_step x train.group_size"
+        )  # fmt: skip
+        raise ConfigError(
+            f"sampler.slots / train.eval_samples: a wave holds at most {rows} rows ({bound}), "
+            f"but with {repeat} samples per prompt (train.eval_samples, or train.group_size "
+            f"in training) the smallest wave whose rows split over the generator's "
+            f"{batch_ways} batch shards is {multiple} prompts = {multiple * repeat} rows; "
+            f"raise sampler.slots to at least {multiple * repeat} or choose a sample count "
+            f"that shares more factors with {batch_ways}"
+        )
+    return min(fits, -(-n_prompts // multiple) * multiple)
+
+
+def wave_rows(cfg: ExperimentConfig, repeat: int, batch_ways: int, n_prompts: int) -> int:
+    """The rows of one full wave as compiled (`wave_prompts` x `repeat`, fill included)."""
+    return wave_prompts(cfg, repeat, batch_ways, n_prompts) * repeat
+
+
+def batch_chunks(cfg: ExperimentConfig, batch_ways: int) -> int:
+    """The chunks a training batch's decode steps span: engine runs of `sampler.admit_every`
+    steps, or static chunks of `sampler.chunk_size` numbered on across the batch's waves."""
+    s = cfg.sampler
+    if cfg.batching == "continuous":
+        return num_chunks(s.max_new_tokens, s.admit_every)
+    p, g = cfg.train.prompts_per_step, cfg.train.group_size
+    waves = -(-p // wave_prompts(cfg, g, batch_ways, p))
+    return waves * num_chunks(s.max_new_tokens, s.chunk_size)
+
+
+class WaveGenerator:
+    """Static generation on `mesh` (the generator's devices): `tokenizer` gives the pad and
+    EOS ids, `longest_prompt` the widest prompt any call will see (prompts are padded to a
+    few widths up to it)."""
+
+    def __init__(
+        self,
+        cfg: ExperimentConfig,
+        graphdef,
+        tokenizer,
+        interruption: Interruption | None,
+        *,
+        mesh: jax.sharding.Mesh,
+        own_devices: bool,
+        longest_prompt: int,
+    ):
+        self.cfg, self.graphdef, self.tok, self.interruption = (
+            cfg,
+            graphdef,
+            tokenizer,
+            interruption,
+        )
+        self.mesh, self.own_devices, self.longest_prompt = mesh, own_devices, longest_prompt
+        self.multiprocess = jax.process_count() > 1
+
+    def generate(
+        self,
+        params_for_chunk: ParamsForChunk,
+        prompts: Sequence[Sequence[int]],
+        key,
+        *,
+        sampling: Sampling,
+        n_new: int,
+        repeat: int = 1,
+        with_fill: bool = False,
+    ) -> Rollout:
+        """Sample `repeat` completions of each prompt (consecutive rows), prefilling each
+        prompt once for its rows; chunk c decodes with `params_for_chunk(c)` (in-flight
+        updates, asked for once the chunk before it has ended). The prompts are decoded in
+        waves of `wave_prompts` prompts (the KV cache's bound; rows that split evenly over
+        the generator's devices), each wave until its longest row ends; chunks are counted
+        across waves. The last wave is filled up with copies of its last prompt, whose rows
+        are dropped (`with_fill`: kept after the rows asked for, for the caller to charge
+        their decode). Prompts are left-padded to `sampler.prompt_width` columns, capped by
+        the longest prompt: a run compiles a few widths."""
+        n = len(prompts)
+        per_wave = wave_prompts(self.cfg, repeat, sharding.batch_ways(self.mesh), n)
+        width = prompt_width(max(len(p) for p in prompts), self.longest_prompt)
+        host_tokens, host_mask = pad_prompts(prompts, self.tok.pad_id, width=width)
+        fill = -n % per_wave
+        if fill:
+            host_tokens, host_mask = (
+                np.concatenate([x, np.repeat(x[-1:], fill, axis=0)])
+                for x in (host_tokens, host_mask)
+            )
+        parts, chunk = [], 0
+        for w in range(0, n, per_wave):
+            ro, chunk = self._wave(
+                params_for_chunk, chunk, host_tokens[w : w + per_wave],
+                host_mask[w : w + per_wave], jax.random.fold_in(key, w) if w else key,
+                sampling=sampling, n_new=n_new, repeat=repeat,
+            )  # fmt: skip
+            parts.append(ro)
+        ro = parts[0] if len(parts) == 1 else jax.tree.map(lambda *xs: jnp.concatenate(xs), *parts)
+        if fill and not with_fill:
+            ro = jax.tree.map(lambda x: x[: n * repeat], ro)
+        return ro
+
+    def _wave(
+        self, params_for_chunk, chunk, host_tokens, host_mask, key, *, sampling, n_new, repeat
+    ) -> tuple[Rollout, int]:
+        """One wave: (its Rollout, the next chunk index)."""
+        mesh = self.mesh
+        # Unique prompts are few: every device holds them all; the rows they become are split
+        # over the mesh inside prefill. Without repetition the rows are split from the start.
+        where = sharding.batch_sharding(mesh) if repeat == 1 else sharding.replicated(mesh)
+        if self.multiprocess:
+            tokens, mask = (distributed.place(x, where) for x in (host_tokens, host_mask))
+        elif self.own_devices:
+            tokens, mask = jax.device_put((host_tokens, host_mask), where)
+        else:
+            tokens, mask = jnp.asarray(host_tokens), jnp.asarray(host_mask)
+        version, params = params_for_chunk(chunk)
+        state = prefill(
+            self.graphdef,
+            params,
+            tokens,
+            mask,
+            key,
+            n_new=n_new,
+            interruption=self.interruption,
+            mesh=mesh,
+            repeat=repeat,
+        )
+        static = dict(
+            sampling=sampling,
+            eos_ids=self.tok.eos_ids,
+            pad_id=self.tok.pad_id,
+            interruption=self.interruption,
+            prompt_len=tokens.shape[1],
+        )
+        chunk_size = self.cfg.sampler.chunk_size or n_new
+        for c in range(num_chunks(n_new, chunk_size)):
+            if c:
+                # Each chunk asks for the newest weights once the chunk before it has ended
+                # (else every chunk is dispatched at once with the weights of that moment, and
+                # weights published while the wave decodes never reach it). No program still
+                # uses the copy it leaves, so the generator's devices hold two at most
+                # (pipeline.ParamsSource); the device waits one host round trip per chunk. A
+                # wave whose rows have all ended stops.
+                if distributed.to_host(state.done).all():
+                    break
+                version, params = params_for_chunk(chunk + c)
+            state = decode(self.graphdef, params, state, version, chunk_size, **static)
+        jax.block_until_ready(state.done)  # the next wave's weights: see above
+        rows = lambda x: np.repeat(x, repeat, axis=0)  # noqa: E731
+        ro = to_rollout(rows(host_tokens), rows(host_mask), state)
+        return ro, chunk + num_chunks(n_new, chunk_size)
+
+
+class EngineBatches:
+    """Continuous batching of training batches: each batch's `train.prompts_per_step`
+    prompts drawn from `curriculum` (indices into `examples`, encoded by `encode`) and queued
+    in a slot engine of `slots` rows on `mesh`, created at the first draw."""
+
+    def __init__(
+        self,
+        cfg: ExperimentConfig,
+        graphdef,
+        tokenizer,
+        interruption: Interruption | None,
+        *,
+        mesh: jax.sharding.Mesh,
+        prompt_len: int,
+        slots: int,
+        sampling: Sampling,
+        curriculum: Curriculum,
+        examples: Sequence[dict],
+        encode: Callable[[Sequence[dict]], list[list[int]]],
+    ):
+        self.cfg, self.graphdef, self.tok, self.interruption = (
+            cfg,
+            graphdef,
+            tokenizer,
+            interruption,
+        )
+        self.mesh, self.prompt_len, self.slots, self.sampling = mesh, prompt_len, slots, sampling
+        self.curriculum, self.examples, self.encode = curriculum, examples, encode
+        # The engine, the batches submitted and not yet handed over (this one and the next,
+        # queued behind it), and finished rows by request.
+        self.engine: SlotEngine | None = None
+        # Each queued batch: (prompt indices, request ids, curriculum cursor before its draw).
+        self.queued: list[tuple[np.ndarray, list[int], tuple[int, int]]] = []
+        self.finished: dict[int, list[Finished]] = {}
+        self.requests = 0
+
+    def _submit(self, key, oldest: int | None) -> None:
+        """Draw the next batch's prompts and queue them in the engine, in batch order, held
+        until the version is at least `oldest` (None: not held)."""
+        cfg = self.cfg
+        if self.engine is None:
+            self.engine = SlotEngine(
+                self.graphdef,
+                slots=self.slots,
+                prompt_len=self.prompt_len,
+                n_new=cfg.sampler.max_new_tokens,
+                repeat=cfg.train.group_size,
+                sampling=self.sampling,
+                eos_ids=self.tok.eos_ids,
+                pad_id=self.tok.pad_id,
+                interruption=self.interruption,
+                key=key,
+                model_cfg=cfg.model,
+                mesh=self.mesh,
+            )
+        cursor = (self.curriculum.epoch, self.curriculum.position)
+        indices = self.curriculum.next_batch(cfg.train.prompts_per_step)
+        prompts = self.encode([self.examples[i] for i in indices])
+        requests = list(range(self.requests, self.requests + len(prompts)))
+        self.requests += len(prompts)
+        for request, prompt in zip(requests, prompts, strict=True):
+            self.engine.submit(request, prompt, not_before=oldest)
+        self.queued.append((indices, requests, cursor))
+
+    def in_flight(self) -> tuple[int, int]:
+        """(prompts drawn into the engine and not handed over in a batch, rows of them already
+        generating or generated): work the run's end leaves untrained."""
+        prompts = sum(len(requests) for _, requests, _ in self.queued)
+        rows = 0 if self.engine is None else self.engine.busy
+        return prompts, rows + sum(len(v) for v in self.finished.values())
+
+    def cursor(self) -> tuple[int, int] | None:
+        """The curriculum's (epoch, position) before the oldest batch still queued (drawn,
+        not handed over), or None when nothing is queued."""
+        return self.queued[0][2] if self.queued else None
+
+    def next(self, params_for_chunk: ParamsForChunk, key, oldest: int | None):
+        """(prompt indices, Rollout) of the oldest queued batch, its groups in the order they
+        were drawn. The next batch is queued behind it first, so slots its rows leave are
+        taken by the next batch's groups instead of idling; a batch is returned only when all
+        its groups are complete (short answers finishing first do not jump the queue). In
+        `sync` and `ppo_off_policy` nothing is queued ahead: a round is admitted, then drained,
+        so every token of it is sampled by the parameters it was drawn for. `oldest` bounds
+        the versions of this batch's tokens; the batch queued behind it is held until the
+        version is one more (the next step's bound), so its rows may start early but never
+        stale."""
+        ahead = 2 if self.cfg.pipeline.mode == "pipeline_rl" else 1
+        while len(self.queued) < ahead:
+            bound = None if oldest is None else oldest + len(self.queued)
+            self._submit(key, bound)
+        indices, requests, _ = self.queued[0]
+        g, chunk = self.cfg.train.group_size, 0
+        while any(len(self.finished.get(r, ())) < g for r in requests):
+            # The engine's last run has ended before the next weights are asked for (as its
+            # `run` would wait for it next anyway): no program still uses the copy it leaves.
+            jax.block_until_ready(self.engine.state.done)
+            version, params = params_for_chunk(chunk)
+            chunk += 1
+            for row in self.engine.run(params, version, self.cfg.sampler.admit_every):
+                self.finished.setdefault(row.request, []).append(row)
+        self.queued.pop(0)
+        rows = [f for r in requests for f in sorted(self.finished.pop(r), key=lambda f: f.row)]
+        stack = lambda name: jnp.asarray(np.stack([getattr(f, name) for f in rows]))  # noqa: E731
+        ro = Rollout(
+            prompt_tokens=stack("prompt"),
+            prompt_mask=stack("prompt_mask"),
+            completion_tokens=stack("tokens"),
+            completion_mask=stack("mask"),
+            behavior_logp=stack("logp"),
+            versions=stack("versions"),
+            finish_reason=jnp.asarray([f.finish_reason for f in rows], jnp.int32),
+            lengths=jnp.asarray([f.length for f in rows], jnp.int32),
+        )
+        return indices, ro
