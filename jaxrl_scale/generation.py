@@ -89,7 +89,16 @@ def batch_chunks(cfg: ExperimentConfig, batch_ways: int) -> int:
     return waves * num_chunks(s.max_new_tokens, s.chunk_size)
 
 
-class WaveGenerator:
+class _OnGenerator:
+    """What both ways of generating decode with: the run's config, the model's graph, the
+    tokenizer (pad and EOS ids), the forced interruption and the generator's mesh."""
+
+    def __init__(self, cfg: ExperimentConfig, graphdef, tokenizer, interruption, mesh):
+        self.cfg, self.graphdef, self.tok = cfg, graphdef, tokenizer
+        self.interruption, self.mesh = interruption, mesh
+
+
+class WaveGenerator(_OnGenerator):
     """Static generation on `mesh` (the generator's devices): `tokenizer` gives the pad and
     EOS ids, `longest_prompt` the widest prompt any call will see (prompts are padded to a
     few widths up to it)."""
@@ -105,13 +114,8 @@ class WaveGenerator:
         own_devices: bool,
         longest_prompt: int,
     ):
-        self.cfg, self.graphdef, self.tok, self.interruption = (
-            cfg,
-            graphdef,
-            tokenizer,
-            interruption,
-        )
-        self.mesh, self.own_devices, self.longest_prompt = mesh, own_devices, longest_prompt
+        super().__init__(cfg, graphdef, tokenizer, interruption, mesh)
+        self.own_devices, self.longest_prompt = own_devices, longest_prompt
         self.multiprocess = jax.process_count() > 1
 
     def generate(
@@ -209,7 +213,7 @@ class WaveGenerator:
         return ro, chunk + num_chunks(n_new, chunk_size)
 
 
-class EngineBatches:
+class EngineBatches(_OnGenerator):
     """Continuous batching of training batches: each batch's `train.prompts_per_step`
     prompts drawn from `curriculum` (indices into `examples`, encoded by `encode`) and queued
     in a slot engine of `slots` rows on `mesh`, created at the first draw."""
@@ -229,13 +233,8 @@ class EngineBatches:
         examples: Sequence[dict],
         encode: Callable[[Sequence[dict]], list[list[int]]],
     ):
-        self.cfg, self.graphdef, self.tok, self.interruption = (
-            cfg,
-            graphdef,
-            tokenizer,
-            interruption,
-        )
-        self.mesh, self.prompt_len, self.slots, self.sampling = mesh, prompt_len, slots, sampling
+        super().__init__(cfg, graphdef, tokenizer, interruption, mesh)
+        self.prompt_len, self.slots, self.sampling = prompt_len, slots, sampling
         self.curriculum, self.examples, self.encode = curriculum, examples, encode
         # The engine, the batches submitted and not yet handed over (this one and the next,
         # queued behind it), and finished rows by request.
