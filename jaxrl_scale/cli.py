@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
@@ -41,6 +42,16 @@ def _parser() -> argparse.ArgumentParser:
         default=None,
         metavar="HF_DIR",
         help="start from this Hugging Face folder (sets model.init_from)",
+    )
+    train.add_argument(
+        "--role",
+        choices=("trainer", "generator"),
+        default=None,
+        help="with hosts.generator_groups > 0: this process trains, or generates as a group "
+        "(default: JAXRL_ROLE, else trainer)",
+    )
+    train.add_argument(
+        "--group", type=int, default=None, help="generator group number (default: JAXRL_GROUP)"
     )
 
     sweep = sub.add_parser(
@@ -173,6 +184,14 @@ def main(argv: list[str] | None = None) -> int:
             overrides = list(args.overrides)
             if args.init_from:
                 overrides.append(f"model.init_from={args.init_from}")
+            role = args.role or os.environ.get("JAXRL_ROLE") or "trainer"
+            if role == "generator":
+                from jaxrl_scale.generator_job import main as generate
+
+                group = args.group if args.group is not None else os.environ.get("JAXRL_GROUP")
+                return generate(load_config(args.config, overrides), int(group or 0))
+            if role != "trainer":
+                raise ConfigError(f"--role / JAXRL_ROLE: {role!r} is not trainer or generator")
             rows = train(load_config(args.config, overrides), args.out, resume=not args.no_resume)
             if not is_main():  # across processes, process 0 reports
                 return 0

@@ -551,6 +551,33 @@ class DistributedConfig:
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
+class HostsConfig:
+    """Trainer and generators as separate jobs (docs/hosts.md). The trainer's processes form
+    one `jax.distributed` job (`distributed`, `mesh`); each generator group is a job of its own
+    on other hosts (`generator_mesh` over its devices), started with `--role generator --group
+    N`. Weights move device to device over `jax.experimental.transfer`; control messages and
+    scored rollouts over ZeroMQ. 0 groups: generation is colocated with training, as before."""
+
+    generator_groups: int = 0
+    hub: str = "127.0.0.1:5555"  # host:port the trainer's process 0 binds; generators connect
+    # The address other hosts reach this process at, for its weight and transfer servers
+    # ("": the hub's host on the trainer's process 0, else this host's name; JAXRL_HOST).
+    address: str = ""
+    generator_mesh: MeshConfig = dataclasses.field(default_factory=MeshConfig)
+    # Seconds a wait on another host may take before it fails naming that host and what it
+    # waited for; a generator retries the trainer for this long (a trainer restarting).
+    timeout: float = 300.0
+    lost_after: float = 60.0  # seconds of silence after which a group's batch is drawn again
+
+    def __post_init__(self):
+        _require(self.generator_groups >= 0, "hosts.generator_groups", "must be >= 0")
+        host, _, port = self.hub.rpartition(":")
+        _require(bool(host) and port.isdigit(), "hosts.hub", f"must be host:port, got {self.hub!r}")
+        for name in ("timeout", "lost_after"):
+            _require(getattr(self, name) > 0, f"hosts.{name}", "must be > 0 seconds")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class ExperimentConfig:
     seed: int = 0
     model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
@@ -566,8 +593,23 @@ class ExperimentConfig:
     checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
     forecast: ForecastConfig = dataclasses.field(default_factory=ForecastConfig)
     distributed: DistributedConfig = dataclasses.field(default_factory=DistributedConfig)
+    hosts: HostsConfig = dataclasses.field(default_factory=HostsConfig)
 
     def __post_init__(self):
+        if self.hosts.generator_groups:
+            _require(self.pipeline.mode != "ppo_off_policy", "pipeline.mode",
+                     "ppo_off_policy is not run across hosts (hosts.generator_groups): use "
+                     "pipeline_rl or sync")  # fmt: skip
+            _require(
+                not self.pipeline.generator_devices,
+                "pipeline.generator_devices",
+                "must be 0 when generators are jobs of their own (hosts.generator_groups)",
+            )
+            _require(
+                self.pipeline.mode == "sync" or self.pipeline.max_staleness >= 1,
+                "pipeline.max_staleness",
+                "must be >= 1 in pipeline_rl across hosts",
+            )
         slots, g = self.sampler.slots, self.train.group_size
         _require(
             not slots or slots >= g,

@@ -157,3 +157,33 @@ def transfer(tree, shardings):
         return jax.make_array_from_callback(x.shape, target, lambda index: whole[index])
 
     return jax.tree.map(local_copy, tree, shardings)
+
+
+def _kv_client():
+    """The `jax.distributed` coordination service's key-value store client (None in one
+    process): what JAX's own checkpointing uses to wait on other processes."""
+    from jax._src import distributed as jax_distributed  # no public handle as of jax 0.10
+
+    return jax_distributed.global_state.client
+
+
+def announce(key: str, value: str = "1") -> None:
+    """Publish `key` in the job's key-value store (for `wait_for` on other processes)."""
+    client = _kv_client()
+    if client is not None:
+        client.key_value_set(key, value)
+
+
+def wait_for(key: str, timeout: float, what: str) -> str | None:
+    """Wait (not in a collective, which would time out on its own) until process 0 announced
+    `key`; TimeoutError naming what was waited for after `timeout` seconds."""
+    client = _kv_client()
+    if client is None:
+        return None
+    try:
+        return client.blocking_key_value_get(key, int(timeout * 1000))
+    except Exception as e:  # the client raises a runtime error carrying DEADLINE_EXCEEDED
+        raise TimeoutError(
+            f"process {jax.process_index()}: process 0 did not announce {what} within "
+            f"{timeout:.0f} s ({e})"
+        ) from None

@@ -189,46 +189,34 @@ class RolloutWorker:
                 repeat=g,
                 with_fill=True,
             )
-        # Rows decoded only to fill the last wave up: not trained, their decode charged.
-        rows, fill = len(examples) * g, None
-        if ro.lengths.shape[0] > rows:
-            fill = jax.tree.map(lambda x: x[rows:], ro)
-            ro = jax.tree.map(lambda x: x[:rows], ro)
-        texts = self._texts(ro)
-        rewards = np.array([self.task.score(t, examples[i // g]) for i, t in enumerate(texts)])
-        pass_rates = rewards.reshape(-1, g).mean(axis=1)
-        self.curriculum.update(indices, pass_rates)
+        scored = score_rollout(self.cfg, self.task, ro, examples, reference=self.reference)
+        self.curriculum.update(indices, scored.pass_rates)
+        seconds = time.perf_counter() - start
+        return self.assemble(scored, indices, self._curriculum_snapshot(), seconds)
+
+    def assemble(self, scored: Scored, indices, curriculum: dict, seconds: float) -> Rollouts:
+        """The trainer's batch from a scored rollout (made here or by a generator job):
+        advantages, the batch placed on the trainer's devices, the row's statistics.
+        `curriculum`: the snapshot taken after the batch's pass rates were recorded."""
+        cfg, ro = self.cfg, scored.ro
         adv, keep = group_advantages(
-            rewards, g, normalize=cfg.loss.normalize, baseline=cfg.loss.baseline
-        )
-        if self.multiprocess:  # built on the host; each process then places its rows
+            scored.rewards, cfg.train.group_size, normalize=cfg.loss.normalize,
+            baseline=cfg.loss.baseline,
+        )  # fmt: skip
+        if self.multiprocess or not isinstance(ro.lengths, jax.Array):
+            # on the host; each process then places its rows
             ro = jax.tree.map(distributed.to_host, ro)
             batch = Batch.from_rollout(ro, adv, keep, xp=np)
         else:  # built where it was generated, then moved device to device
             batch = Batch.from_rollout(ro, adv, keep)
-        batch = self.to_trainer(batch)
-        lengths, finish, versions, prompt_mask = (
-            distributed.to_host(x)
-            for x in (ro.lengths, ro.finish_reason, ro.versions, ro.prompt_mask)
-        )
-        prompt_lens = prompt_mask[::g].sum(axis=1)
         stats = {
-            "reward_mean": float(rewards.mean()),
-            "pass_rate": float(pass_rates.mean()),
-            "gen_length_mean": float(lengths.mean()),
-            "interrupted_rate": float(np.mean(finish == INTERRUPTED)),
+            **scored.stats,
             "kept_fraction": float(np.asarray(keep).mean()),
-            "retired": int(self.curriculum.retired.sum()),
-            "gen_tokens": int(lengths.sum()),
-            **batch_flops(cfg.model, prompt_lens, lengths, reference=self.reference),
-            "gen_fill_rows": 0 if fill is None else int(fill.lengths.shape[0]),
-            "gen_seconds": time.perf_counter() - start,
+            "retired": int(np.asarray(curriculum["retired"]).sum()),
+            "gen_seconds": seconds,
         }
-        if fill is not None:  # compute spent, nothing to train on: on the x-axis
-            fill_lengths, fill_mask = map(distributed.to_host, (fill.lengths, fill.prompt_mask))
-            fill_prompts = fill_mask[::g].sum(axis=1)
-            stats["gen_flops"] += batch_flops(cfg.model, fill_prompts, fill_lengths)["gen_flops"]
-        return Rollouts(batch, indices, versions, stats, self._curriculum_snapshot())
+        return Rollouts(self.to_trainer(batch), np.asarray(indices), scored.versions, stats,
+                        curriculum)  # fmt: skip
 
     def _curriculum_snapshot(self) -> dict[str, np.ndarray]:
         """The curriculum as a checkpoint keeps it. A batch queued ahead in the engine was
@@ -263,6 +251,51 @@ class RolloutWorker:
         scores = [self.task.score(t, examples[i // k]) for i, t in enumerate(texts)]
         scores = np.asarray(scores, float).reshape(len(examples), k)
         return float(scores.mean()), sampling_sd(scores)
+
+
+@dataclasses.dataclass(frozen=True)
+class Scored:
+    """A generated batch, scored: what a generator hands the trainer (rollout.py `assemble`
+    turns it into the trainer's batch). `ro` is on the generator's devices or the host."""
+
+    ro: Rollout  # the rows asked for (fill rows cut off)
+    rewards: np.ndarray  # [B]
+    versions: np.ndarray  # [B, N] policy version per sampled token, on the host
+    pass_rates: np.ndarray  # [P]: each group's mean reward
+    stats: dict[str, float]
+
+
+def score_rollout(cfg: ExperimentConfig, task, ro: Rollout, examples, *, reference: bool) -> Scored:
+    """Decode and score `ro`'s completions of `examples` (G consecutive rows each, then any
+    rows that only filled up the last wave), with the statistics of its rows: lengths, the
+    generation's FLOPs (fill rows' decode included, as they were computed), rewards."""
+    g, tok = cfg.train.group_size, task.tokenizer
+    rows, fill = len(examples) * g, None
+    if ro.lengths.shape[0] > rows:  # rows decoded only to fill the last wave up
+        fill = jax.tree.map(lambda x: x[rows:], ro)
+        ro = jax.tree.map(lambda x: x[:rows], ro)
+    tokens, lengths = distributed.to_host(ro.completion_tokens), distributed.to_host(ro.lengths)
+    texts = [tok.decode(t[:n]) for t, n in zip(tokens, lengths, strict=True)]
+    rewards = np.array([task.score(t, examples[i // g]) for i, t in enumerate(texts)])
+    finish, versions, prompt_mask = (
+        distributed.to_host(x) for x in (ro.finish_reason, ro.versions, ro.prompt_mask)
+    )
+    prompt_lens = prompt_mask[::g].sum(axis=1)
+    pass_rates = rewards.reshape(-1, g).mean(axis=1)
+    stats = {
+        "reward_mean": float(rewards.mean()),
+        "pass_rate": float(pass_rates.mean()),
+        "gen_length_mean": float(lengths.mean()),
+        "interrupted_rate": float(np.mean(finish == INTERRUPTED)),
+        "gen_tokens": int(lengths.sum()),
+        **batch_flops(cfg.model, prompt_lens, lengths, reference=reference),
+        "gen_fill_rows": 0 if fill is None else int(fill.lengths.shape[0]),
+    }
+    if fill is not None:  # compute spent, nothing to train on: on the x-axis
+        fill_lengths, fill_mask = map(distributed.to_host, (fill.lengths, fill.prompt_mask))
+        fill_prompts = fill_mask[::g].sum(axis=1)
+        stats["gen_flops"] += batch_flops(cfg.model, fill_prompts, fill_lengths)["gen_flops"]
+    return Scored(ro, rewards, versions, pass_rates, stats)
 
 
 def sampling_sd(scores) -> float:

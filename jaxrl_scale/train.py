@@ -55,7 +55,14 @@ from jaxrl_scale.step import Batch, compile_run_step, init_train_state, make_opt
 from jaxrl_scale.tasks import make_task
 from jaxrl_scale.warm_start import warm_start
 
-TOTALS = ("compute_flops", "device_seconds", "tokens", "skipped_updates", "dropped_batches")
+TOTALS = (
+    "compute_flops",
+    "device_seconds",
+    "tokens",
+    "skipped_updates",
+    "dropped_batches",
+    "lost_rows",
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -183,17 +190,7 @@ def train_run(run: Run) -> list[dict[str, Any]]:
         metrics_log.write(rows[-1])
     # ---------------------------------------------------------------- the loop
     clock = RunClock(run.devices, seconds=totals["device_seconds"])  # from the first RL step
-    source = ParamsSource(start.step, train_state.params, place=run.worker.to_generator)
-    feeder = make_feeder(
-        cfg.pipeline,
-        worker.rollouts,
-        source,
-        key,
-        version=start.step,
-        chunks=worker.chunks,
-        multiprocess=jax.process_count() > 1,
-        resumed=start.pending,
-    )
+    source, feeder = _feeder(cfg, worker, train_state.params, start, key)
     unlogged: _Step | None = None  # a step dispatched but not yet read back
     curriculum, step = start.curriculum, start.step
 
@@ -225,6 +222,7 @@ def train_run(run: Run) -> list[dict[str, Any]]:
             ro = feeder.next()
             waited = time.perf_counter() - ready
             _charge_dropped(feeder.take_dropped(), totals)
+            totals["lost_rows"] += feeder.take_lost_rows() if source is None else 0
             staleness = _staleness(ro.versions, version=step - 1, k=staleness_bound(cfg.pipeline))
             train_state, metrics = run.train_step(train_state, ro.batch)
             feeder.trained(train_state.params, step)  # lockstep: the next batch starts here
@@ -245,7 +243,7 @@ def train_run(run: Run) -> list[dict[str, Any]]:
                 with clock.excluded():
                     eval_key = jax.random.fold_in(key, 10**9 + step)
                     # The generator's newest copy is this step's: no copy of its own beside it.
-                    newest = source.newest()
+                    newest = None if source is None else source.newest()
                     placed = newest[1] if newest is not None and newest[0] == step else None
                     evaluation = worker.evaluate_with_sd(
                         train_state.params, eval_key, placed=placed
@@ -272,6 +270,28 @@ def train_run(run: Run) -> list[dict[str, Any]]:
 
 
 # --------------------------------------------------------------------------- helpers
+
+
+def _feeder(cfg: ExperimentConfig, worker: RolloutWorker, params, start: RunState, key):
+    """(the generator's ParamsSource or None, the feeder): generator jobs on other hosts
+    (`hosts.generator_groups`) are fed through the hub; else pipeline.py's feeders."""
+    if cfg.hosts.generator_groups:
+        from jaxrl_scale.hosts import RemoteFeeder  # the transport: only where it is used
+
+        k = staleness_bound(cfg.pipeline)
+        return None, RemoteFeeder(cfg, worker, params, version=start.step, k=k)
+    source = ParamsSource(start.step, params, place=worker.to_generator)
+    feeder = make_feeder(
+        cfg.pipeline,
+        worker.rollouts,
+        source,
+        key,
+        version=start.step,
+        chunks=worker.chunks,
+        multiprocess=jax.process_count() > 1,
+        resumed=start.pending,
+    )
+    return source, feeder
 
 
 def _should_stop(forecaster: OnlineForecast) -> bool:
@@ -354,6 +374,8 @@ def _row(s: _Step, ended: float, totals: dict, clock: RunClock, cfg, evaluation)
         "skipped_updates": totals["skipped_updates"],
         "dropped_batches": totals["dropped_batches"],
     }
+    if cfg.hosts.generator_groups:  # rows lost generator groups had in flight (drawn again)
+        row["lost_rows"] = totals["lost_rows"]
     if evaluation is not None:
         row["eval_pass_rate"], row["eval_sampling_sd"] = evaluation
     return row

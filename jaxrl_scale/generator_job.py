@@ -1,0 +1,304 @@
+"""A generator group's process (`jaxrl-scale train --role generator --group N`): no train state,
+no optimizer, no curriculum. It joins the trainer's hub, asks for prompts, decodes them with the
+newest weights it has pulled (static waves on its own mesh, `hosts.generator_mesh`), scores the
+completions and pushes the scored batch back, until the hub says stop.
+
+Weights arrive in flight: a heartbeat thread tells the hub the group is alive and learns the
+newest version; a puller thread pulls a newer version over `jax.experimental.transfer` while
+decoding goes on with the one in use, and decoding takes it between chunks, so every token
+records the version that sampled it. Under a fixed schedule (`pipeline.mode: sync`, or
+`pipeline.lockstep`) the batch names the versions its chunks use, and decoding waits for
+exactly those.
+
+When the trainer goes away (killed, restarting from its checkpoint), requests go unanswered:
+the process keeps asking for `hosts.timeout` seconds, then rejoins the new trainer (a new run
+id), dropping what it held; after that long with no trainer it exits with an error naming the
+hub. Threads: the main thread owns the control and data sockets and the decoding; the puller
+thread owns the `WeightClient`; the heartbeat thread its own control socket; the versions
+held and the newest announced are shared behind `Weights._cond`.
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+import socket
+import sys
+import threading
+import time
+
+import jax
+import numpy as np
+import zmq
+from flax import nnx
+
+from jaxrl_scale import sharding
+from jaxrl_scale.config import ExperimentConfig
+from jaxrl_scale.generation import WaveGenerator
+from jaxrl_scale.hosts import ROLLOUT_FIELDS, address, encode_batch
+from jaxrl_scale.model import Policy, for_generation
+from jaxrl_scale.rollout import score_rollout
+from jaxrl_scale.sampler import Interruption, Sampling
+from jaxrl_scale.tasks import make_task
+from jaxrl_scale.weights import WeightClient
+
+
+class Rejoin(Exception):
+    """The trainer this process worked for is gone (a new run answers): start over."""
+
+
+class Requester:
+    """Request/reply to the hub over ZeroMQ with a per-try timeout, retried until `patience`
+    seconds have passed (then TimeoutError naming the hub and the request). One owner thread."""
+
+    def __init__(self, hub: str, *, patience: float, what: str):
+        self.hub, self.patience, self.what = hub, patience, what
+        self.socket = zmq.Context.instance().socket(zmq.REQ)
+        for option in (zmq.REQ_RELAXED, zmq.REQ_CORRELATE):
+            self.socket.setsockopt(option, 1)
+        self.socket.setsockopt(zmq.LINGER, 0)
+        self.socket.connect(f"tcp://{hub}")
+
+    def request(self, message: dict, patience: float | None = None) -> dict:
+        deadline = time.monotonic() + (self.patience if patience is None else patience)
+        while True:
+            self.socket.send(json.dumps(message).encode())
+            if self.socket.poll(2000):
+                return json.loads(self.socket.recv())
+            if time.monotonic() > deadline:
+                raise TimeoutError(
+                    f"{self.what}: no answer from the trainer's hub at {self.hub} for "
+                    f"{self.patience:.0f} s (asked: {message.get('op')})"
+                )
+
+    def close(self) -> None:
+        self.socket.close(linger=0)
+
+
+class Weights:
+    """The versions this generator holds: pulled by the puller thread, read by decoding."""
+
+    def __init__(self, client: WeightClient, hub: str, *, timeout: float, group: int):
+        self.client, self.hub, self.timeout, self.group = client, hub, timeout, group
+        self._cond = threading.Condition()
+        self._held: dict[int, object] = {}
+        self._using: int | None = None
+        self._want: int | None = None  # an exact version (fixed schedule), else the newest
+        self._session: dict | None = None  # {"run", "gen", "weights"} of the current join
+        self._gone = False
+        self._failed: BaseException | None = None
+        self._newest: int | None = None  # the newest version the hub announced
+        self._stop = threading.Event()
+        self._threads = [
+            threading.Thread(target=self._beat, name="heartbeat", daemon=True),
+            threading.Thread(target=self._pull, name="weight-puller", daemon=True),
+        ]
+        for thread in self._threads:
+            thread.start()
+
+    def attach(self, session: dict) -> None:
+        """A new join: what was held belongs to the trainer before it."""
+        with self._cond:
+            self._session, self._held, self._using, self._gone = session, {}, None, False
+            self._newest = session["version"]
+            self._cond.notify_all()
+
+    def get(self, *, version: int | None = None, at_least: int = -1):
+        """(version, params) to decode the next chunk with: exactly `version`, else the newest
+        held and at least `at_least` (waiting for the puller, at most `timeout` seconds)."""
+        deadline = time.monotonic() + self.timeout
+        with self._cond:
+            self._want = version
+            self._cond.notify_all()
+            while True:
+                if self._gone:
+                    raise Rejoin
+                if self._failed is not None:
+                    raise RuntimeError("pulling weights failed") from self._failed
+                have = version if version in self._held else max(self._held, default=-1)
+                if have == version or (version is None and self._held and have >= at_least):
+                    break
+                if time.monotonic() > deadline:
+                    raise TimeoutError(
+                        f"generator group {self.group}: no weights of version "
+                        f"{version if version is not None else f'>= {at_least}'} from the "
+                        f"trainer (hub {self.hub}) in {self.timeout:.0f} s"
+                    )
+                self._cond.wait(timeout=0.1)
+            self._using = have
+            for old in [v for v in self._held if v < have]:
+                del self._held[old]  # no chunk decodes with it any more
+            return have, self._held[have]
+
+    def close(self) -> None:
+        self._stop.set()
+        for thread in self._threads:
+            thread.join(timeout=5)
+
+    def _beat(self) -> None:
+        """The heartbeat: tells the hub this group is alive (also while a pull or a long
+        decode runs) and learns the newest version published."""
+        beat = Requester(self.hub, patience=self.timeout, what=f"generator group {self.group}")
+        try:
+            while not self._stop.wait(0.25):
+                with self._cond:
+                    session = self._session
+                if session is None:
+                    continue
+                reply = beat.request({"op": "beat", "run": session["run"], "gen": session["gen"]})
+                with self._cond:
+                    if self._session is session:
+                        self._gone = self._gone or "rejoin" in reply
+                        self._newest = reply.get("version", self._newest)
+                        self._cond.notify_all()
+        except BaseException as e:  # surfaced to the decoding thread
+            self._fail(e)
+        finally:
+            beat.close()
+
+    def _pull(self) -> None:
+        """Pulls the version decoding wants (exact, or the newest published) while decoding
+        goes on with the one it has."""
+        session = None
+        try:
+            while not self._stop.is_set():
+                with self._cond:
+                    self._cond.wait(timeout=0.1)
+                    if self._session is not session:
+                        session = self._session
+                        self.client.connect(session["weights"])
+                    want = self._want if self._want is not None else self._newest
+                    if session is None or want is None or want in self._held:
+                        continue
+                    if want > self._newest:
+                        continue
+                try:
+                    params = self.client.pull(want)
+                except LookupError:  # superseded meanwhile: ask for the newest next
+                    continue
+                with self._cond:
+                    if self._session is session:
+                        self._held[want] = params
+                        keep = {want, self._using}
+                        for v in [v for v in self._held if v not in keep]:
+                            del self._held[v]
+                        self._cond.notify_all()
+        except BaseException as e:  # surfaced to the decoding thread
+            self._fail(e)
+
+    def _fail(self, e: BaseException) -> None:
+        with self._cond:
+            self._failed = e
+            self._cond.notify_all()
+
+
+def _model(cfg: ExperimentConfig):
+    """(model config, graphdef, abstract generation params, tokenizer or None): from the
+    config, or from the Hugging Face folder it starts from (config and tokenizer only)."""
+    m, tokenizer = cfg.model, None
+    if m.init_from:
+        from jaxrl_scale.hf import config_from_hf, load_tokenizer, resolve_checkpoint
+
+        folder = resolve_checkpoint(m.init_from)
+        hf = json.loads((folder / "config.json").read_text())
+        m = config_from_hf(hf, **m.runtime_fields())
+        tokenizer = load_tokenizer(folder)
+    abstract = nnx.eval_shape(lambda: Policy(m, rngs=nnx.Rngs(params=0)))
+    graphdef, params = nnx.split(abstract)
+    gen = jax.eval_shape(lambda p: for_generation(p, m, copy=False), params)
+    return m, graphdef, gen, tokenizer
+
+
+def run_generator(cfg: ExperimentConfig, group: int) -> int:
+    """Serve the trainer as generator group `group` until it says stop; the exit status."""
+    host = address(cfg)
+    mesh = sharding.make_mesh(cfg.hosts.generator_mesh, jax.local_devices())
+    model_cfg, graphdef, abstract, tokenizer = _model(cfg)
+    task = make_task(cfg.task, seed=cfg.seed, tokenizer=tokenizer)
+    tok = task.tokenizer
+    longest = max(len(tok.encode(e["prompt"])) for e in task.train_examples + task.eval_examples)
+    waves = WaveGenerator(cfg, graphdef, tok, Interruption.from_config(cfg.sampler, tok),
+                          mesh=mesh, own_devices=True, longest_prompt=longest)  # fmt: skip
+    client = WeightClient(abstract, sharding.state_shardings(abstract, mesh), mesh, host=host,
+                          timeout=cfg.hosts.timeout)  # fmt: skip
+    name = f"generator group {group} ({socket.gethostname()})"
+    control = Requester(cfg.hosts.hub, patience=cfg.hosts.timeout, what=name)
+    data = zmq.Context.instance().socket(zmq.PUSH)
+    data.setsockopt(zmq.LINGER, 2000)
+    hub_host, port = cfg.hosts.hub.rsplit(":", 1)
+    data.connect(f"tcp://{hub_host}:{int(port) + 1}")
+    weights = Weights(client, cfg.hosts.hub, timeout=cfg.hosts.timeout, group=group)
+    s = cfg.sampler
+    sampling = Sampling(s.temperature, s.top_p, s.top_k)
+    run_key = jax.random.key(cfg.seed)
+    made = seq = 0
+    try:
+        while True:
+            token = secrets.token_hex(8)  # a retried join is the same join
+            session = control.request({"op": "join", "group": group, "host": host, "token": token})
+            weights.attach(session)
+            print(f"{name}: joined the trainer at {cfg.hosts.hub}", flush=True)
+            while True:
+                seq += 1
+                ask = {"op": "work", "run": session["run"], "gen": session["gen"], "seq": seq}
+                work = control.request(ask)
+                if work.get("stop"):
+                    print(f"{name}: stopped by the trainer after {made} batch(es)", flush=True)
+                    return 0
+                if work.get("rejoin"):
+                    break
+                if "batch" not in work:
+                    time.sleep(work.get("wait", 0.05))
+                    continue
+                try:
+                    frames = _make_batch(cfg, task, waves, weights, work, run_key, sampling)
+                except Rejoin:
+                    break
+                header = json.loads(frames[0])
+                header.update(run=session["run"], gen=session["gen"])
+                frames[0] = json.dumps(header).encode()
+                data.send_multipart(frames)
+                made += 1
+    finally:
+        weights.close()
+        control.close()
+        data.close()
+        client.close()
+
+
+def _make_batch(cfg, task, waves, weights: Weights, work: dict, run_key, sampling) -> list[bytes]:
+    """Generate and score one assigned batch; its frames for the hub."""
+    start = time.perf_counter()
+    g = cfg.train.group_size
+    examples = [task.train_examples[i] for i in work["indices"]]
+    schedule, swap_at = work["schedule"], work["swap_at"]
+
+    def params_for_chunk(chunk: int):
+        if schedule is not None:
+            return weights.get(version=schedule[0] if chunk < swap_at else schedule[1])
+        return weights.get(at_least=work["oldest"])
+
+    ro = waves.generate(
+        params_for_chunk,
+        [task.tokenizer.encode(e["prompt"]) for e in examples],
+        jax.random.fold_in(run_key, work["key"]),
+        sampling=sampling,
+        n_new=cfg.sampler.max_new_tokens,
+        repeat=g,
+        with_fill=True,
+    )
+    scored = score_rollout(cfg, task, ro, examples, reference=bool(cfg.loss.kl_coef))
+    arrays = {f: np.asarray(getattr(scored.ro, f)) for f in ROLLOUT_FIELDS}
+    arrays.update(rewards=scored.rewards, pass_rates=scored.pass_rates,
+                  indices=np.asarray(work["indices"]))  # fmt: skip
+    header = {"batch": work["batch"], "stats": scored.stats,
+              "seconds": time.perf_counter() - start}  # fmt: skip
+    return encode_batch(header, arrays)
+
+
+def main(cfg: ExperimentConfig, group: int) -> int:
+    try:
+        return run_generator(cfg, group)
+    except TimeoutError as e:
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        return 1

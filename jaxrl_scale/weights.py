@@ -1,0 +1,262 @@
+"""Weights between jobs: each trainer process offers its own shards of a published version over
+`jax.experimental.transfer`, and a generator process pulls them onto its devices. No file, no
+full copy on any host, no bulk bytes through the control channel.
+
+The layout that crosses. Every leaf, in the dtypes the generator decodes with
+(`model.for_generation`: bf16 matrices for a bf16 model), is flattened, padded and seen as
+`[C, chunk]` rows, C = lcm(trainer devices, generator devices). One compiled program on the
+trainer lays the rows out over its devices (XLA moves the pieces; no device gathers a leaf), so
+each trainer device holds one block of C / trainer-devices rows of every leaf. Those blocks are
+what is offered, as they are. A generator pulls each block onto the device that holds its first
+row in the generator's own row split, cuts or joins blocks on its devices into its row blocks,
+and one compiled program turns the rows back into leaves in its mesh's sharding. (Pulling
+straight into a different sharding is not supported by the transfer API: shapes must match.)
+
+Offers are made on request, because an offer holds its arrays until they are pulled and cannot
+be withdrawn: the generator asks every trainer process's weight socket (ZeroMQ REQ/REP, JSON)
+for version v; the process offers v's blocks under a fresh id and answers with the id and the
+manifest (its blocks' rows, the leaves' shapes and dtypes). A trainer process keeps the newest
+`keep` versions (2: the one a fixed schedule still decodes with and the newest).
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+import secrets
+import threading
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import zmq
+from jax.experimental import transfer
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from jaxrl_scale.config import ModelConfig
+from jaxrl_scale.model import for_generation
+
+AXIS = "rows"
+
+
+def _rows_mesh(devices) -> Mesh:
+    return Mesh(np.asarray(devices), (AXIS,))
+
+
+def _to_rows(x, rows: int):
+    flat = x.reshape(-1)
+    chunk = -(-flat.size // rows)
+    return jnp.pad(flat, (0, rows * chunk - flat.size)).reshape(rows, chunk)
+
+
+def _from_rows(r, shape):
+    return r.reshape(-1)[: math.prod(shape)].reshape(shape)
+
+
+def start_server(host: str):
+    """A transfer server of this process's devices, listening on `host` (an ephemeral port)."""
+    return transfer.start_transfer_server(jax.local_devices()[0].client, f"{host}:0", [f"{host}:0"])
+
+
+class WeightServer:
+    """A trainer process's side. `publish` is called by the trainer's main thread (every
+    process, in the same order: its layout program spans the trainer's devices); the serving
+    thread answers requests. The versions held are shared by both, behind `_cond`."""
+
+    def __init__(self, mesh: Mesh, model: ModelConfig, gen_devices: int, *, host: str,
+                 keep: int = 2, timeout: float = 300.0):  # fmt: skip
+        self.rows = math.lcm(mesh.devices.size, gen_devices)
+        self.keep, self.timeout = keep, timeout
+        self.host = host
+        target = NamedSharding(_rows_mesh(mesh.devices.flat), PartitionSpec(AXIS))
+
+        def layout(params):
+            leaves = jax.tree.leaves(for_generation(params, model, copy=False))
+            return [_to_rows(x, self.rows) for x in leaves]
+
+        self._layout = jax.jit(layout, out_shardings=target)
+        self._held: dict[int, list[jax.Array]] = {}
+        self._cond = threading.Condition()
+        self._ids = itertools.count(secrets.randbits(40) << 16)
+        self.transfer = start_server(host)
+        self._context = zmq.Context.instance()
+        socket = self._context.socket(zmq.REP)  # owned by the serving thread after this
+        socket.setsockopt(zmq.LINGER, 0)
+        port = socket.bind_to_random_port(f"tcp://{host}")
+        self.address = {"weights": f"tcp://{host}:{port}", "transfer": self.transfer.address()}
+        self._stopping = threading.Event()
+        self.offered_bytes = 0  # written by the serving thread only
+        self._thread = threading.Thread(
+            target=self._serve, args=(socket,), name="weight-server", daemon=True
+        )
+        self._thread.start()
+
+    def publish(self, version: int, params) -> None:
+        """Lay out `params` (the trainer's, about to be donated: the layout is a new buffer)
+        as version `version`; drop versions beyond the newest `keep`."""
+        rows = self._layout(params)
+        with self._cond:
+            self._held[version] = rows
+            for old in sorted(self._held)[: -self.keep]:
+                del self._held[old]
+            self._cond.notify_all()
+
+    def newest(self) -> int | None:
+        with self._cond:
+            return max(self._held, default=None)
+
+    def close(self) -> None:
+        self._stopping.set()
+        self._thread.join(timeout=5)
+
+    def _serve(self, socket) -> None:
+        try:
+            while not self._stopping.is_set():
+                if not socket.poll(100):
+                    continue
+                try:
+                    request = json.loads(socket.recv())
+                    reply = self._offer(int(request["version"]))
+                except (ValueError, KeyError, TypeError) as e:
+                    reply = {"error": f"bad request: {e}"}
+                socket.send(json.dumps(reply).encode())
+        finally:
+            socket.close()
+
+    def _offer(self, version: int) -> dict:
+        deadline = time.monotonic() + self.timeout
+        with self._cond:
+            while max(self._held, default=-1) < version and time.monotonic() < deadline:
+                self._cond.wait(timeout=0.1)
+                if self._stopping.is_set():
+                    break
+            rows = self._held.get(version)
+            held = sorted(self._held)
+        if rows is None:
+            return {"error": f"version {version} is not held here", "held": held}
+        shards = [sorted(x.addressable_shards, key=lambda s: s.index[0].start or 0) for x in rows]
+        blocks = [[s.index[0].start or 0, s.index[0].stop or self.rows] for s in shards[0]]
+        arrays = [s.data for leaf in shards for s in leaf]
+        uuid = next(self._ids)
+        self.transfer.await_pull(uuid, arrays)
+        self.offered_bytes += sum(a.nbytes for a in arrays)
+        return {
+            "uuid": uuid,
+            "version": version,
+            "rows": self.rows,
+            "chunks": [int(x.shape[1]) for x in rows],
+            "dtypes": [str(x.dtype) for x in rows],
+            "blocks": blocks,
+            "transfer": self.address["transfer"],
+        }
+
+
+class WeightClient:
+    """A generator process's side: pulls a version from every trainer process and rebuilds the
+    parameters in `shardings` (the generator mesh's). One owner thread (its sockets)."""
+
+    def __init__(self, abstract, shardings, mesh: Mesh, *, host: str, timeout: float):
+        self.treedef = jax.tree.structure(abstract)
+        self.shapes = [tuple(x.shape) for x in jax.tree.leaves(abstract)]
+        self.dtypes = [str(x.dtype) for x in jax.tree.leaves(abstract)]
+        self.devices = list(mesh.devices.flat)
+        self.timeout = timeout
+        self.rows_sharding = NamedSharding(_rows_mesh(self.devices), PartitionSpec(AXIS))
+        shapes = self.shapes
+        self._unlayout = jax.jit(
+            lambda rows: [_from_rows(r, s) for r, s in zip(rows, shapes, strict=True)],
+            out_shardings=jax.tree.leaves(shardings),
+        )
+        self.transfer = start_server(host)
+        self._context = zmq.Context.instance()
+        self._trainers: list[dict] = []
+        self._sockets: list[zmq.Socket] = []
+        self._connections: dict[str, object] = {}
+        self.pulled_bytes = 0
+
+    def connect(self, trainers: list[dict]) -> None:
+        """Trainer processes' addresses ({"weights": ..., "transfer": ...}), from the hub."""
+        for s in self._sockets:
+            s.close(linger=0)
+        self._trainers, self._sockets = list(trainers), []
+        for t in trainers:
+            s = self._context.socket(zmq.REQ)
+            s.setsockopt(zmq.LINGER, 0)
+            s.setsockopt(zmq.REQ_RELAXED, 1)
+            s.setsockopt(zmq.REQ_CORRELATE, 1)
+            s.connect(t["weights"])
+            self._sockets.append(s)
+        self._connections = {}
+
+    def pull(self, version: int):
+        """Version `version`'s parameters on this generator's devices, or raise
+        `TimeoutError` / `LookupError` naming the trainer process that did not give them."""
+        pieces: dict[int, list[tuple[int, jax.Array]]] = {}  # leaf -> [(first row, block)]
+        rows = None
+        for t, socket in zip(self._trainers, self._sockets, strict=True):
+            socket.send(json.dumps({"version": version}).encode())
+            if not socket.poll(int(self.timeout * 1000)):
+                raise TimeoutError(
+                    f"trainer weight server {t['weights']}: no answer in {self.timeout:.0f} s "
+                    f"to a request for version {version}"
+                )
+            offer = json.loads(socket.recv())
+            if "error" in offer:
+                raise LookupError(f"trainer weight server {t['weights']}: {offer['error']}")
+            rows = offer["rows"]
+            per = rows // len(self.devices)
+            if rows % len(self.devices):
+                raise ValueError(f"the trainer's {rows} rows do not split over this generator's "
+                                 f"{len(self.devices)} devices (hosts.generator_mesh)")  # fmt: skip
+            self._check(offer)
+            specs = [
+                jax.ShapeDtypeStruct(
+                    (stop - start, chunk),
+                    dtype,
+                    sharding=jax.sharding.SingleDeviceSharding(self.devices[start // per]),
+                )  # fmt: skip
+                for chunk, dtype in zip(offer["chunks"], offer["dtypes"], strict=True)
+                for start, stop in offer["blocks"]
+            ]
+            connection = self._connections.get(offer["transfer"])
+            if connection is None:
+                connection = self.transfer.connect(offer["transfer"])
+                self._connections[offer["transfer"]] = connection
+            got = iter(connection.pull(offer["uuid"], specs))
+            self.pulled_bytes += sum(math.prod(s.shape) * np.dtype(s.dtype).itemsize
+                                     for s in specs)  # fmt: skip
+            for leaf in range(len(self.shapes)):
+                for start, _ in offer["blocks"]:
+                    pieces.setdefault(leaf, []).append((start, next(got)))
+        leaves = [self._rows_array(sorted(pieces[i], key=lambda p: p[0]), rows)
+                  for i in range(len(self.shapes))]  # fmt: skip
+        return jax.tree.unflatten(self.treedef, self._unlayout(leaves))
+
+    def _check(self, offer: dict) -> None:
+        if offer["dtypes"] != self.dtypes or len(offer["chunks"]) != len(self.shapes):
+            raise ValueError(
+                f"the trainer offers {len(offer['chunks'])} leaves in "
+                f"{sorted(set(offer['dtypes']))}; this generator's model has "
+                f"{len(self.shapes)} in {sorted(set(self.dtypes))}: "
+                "trainer and generators must run the same config"
+            )
+
+    def _rows_array(self, blocks: list[tuple[int, jax.Array]], rows: int) -> jax.Array:
+        """One leaf's [rows, chunk] array split over this generator's devices, from blocks
+        that cover the rows in order (each on the device holding its first row)."""
+        per = rows // len(self.devices)
+        mine: list[list[jax.Array]] = [[] for _ in self.devices]
+        for start, block in blocks:
+            for offset in range(0, block.shape[0], per):  # a block over several devices
+                device = (start + offset) // per
+                part = block[offset : offset + per] if block.shape[0] > per else block
+                mine[device].append(jax.device_put(part, self.devices[device]))
+        local = [parts[0] if len(parts) == 1 else jnp.concatenate(parts) for parts in mine]
+        shape = (rows, blocks[0][1].shape[1])
+        return jax.make_array_from_single_device_arrays(shape, self.rows_sharding, local)
+
+    def close(self) -> None:
+        for s in self._sockets:
+            s.close(linger=0)
