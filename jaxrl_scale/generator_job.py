@@ -250,6 +250,7 @@ def run_generator(cfg: ExperimentConfig, group: int) -> int:
                 if "batch" not in work:
                     time.sleep(work.get("wait", 0.05))
                     continue
+                print(f"{name}: generating batch {work['batch']}", flush=True)
                 try:
                     frames = _make_batch(cfg, task, waves, weights, work, run_key, sampling)
                 except Rejoin:

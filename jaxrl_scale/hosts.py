@@ -232,6 +232,8 @@ class Hub:
             published = self._published_now()
             if published < self.start + n - self.k or self.start + n >= self.cfg.train.steps:
                 return None  # ahead of the bound (the ahead side waits), or nothing left
+            if self.cfg.pipeline.lockstep and n - 1 in self._assigned:
+                return None  # a fixed schedule: drawn after the batch before was scored
             cursor = (self.curriculum.epoch, self.curriculum.position)
             indices = self.curriculum.next_batch(self.cfg.train.prompts_per_step)
             self._assigned[n] = {"indices": indices, "cursor": cursor}

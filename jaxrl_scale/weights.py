@@ -248,10 +248,11 @@ class WeightClient:
         that cover the rows in order (each on the device holding its first row)."""
         per = rows // len(self.devices)
         mine: list[list[jax.Array]] = [[] for _ in self.devices]
-        for start, block in blocks:
-            for offset in range(0, block.shape[0], per):  # a block over several devices
-                device = (start + offset) // per
-                part = block[offset : offset + per] if block.shape[0] > per else block
+        for start, block in blocks:  # blocks in row order; cut where a device's rows end
+            stop = start + block.shape[0]
+            for device in range(start // per, -(-stop // per)):
+                lo, hi = max(start, device * per), min(stop, (device + 1) * per)
+                part = block if (lo, hi) == (start, stop) else block[lo - start : hi - start]
                 mine[device].append(jax.device_put(part, self.devices[device]))
         local = [parts[0] if len(parts) == 1 else jnp.concatenate(parts) for parts in mine]
         shape = (rows, blocks[0][1].shape[1])

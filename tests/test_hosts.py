@@ -1,0 +1,276 @@
+"""Generators as jobs of their own: weights over jax.experimental.transfer between layouts, and
+real trainer / generator processes on 127.0.0.1 (each test's processes are killed at its end)."""
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import jax
+import numpy as np
+import pytest
+from conftest import FAST, ROOT, TINY_CONFIG
+from flax import nnx
+
+from jaxrl_scale import sharding
+from jaxrl_scale.config import ConfigError, MeshConfig, load_config
+from jaxrl_scale.metrics import read_metrics
+from jaxrl_scale.model import Policy, for_generation
+from jaxrl_scale.weights import WeightClient, WeightServer
+
+# ------------------------------------------------------------------ weights between layouts
+
+
+@pytest.mark.parametrize(
+    "trainer, generator",
+    [
+        (MeshConfig(data=1, fsdp=4, tensor=1), MeshConfig(data=1, fsdp=1, tensor=2)),
+        (MeshConfig(data=1, fsdp=2, tensor=1), MeshConfig(data=1, fsdp=2, tensor=2)),
+        (MeshConfig(data=1, fsdp=3, tensor=1), MeshConfig(data=2, fsdp=1, tensor=1)),
+    ],
+)
+def test_pulled_weights_equal_the_generation_copy_in_another_layout(
+    tiny_model_config, trainer, generator
+):
+    """Trainer devices 0..n-1, generator devices from 4 on: every leaf arrives equal to
+    `for_generation` of the trainer's parameters (bf16 matrices here), in the generator's
+    sharding, whether the trainer has more devices, fewer, or a count that is no multiple."""
+    import dataclasses
+
+    cfg = dataclasses.replace(tiny_model_config, dtype="bfloat16")
+    devices = jax.devices()
+    n = trainer.data * trainer.fsdp * trainer.tensor
+    mesh = sharding.make_mesh(trainer, devices[:n])
+    gen_mesh = sharding.make_mesh(generator, devices[4:])
+    model = sharding.init_sharded(lambda: Policy(cfg, rngs=nnx.Rngs(params=3)), mesh)
+    _, params = nnx.split(model)
+    gen_devices = gen_mesh.devices.size
+    server = WeightServer(mesh, cfg, gen_devices, host="127.0.0.1", timeout=10)
+    server.publish(7, params)
+    abstract = jax.eval_shape(lambda p: for_generation(p, cfg, copy=False), params)
+    shardings = sharding.state_shardings(abstract, gen_mesh)
+    client = WeightClient(abstract, shardings, gen_mesh, host="127.0.0.1", timeout=10)
+    try:
+        client.connect([server.address])
+        pulled = client.pull(7)
+        expected = for_generation(params, cfg)
+        for got, want, target in zip(
+            jax.tree.leaves(pulled), jax.tree.leaves(expected), jax.tree.leaves(shardings),
+            strict=True,
+        ):  # fmt: skip
+            assert got.dtype == want.dtype
+            assert got.sharding.is_equivalent_to(target, got.ndim)
+            np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+        assert {d for x in jax.tree.leaves(pulled) for d in x.devices()} <= set(devices[4:])
+        assert any(x.dtype == jax.numpy.bfloat16 for x in jax.tree.leaves(pulled))
+        # Versions not held are refused, naming the trainer process's address.
+        server.publish(8, params)
+        server.publish(9, params)  # keeps 2: version 7 is gone
+        with pytest.raises(LookupError, match=server.address["weights"]):
+            client.pull(7)
+    finally:
+        client.close()
+        server.close()
+
+
+def test_hosts_config_errors_name_the_key():
+    with pytest.raises(ConfigError, match="pipeline.mode"):
+        load_config(TINY_CONFIG, ["hosts.generator_groups=1", "pipeline.mode=ppo_off_policy"])
+    with pytest.raises(ConfigError, match="pipeline.generator_devices"):
+        load_config(TINY_CONFIG, ["hosts.generator_groups=1", "pipeline.generator_devices=2"])
+    with pytest.raises(ConfigError, match="hosts.hub"):
+        load_config(TINY_CONFIG, ["hosts.hub=nohost"])
+
+
+# ------------------------------------------------------------------ real processes
+
+SETTINGS = [o for o in FAST if not o.startswith(("mesh.", "train.steps="))] + [
+    "mesh.data=-1",
+    "forecast.every=0",
+    "sampler.batching=static",
+]
+
+
+def _free_port() -> int:
+    """A port p with p + 1 free too (the hub's two sockets)."""
+    for _ in range(50):
+        with socket.socket() as a:
+            a.bind(("127.0.0.1", 0))
+            port = a.getsockname()[1]
+            with socket.socket() as b:
+                try:
+                    b.bind(("127.0.0.1", port + 1))
+                    return port
+                except OSError:
+                    continue
+    raise RuntimeError("no two adjacent free ports")
+
+
+def _env(role, devices=2, **extra):
+    env = {k: v for k, v in os.environ.items() if not k.startswith("JAXRL_")}
+    env.update(XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}",
+               JAX_PLATFORMS="cpu", JAXRL_ROLE=role, JAXRL_HOST="127.0.0.1", **extra)  # fmt: skip
+    env["PATH"] = f"{os.path.dirname(sys.executable)}:{env.get('PATH', '')}"
+    return env
+
+
+def _args(out, hub, *extra):
+    cmd = ["--config", str(TINY_CONFIG), "--out", str(out)]
+    for s in [*SETTINGS, f"hosts.hub=127.0.0.1:{hub}", *extra]:
+        cmd += ["--set", s]
+    return cmd
+
+
+class Processes:
+    """Processes a test starts; all are killed when it ends."""
+
+    def __init__(self):
+        self.procs: list[subprocess.Popen] = []
+
+    def start(self, env, args, log):
+        cmd = [sys.executable, "-m", "jaxrl_scale.cli", "train", *args]
+        p = subprocess.Popen(cmd, env=env, stdout=open(log, "w"), stderr=subprocess.STDOUT)
+        self.procs.append(p)
+        return p
+
+    def kill_all(self):
+        for p in self.procs:
+            if p.poll() is None:
+                p.kill()
+            p.wait(timeout=30)
+
+
+@pytest.fixture
+def processes():
+    ps = Processes()
+    yield ps
+    ps.kill_all()
+
+
+def _wait_for(predicate, timeout, what):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        time.sleep(0.1)
+    pytest.fail(f"timed out after {timeout} s waiting for {what}")
+
+
+def _finish(p, timeout, log):
+    try:
+        p.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        p.kill()
+        pytest.fail(f"did not finish in {timeout} s:\n{open(log).read()[-3000:]}")
+    assert p.returncode == 0, open(log).read()[-3000:]
+
+
+def test_two_trainers_two_generator_groups_k4_one_group_killed_and_restarted(tmp_path, processes):
+    """2 trainer processes + 2 generator groups, k = 4; generator group 0 is SIGKILLed while
+    it generates its first batch and started again: the run completes, every token within
+    the bound, the lost rows counted, and the restarted group joins and pulls weights."""
+    port = _free_port()
+    hub = port + 1
+    steps, k = 8, 4
+    extra = [f"train.steps={steps}", f"pipeline.max_staleness={k}", "hosts.generator_groups=2",
+             "hosts.lost_after=8", "hosts.timeout=120", "train.eval_every=4"]  # fmt: skip
+    out = tmp_path / "run"
+    trainers = []
+    for i in range(2):
+        env = _env("trainer", JAXRL_COORDINATOR=f"127.0.0.1:{port + 10}",
+                   JAXRL_NUM_PROCESSES="2", JAXRL_PROCESS_ID=str(i))  # fmt: skip
+        log = tmp_path / f"trainer{i}.log"
+        trainers.append((processes.start(env, _args(out, hub, *extra), log), log))
+    gen_logs = [tmp_path / "gen0.log", tmp_path / "gen1.log"]
+    victim = processes.start(_env("generator", JAXRL_GROUP="0"), _args(out, hub, *extra),
+                             gen_logs[0])  # fmt: skip
+    processes.start(_env("generator", JAXRL_GROUP="1"), _args(out, hub, *extra), gen_logs[1])
+    _wait_for(lambda: "generating batch" in gen_logs[0].read_text(), 240, "group 0's first batch")
+    victim.send_signal(signal.SIGKILL)
+    victim.wait(timeout=30)
+    restarted_log = tmp_path / "gen0-restarted.log"
+    processes.start(_env("generator", JAXRL_GROUP="0"), _args(out, hub, *extra), restarted_log)
+    for p, log in trainers:
+        _finish(p, 300, log)
+    rows = [r for r in read_metrics(out) if r["step"] > 0]
+    assert [r["step"] for r in rows] == list(range(1, steps + 1))
+    assert all(r["staleness_max"] <= k for r in rows)
+    assert max(r["staleness_max"] for r in rows) >= 1  # generators ran ahead of the trainer
+    assert rows[-1]["lost_rows"] >= 16  # the batch group 0 was generating: 4 prompts x 4
+    trainer_log = trainers[0][1].read_text()
+    assert "handed out again" in trainer_log
+    assert trainer_log.count("generator group 0 on 127.0.0.1 joined") == 2
+    _wait_for(lambda: "joined the trainer" in restarted_log.read_text(), 30, "the rejoin")
+
+
+def _lockstep_rows(tmp_path, processes, *, disaggregated: bool):
+    out = tmp_path / ("dis" if disaggregated else "colocated")
+    extra = ["train.steps=4", "pipeline.lockstep=true", "pipeline.max_staleness=1"]
+    port = _free_port()
+    if not disaggregated:
+        log = tmp_path / "colocated.log"
+        p = processes.start(_env("trainer"), _args(out, port + 1, *extra), log)
+        _finish(p, 300, log)
+        return read_metrics(out)
+    script = ROOT / "launch" / "local_disaggregated.sh"
+    cmd = ["bash", str(script), "--port", str(port), "1", "1", "--", *_args(out, 0, *extra)]
+    env = _env("trainer")
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return read_metrics(out)
+
+
+def test_one_generator_group_in_lockstep_equals_the_colocated_lockstep_run(tmp_path, processes):
+    """A fixed schedule (lockstep: the first half of a batch's chunks with the version before,
+    the rest with the newest) across hosts, through the launcher, gives the colocated run's
+    numbers: the same prompts, keys, samples, losses and evaluations."""
+    colocated = _lockstep_rows(tmp_path, processes, disaggregated=False)
+    apart = _lockstep_rows(tmp_path, processes, disaggregated=True)
+    assert [r["step"] for r in apart] == [r["step"] for r in colocated] == [0, 1, 2, 3, 4]
+    for a, b in zip(apart, colocated, strict=True):
+        for key in ("loss", "reward_mean", "gen_tokens", "eval_pass_rate", "staleness_max",
+                    "grad_norm", "mismatch"):  # fmt: skip
+            if key in b:
+                assert a[key] == pytest.approx(b[key], rel=1e-6, abs=1e-7), (a["step"], key)
+
+
+def test_the_trainer_killed_resumes_and_its_generator_rejoins(tmp_path, processes):
+    """The trainer is SIGKILLed once its checkpoint at step 2 exists; started again with the same
+    run directory it resumes there, and the generator, still running, rejoins by itself."""
+    port = _free_port()
+    out = tmp_path / "run"
+    extra = ["train.steps=16", "checkpoint.every=2", "hosts.generator_groups=1",
+             "pipeline.max_staleness=2", "hosts.timeout=120"]  # fmt: skip
+    args = _args(out, port + 1, *extra)
+    gen_log = tmp_path / "gen.log"
+    gen = processes.start(_env("generator", JAXRL_GROUP="0"), args, gen_log)
+    first_log = tmp_path / "trainer1.log"
+    first = processes.start(_env("trainer"), args, first_log)
+    _wait_for(lambda: (out / "checkpoints" / "2").exists() or first.poll() is not None, 240,
+              "the checkpoint at step 2")  # fmt: skip
+    first.send_signal(signal.SIGKILL)
+    assert first.wait(timeout=30) == -signal.SIGKILL, "the trainer ended before it was killed"
+    killed_at = max(r["step"] for r in read_metrics(out))
+    assert killed_at < 16
+    second_log = tmp_path / "trainer2.log"
+    second = processes.start(_env("trainer"), args, second_log)
+    _finish(second, 300, second_log)
+    rows = read_metrics(out)
+    assert rows[-1]["step"] == 16
+    assert [r["step"] for r in rows] == sorted({r["step"] for r in rows})  # no step twice
+    assert all(r["staleness_max"] <= 2 for r in rows)
+    _wait_for(lambda: gen.poll() is not None, 30, "the generator to be told to stop")
+    text = gen_log.read_text()
+    assert text.count("joined the trainer") == 2, text[-2000:]
+    assert gen.returncode == 0
+
+
+def test_generator_role_without_a_trainer_fails_naming_the_hub(tmp_path):
+    cmd = [sys.executable, "-m", "jaxrl_scale.cli", "train",
+           *_args(tmp_path, _free_port(), "hosts.generator_groups=1", "hosts.timeout=3")]  # fmt: skip
+    done = subprocess.run(cmd, env=_env("generator", JAXRL_GROUP="0"), capture_output=True,
+                          text=True, timeout=120)  # fmt: skip
+    assert done.returncode == 1
+    assert "no answer from the trainer's hub at 127.0.0.1:" in done.stderr
