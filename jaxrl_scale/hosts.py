@@ -69,13 +69,75 @@ def dispatch_key(cfg: ExperimentConfig, number: int) -> int:
     return number if cfg.pipeline.mode == "sync" else 2**20 + number
 
 
+class Dispatch:
+    """Which batch goes to whom: numbers, prompts (drawn from the curriculum as they are
+    handed out, pass rates recorded as batches arrive), the staleness bound and fixed
+    schedules, batches handed out again. Owned by the hub thread."""
+
+    def __init__(self, cfg: ExperimentConfig, curriculum: Curriculum, *, start: int, k: int,
+                 chunks: int):  # fmt: skip
+        self.cfg, self.curriculum, self.start, self.k = cfg, curriculum, start, k
+        self.swap_at = -(-chunks // 2)
+        self.next = 0  # the next batch number to draw
+        self.assigned: dict[int, dict] = {}  # n -> {"indices", "cursor", "gen"}: not arrived
+        self.redraw: list[int] = []  # numbers whose group was lost, to hand out first
+
+    def assign(self, gen_id: int, published: int) -> dict | None:
+        """The next batch for generator `gen_id`, or None while the bound holds it back."""
+        if self.redraw:
+            n = self.redraw.pop(0)
+        else:
+            n = self.next
+            if published < self.start + n - self.k or self.start + n >= self.cfg.train.steps:
+                return None  # ahead of the bound (the ahead side waits), or nothing left
+            if self.cfg.pipeline.lockstep and n - 1 in self.assigned:
+                return None  # a fixed schedule: drawn after the batch before was scored
+            cursor = (self.curriculum.epoch, self.curriculum.position)
+            indices = self.curriculum.next_batch(self.cfg.train.prompts_per_step)
+            self.assigned[n] = {"indices": indices, "cursor": cursor}
+            self.next += 1
+        self.assigned[n]["gen"] = gen_id
+        version = self.start + n
+        if self.cfg.pipeline.mode == "sync":
+            schedule = [version, version]
+        elif self.cfg.pipeline.lockstep:
+            schedule = [max(version - 1, self.start), version]
+        else:
+            schedule = None
+        return {"batch": n, "indices": self.assigned[n]["indices"].tolist(),
+                "oldest": version - self.k, "key": dispatch_key(self.cfg, version),
+                "schedule": schedule, "swap_at": self.swap_at}  # fmt: skip
+
+    def requeue(self, numbers: list[int], gen_id: int) -> list[int]:
+        """Hand `gen_id`'s batches among `numbers` out again; the numbers requeued."""
+        mine = sorted(n for n in numbers if self.assigned.get(n, {}).get("gen") == gen_id)
+        for n in mine:
+            self.assigned[n]["gen"] = None
+            self.redraw = sorted({*self.redraw, n})
+        return mine
+
+    def accept(self, gen_id: int, n: int, pass_rates) -> dict | None:
+        """Batch n arrived from `gen_id`: its pass rates recorded, and the curriculum snapshot
+        a checkpoint after training it keeps; None if it was not that generator's to make."""
+        assignment = self.assigned.get(n)
+        if assignment is None or assignment["gen"] != gen_id:
+            return None
+        del self.assigned[n]
+        self.curriculum.update(assignment["indices"], pass_rates)
+        snapshot = self.curriculum.state_dict()
+        later = [a["cursor"] for m, a in self.assigned.items() if m > n]
+        if later:  # batches drawn after this one are drawn again by a resumed run
+            snapshot["epoch"], snapshot["position"] = map(np.asarray, min(later))
+        return snapshot
+
+
 class Hub:
     """Trainer process 0's control endpoint (see the module docstring)."""
 
     def __init__(self, cfg: ExperimentConfig, curriculum: Curriculum, *, start: int, k: int,
                  chunks: int, weights: list[dict]):  # fmt: skip
-        self.cfg, self.curriculum, self.start, self.k = cfg, curriculum, start, k
-        self.swap_at = -(-chunks // 2)
+        self.cfg = cfg
+        self.dispatch = Dispatch(cfg, curriculum, start=start, k=k, chunks=chunks)
         self.weights = weights
         self.run = secrets.token_hex(8)  # a restarted trainer is a new run to the generators
         self.rows = cfg.train.prompts_per_step * cfg.train.group_size
@@ -86,9 +148,6 @@ class Hub:
         self._failed: BaseException | None = None
         self.lost_rows = self.lost_batches = self.rejected = 0  # hub thread; read when joined
         # Hub thread only:
-        self._next = 0  # next batch number to draw
-        self._assigned: dict[int, dict] = {}  # n -> {"indices", "cursor", "gen", "since"}
-        self._redraw: list[int] = []
         self._gens: dict[int, dict] = {}
         self._joins: dict[str, int] = {}  # join token -> generator id
         self._gen_ids = iter(range(1, 2**31))
@@ -135,7 +194,7 @@ class Hub:
 
     def in_flight(self) -> int:
         with self._cond:
-            return len(self._arrived) + len(self._assigned)
+            return len(self._arrived) + len(self.dispatch.assigned)
 
     def stop(self, grace: float = 3.0) -> None:
         """Tell generators to stop (each is told at its next request), then close."""
@@ -209,7 +268,10 @@ class Hub:
             return {"version": self._published_now()}
         if op == "work":  # a retried request (same seq) gets the same answer
             if msg.get("seq") is None or msg["seq"] != gen["seq"]:
-                gen["seq"], gen["reply"] = msg.get("seq"), self._assign(msg["gen"], gen)
+                reply = self.dispatch.assign(msg["gen"], self._published_now())
+                gen["seq"], gen["reply"] = msg.get("seq"), reply
+                if reply is not None:
+                    gen["batches"].add(reply["batch"])  # until it arrives
             return gen["reply"] or {"wait": 0.05}
         if op == "leave":
             self._lose(msg["gen"], "left")
@@ -224,39 +286,6 @@ class Hub:
         with self._cond:
             self._last_heard = time.monotonic()
 
-    def _assign(self, gen_id: int, gen: dict) -> dict | None:
-        if self._redraw:
-            n = self._redraw.pop(0)
-        else:
-            n = self._next
-            published = self._published_now()
-            if published < self.start + n - self.k or self.start + n >= self.cfg.train.steps:
-                return None  # ahead of the bound (the ahead side waits), or nothing left
-            if self.cfg.pipeline.lockstep and n - 1 in self._assigned:
-                return None  # a fixed schedule: drawn after the batch before was scored
-            cursor = (self.curriculum.epoch, self.curriculum.position)
-            indices = self.curriculum.next_batch(self.cfg.train.prompts_per_step)
-            self._assigned[n] = {"indices": indices, "cursor": cursor}
-            self._next += 1
-        self._assigned[n].update(gen=gen_id, since=time.monotonic())
-        gen["batches"].add(n)  # until it arrives
-        version = self.start + n
-        if self.cfg.pipeline.mode == "sync":
-            schedule = [version, version]
-        elif self.cfg.pipeline.lockstep:
-            schedule = [max(version - 1, self.start), version]
-        else:
-            schedule = None
-        return {"batch": n, "indices": self._assigned[n]["indices"].tolist(),
-                "oldest": version - self.k, "key": dispatch_key(self.cfg, version),
-                "schedule": schedule, "swap_at": self.swap_at}  # fmt: skip
-
-    def _requeue(self, n: int) -> None:
-        if n in self._assigned and n not in self._redraw:
-            self._assigned[n]["gen"] = None
-            self._redraw.append(n)
-            self._redraw.sort()
-
     def _receive(self, frames: list[bytes]) -> None:
         try:
             header = json.loads(frames[0])
@@ -267,8 +296,10 @@ class Hub:
             print(f"hub: a malformed batch was dropped ({e}); {self.rejected} so far",
                   file=sys.stderr, flush=True)  # fmt: skip
             return
-        assignment = self._assigned.get(n)
-        if header.get("run") != self.run or assignment is None or assignment["gen"] != gen_id:
+        snapshot = None
+        if header.get("run") == self.run:
+            snapshot = self.dispatch.accept(gen_id, n, arrays["pass_rates"])
+        if snapshot is None:
             self.rejected += 1  # from a trainer before a restart, or a group counted lost
             print(f"hub: batch {n} from generator {gen_id} was not this run's to make; dropped "
                   f"({self.rejected} so far)", file=sys.stderr, flush=True)  # fmt: skip
@@ -276,12 +307,6 @@ class Hub:
         if gen_id in self._gens:
             self._gens[gen_id]["batches"].discard(n)
             self._gens[gen_id]["seen"] = time.monotonic()
-        del self._assigned[n]
-        self.curriculum.update(assignment["indices"], arrays["pass_rates"])
-        snapshot = self.curriculum.state_dict()
-        later = [a["cursor"] for m, a in self._assigned.items() if m > n]
-        if later:  # batches drawn after this one are drawn again by a resumed run
-            snapshot["epoch"], snapshot["position"] = map(np.asarray, min(later))
         with self._cond:
             self._arrived[n] = (header, arrays, snapshot)
             self._cond.notify_all()
@@ -294,9 +319,7 @@ class Hub:
 
     def _lose(self, gen_id: int, why: str) -> None:
         gen = self._gens.pop(gen_id)
-        mine = sorted(n for n in gen["batches"] if self._assigned.get(n, {}).get("gen") == gen_id)
-        for n in mine:
-            self._requeue(n)
+        mine = self.dispatch.requeue(sorted(gen["batches"]), gen_id)
         self.lost_rows += self.rows * len(mine)
         self.lost_batches += len(mine)
         lost = f"; its batch(es) {mine} ({self.rows * len(mine)} rows) are handed out again"

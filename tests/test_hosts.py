@@ -128,10 +128,12 @@ class Processes:
 
     def __init__(self):
         self.procs: list[subprocess.Popen] = []
+        self.logs = []
 
     def start(self, env, args, log):
         cmd = [sys.executable, "-m", "jaxrl_scale.cli", "train", *args]
-        p = subprocess.Popen(cmd, env=env, stdout=open(log, "w"), stderr=subprocess.STDOUT)
+        self.logs.append(open(log, "w"))  # noqa: SIM115 (closed by kill_all)
+        p = subprocess.Popen(cmd, env=env, stdout=self.logs[-1], stderr=subprocess.STDOUT)
         self.procs.append(p)
         return p
 
@@ -140,6 +142,8 @@ class Processes:
             if p.poll() is None:
                 p.kill()
             p.wait(timeout=30)
+        for f in self.logs:
+            f.close()
 
 
 @pytest.fixture
@@ -163,8 +167,8 @@ def _finish(p, timeout, log):
         p.wait(timeout=timeout)
     except subprocess.TimeoutExpired:
         p.kill()
-        pytest.fail(f"did not finish in {timeout} s:\n{open(log).read()[-3000:]}")
-    assert p.returncode == 0, open(log).read()[-3000:]
+        pytest.fail(f"did not finish in {timeout} s:\n{log.read_text()[-3000:]}")
+    assert p.returncode == 0, log.read_text()[-3000:]
 
 
 def test_two_trainers_two_generator_groups_k4_one_group_killed_and_restarted(tmp_path, processes):
@@ -268,8 +272,8 @@ def test_the_trainer_killed_resumes_and_its_generator_rejoins(tmp_path, processe
 
 
 def test_generator_role_without_a_trainer_fails_naming_the_hub(tmp_path):
-    cmd = [sys.executable, "-m", "jaxrl_scale.cli", "train",
-           *_args(tmp_path, _free_port(), "hosts.generator_groups=1", "hosts.timeout=3")]  # fmt: skip
+    args = _args(tmp_path, _free_port(), "hosts.generator_groups=1", "hosts.timeout=3")
+    cmd = [sys.executable, "-m", "jaxrl_scale.cli", "train", *args]
     done = subprocess.run(cmd, env=_env("generator", JAXRL_GROUP="0"), capture_output=True,
                           text=True, timeout=120)  # fmt: skip
     assert done.returncode == 1
