@@ -315,6 +315,9 @@ def plan(
         # attention, whose memory is linear in T as theirs is, stands in for them.
         cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, attention="blockwise"))
     mesh, gen_mesh = sharding.make_meshes(cfg)
+    if cfg.hosts.generator_groups:  # each group's own mesh, planned on devices like theirs
+        gen_mesh = _group_mesh(cfg)  # (a generator job decodes in static waves)
+        cfg = dataclasses.replace(cfg, sampler=dataclasses.replace(cfg.sampler, batching="static"))
     sharding.check_divisible(cfg, mesh, gen_mesh)
     gmesh = gen_mesh or mesh
     copy = decodes_with_copy(cfg, gen_mesh)
@@ -365,7 +368,10 @@ def plan(
         )
     report["generator"] = _generator_devices(report, trainer_params=not copy)
     names = ["train_step", "generator"]
-    if gen_mesh is None:
+    if cfg.hosts.generator_groups:
+        _plan_hosts(report, cfg, mesh, prompt_len)
+        names = ["trainer_host", "generator"]
+    elif gen_mesh is None:
         # One set of devices: the train state stays while the generator works (pipeline_rl:
         # the train step runs at once too).
         train = report["train_step"]
@@ -391,6 +397,42 @@ def plan(
                 part["advice"] = _advice(name, part, cfg, report)
         report["fits"] = all(report[name]["fits"] for name in names)
     return report
+
+
+def _group_mesh(cfg: ExperimentConfig):
+    """A generator group's mesh (`hosts.generator_mesh`, -1: all devices here), on this
+    machine's devices: the plan of one group's hosts."""
+    m = cfg.hosts.generator_mesh
+    sizes = [m.data, m.fsdp, m.tensor]
+    fixed = int(np.prod([x for x in sizes if x != -1]))
+    n = fixed * (len(jax.devices()) // fixed) if -1 in sizes else fixed
+    if n > len(jax.devices()) or n < 1:
+        raise ValueError(f"hosts.generator_mesh needs {n} devices; {len(jax.devices())} here")
+    return sharding.make_mesh(m, jax.devices()[:n])
+
+
+def _plan_hosts(report: dict[str, Any], cfg: ExperimentConfig, mesh, prompt_len: int) -> None:
+    """Generators are jobs of their own: their devices hold two copies (the one decoding and
+    the version being received) and no evaluation (the trainer evaluates); the trainer's hold
+    the train step, and beside the train state the versions its weight server keeps laid out
+    for the generators (`weights.WeightServer`: 2, each split over all trainer devices), and
+    between steps a held-out evaluation with a copy of its own."""
+    gen = report["generator"]
+    gen["per_device_bytes"] -= gen["evaluation_bytes"]
+    gen["evaluation_bytes"] = 0
+    _, params = _abstract_params(cfg, mesh, generation=True)
+    total = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(params))
+    held = 2 * -(-total // mesh.devices.size)
+    train = report["train_step"]
+    evaluation = evaluate_memory(cfg, mesh, prompt_len, copy=True, own_copy=True)
+    resident = train["parameters_bytes"] + train["optimizer_state_bytes"]
+    report["trainer_host"] = {
+        "train_step_bytes": train["per_device_bytes"],
+        "held_versions_bytes": held,
+        "evaluation_bytes": evaluation["per_device_bytes"],
+        "per_device_bytes": held + max(train["per_device_bytes"],
+                                       resident + evaluation["per_device_bytes"]),
+    }  # fmt: skip
 
 
 def default_mem_fraction() -> float:
@@ -475,6 +517,11 @@ def _advice(name: str, part: dict[str, Any], cfg: ExperimentConfig, report) -> s
         )
     if name == "generator":
         return _generator_advice(part, report, cfg)
+    if name == "trainer_host":
+        return (
+            "the train step and the versions kept for the generators do not fit: more trainer "
+            "devices (mesh.fsdp), train.micro_batches, model.remat"
+        )
     state = part["parameters_bytes"] + part["optimizer_state_bytes"]
     if state >= part["temporaries_bytes"]:
         return (
@@ -596,6 +643,16 @@ def format_plan(report: dict[str, Any]) -> str:
             "another, 1 for a TPU)"
         )
     verdicts = {"train_step": "train step", "generator": "generator's devices"}
+    if "trainer_host" in report:
+        part = report["trainer_host"]
+        lines.append("\nthe trainer's devices hold, per device (generators are jobs of their own):")
+        lines += _table([
+            ("train step", part["train_step_bytes"]),
+            ("versions held for the generators", part["held_versions_bytes"]),
+            ("or, between steps, evaluation", part["evaluation_bytes"]),
+            ("total", part["per_device_bytes"]),
+        ])  # fmt: skip
+        verdicts = {"trainer_host": "trainer's devices", "generator": "a generator group's"}
     if "train_and_generate" in report:
         part = report["train_and_generate"]
         how = "at once" if part["concurrent"] else "with the train state resident"

@@ -278,3 +278,25 @@ def test_generator_role_without_a_trainer_fails_naming_the_hub(tmp_path):
                           text=True, timeout=120)  # fmt: skip
     assert done.returncode == 1
     assert "no answer from the trainer's hub at 127.0.0.1:" in done.stderr
+
+
+def test_memory_plans_the_trainer_and_a_generator_group_apart():
+    """With generator jobs, the plan has the trainer's devices (train step, and the two
+    versions kept for the generators, each split over all trainer devices) and one group's
+    devices (two copies: decoding and receiving; no evaluation: the trainer evaluates)."""
+    from jaxrl_scale.memory import plan
+
+    cfg = load_config(TINY_CONFIG, ["mesh.data=4", "hosts.generator_groups=2",
+                                    "hosts.generator_mesh.data=2"])  # fmt: skip
+    report = plan(cfg, device_memory_gib=1.0, mem_fraction=1.0)
+    model = Policy(cfg.model, rngs=nnx.Rngs(params=0))
+    total = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
+    trainer, gen = report["trainer_host"], report["generator"]
+    assert trainer["held_versions_bytes"] == 2 * -(-total // 4)  # float32 model: same bytes
+    assert (
+        trainer["per_device_bytes"] >= trainer["train_step_bytes"] + trainer["held_versions_bytes"]
+    )
+    assert gen["evaluation_bytes"] == 0
+    assert gen["parameters_bytes"] == 2 * report["generate"]["parameters_bytes"]
+    assert report["generate_mesh"] == {"data": 2, "fsdp": 1, "tensor": 1}
+    assert report["fits"] is True
