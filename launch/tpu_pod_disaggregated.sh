@@ -20,7 +20,8 @@
 # On a slice of several workers, libtpu expects one program over every worker of the slice.
 # A job on only some of them must be given its own TPU topology through libtpu's environment
 # (TPU_PROCESS_BOUNDS, TPU_CHIPS_PER_PROCESS_BOUNDS, TPU_PROCESS_ADDRESSES, ...): pass it with
-# --trainer-env / --generator-env; the values depend on the TPU generation and on where the
+# --trainer-env / --generator-env ({i} in a value becomes the process's index within its
+# role: CLOUD_TPU_TASK_ID={i}); the values depend on the TPU generation and on where the
 # workers sit in the slice. This launcher sets none of them. docs/hosts.md has the details.
 # --dry-run prints the gcloud commands (the workers' IPs as WORKER<n>_IP) and runs nothing.
 set -euo pipefail
@@ -171,7 +172,7 @@ for i in "${!trainer_workers[@]}"; do
     "JAXRL_NUM_PROCESSES=${#trainer_workers[@]}"
     "JAXRL_PROCESS_ID=${i}"
     "JAXRL_HOST=${ips[w]}"
-    "${trainer_env[@]}"
+    "${trainer_env[@]//\{i\}/$i}"
   )
   command=$(printf '%q ' env "${env_vars[@]}" jaxrl-scale train "$@" "${hosts[@]}")
   start gcloud compute tpus tpu-vm ssh "$name" --zone "$zone" --worker="$w" --command "$command"
@@ -183,7 +184,7 @@ for g in "${!generator_workers[@]}"; do
     "JAXRL_ROLE=generator"
     "JAXRL_GROUP=${g}"
     "JAXRL_HOST=${ips[w]}"
-    "${generator_env[@]}"
+    "${generator_env[@]//\{i\}/$g}"
   )
   command=$(printf '%q ' env "${env_vars[@]}" jaxrl-scale train "$@" "${hosts[@]}")
   start gcloud compute tpus tpu-vm ssh "$name" --zone "$zone" --worker="$w" --command "$command"
