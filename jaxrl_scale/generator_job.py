@@ -113,6 +113,8 @@ class Weights:
             while True:
                 if self._gone:
                     raise Rejoin
+                if isinstance(self._failed, TimeoutError):  # the trainer went quiet
+                    raise self._failed
                 if self._failed is not None:
                     raise RuntimeError("pulling weights failed") from self._failed
                 have = version if version in self._held else max(self._held, default=-1)
@@ -211,7 +213,7 @@ def _model(cfg: ExperimentConfig):
 
 def run_generator(cfg: ExperimentConfig, group: int) -> int:
     """Serve the trainer as generator group `group` until it says stop; the exit status."""
-    host = address(cfg)
+    host = address(cfg, trainer=False)
     mesh = sharding.make_mesh(cfg.hosts.generator_mesh, jax.local_devices())
     model_cfg, graphdef, abstract, tokenizer = _model(cfg)
     task = make_task(cfg.task, seed=cfg.seed, tokenizer=tokenizer)

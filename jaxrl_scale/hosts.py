@@ -79,8 +79,9 @@ class Dispatch:
         self.cfg, self.curriculum, self.start, self.k = cfg, curriculum, start, k
         self.swap_at = -(-chunks // 2)
         self.next = 0  # the next batch number to draw
-        self.assigned: dict[int, dict] = {}  # n -> {"indices", "cursor", "gen"}: not arrived
+        self.assigned: dict[int, dict] = {}  # n -> {"indices", "gen"}: not arrived yet
         self.redraw: list[int] = []  # numbers whose group was lost, to hand out first
+        self.cursors: dict[int, tuple[int, int]] = {}  # n -> curriculum cursor before its draw
 
     def assign(self, gen_id: int, published: int) -> dict | None:
         """The next batch for generator `gen_id`, or None while the bound holds it back."""
@@ -94,7 +95,8 @@ class Dispatch:
                 return None  # a fixed schedule: drawn after the batch before was scored
             cursor = (self.curriculum.epoch, self.curriculum.position)
             indices = self.curriculum.next_batch(self.cfg.train.prompts_per_step)
-            self.assigned[n] = {"indices": indices, "cursor": cursor}
+            self.assigned[n] = {"indices": indices}
+            self.cursors[n] = cursor
             self.next += 1
         self.assigned[n]["gen"] = gen_id
         version = self.start + n
@@ -125,7 +127,7 @@ class Dispatch:
         del self.assigned[n]
         self.curriculum.update(assignment["indices"], pass_rates)
         snapshot = self.curriculum.state_dict()
-        later = [a["cursor"] for m, a in self.assigned.items() if m > n]
+        later = [cursor for m, cursor in self.cursors.items() if m > n]  # arrived or not
         if later:  # batches drawn after this one are drawn again by a resumed run
             snapshot["epoch"], snapshot["position"] = map(np.asarray, min(later))
         return snapshot
@@ -345,7 +347,7 @@ class RemoteFeeder:
         self.pending: list[Any] = []  # in flight on other hosts: drawn again on resume
         self.dropped: list[Any] = []
         host = address(cfg)
-        gen_devices = _gen_devices(cfg)
+        gen_devices = generator_devices(cfg)
         self.weights = WeightServer(worker.mesh, cfg.model, gen_devices, host=host,
                                     timeout=cfg.hosts.timeout)  # fmt: skip
         self.weights.publish(version, params)  # what generators start from
@@ -406,9 +408,9 @@ class RemoteFeeder:
         return 0 if self.hub is None else self.hub.in_flight()
 
 
-def address(cfg: ExperimentConfig) -> str:
-    """Where other hosts reach this process: `hosts.address`, JAXRL_HOST, the hub's host on
-    the trainer's process 0, else this host's name."""
+def address(cfg: ExperimentConfig, *, trainer: bool = True) -> str:
+    """Where other hosts reach this process: `hosts.address`, JAXRL_HOST, loopback for a hub
+    on loopback, the hub's host on the trainer's process 0, else this host's name."""
     import os
     import socket
 
@@ -417,10 +419,10 @@ def address(cfg: ExperimentConfig) -> str:
     hub_host = cfg.hosts.hub.rsplit(":", 1)[0]
     if hub_host in ("127.0.0.1", "localhost"):
         return "127.0.0.1"
-    return hub_host if distributed.is_main() else socket.gethostname()
+    return hub_host if trainer and distributed.is_main() else socket.gethostname()
 
 
-def _gen_devices(cfg: ExperimentConfig) -> int:
+def generator_devices(cfg: ExperimentConfig) -> int:
     """Devices in each generator group's mesh (`hosts.generator_mesh`); an axis of -1 counts
     as many devices as a trainer host has (the trainer cannot see the groups' devices)."""
     m = cfg.hosts.generator_mesh
@@ -434,7 +436,10 @@ def _allgather_json(value: dict) -> list[dict]:
     """Every trainer process's `value`, in process order."""
     if jax.process_count() == 1:
         return [value]
-    raw = json.dumps(value).encode().ljust(512)
+    raw = json.dumps(value).encode()
+    if len(raw) > 4096:
+        raise ValueError(f"a trainer process's addresses take {len(raw)} bytes (at most 4096)")
+    raw = raw.ljust(4096)
     got = multihost_utils.process_allgather(np.frombuffer(raw, np.uint8))
     return [json.loads(bytes(row).decode().strip()) for row in np.asarray(got)]
 

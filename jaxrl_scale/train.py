@@ -144,6 +144,10 @@ def setup(cfg: ExperimentConfig, out: str | Path, *, resume: bool = True) -> Run
         pending=[],
     )
     devices = mesh.devices.size + (gen_mesh.devices.size if gen_mesh is not None else 0)
+    if cfg.hosts.generator_groups:  # the generator jobs' devices count on the x-axis too
+        from jaxrl_scale.hosts import generator_devices
+
+        devices += cfg.hosts.generator_groups * generator_devices(cfg)
     return Run(
         cfg,
         out,

@@ -78,6 +78,7 @@ class WeightServer:
 
         self._layout = jax.jit(layout, out_shardings=target)
         self._held: dict[int, list[jax.Array]] = {}
+        self._sizes: list[int] = []  # each leaf's element count (set by the first publish)
         self._cond = threading.Condition()
         self._ids = itertools.count(secrets.randbits(40) << 16)
         self.transfer = start_server(host)
@@ -97,6 +98,7 @@ class WeightServer:
         """Lay out `params` (the trainer's, about to be donated: the layout is a new buffer)
         as version `version`; drop versions beyond the newest `keep`."""
         rows = self._layout(params)
+        self._sizes = [int(x.size) for x in jax.tree.leaves(params)]
         with self._cond:
             self._held[version] = rows
             for old in sorted(self._held)[: -self.keep]:
@@ -147,6 +149,7 @@ class WeightServer:
             "version": version,
             "rows": self.rows,
             "chunks": [int(x.shape[1]) for x in rows],
+            "sizes": self._sizes,
             "dtypes": [str(x.dtype) for x in rows],
             "blocks": blocks,
             "transfer": self.address["transfer"],
@@ -235,11 +238,13 @@ class WeightClient:
         return jax.tree.unflatten(self.treedef, self._unlayout(leaves))
 
     def _check(self, offer: dict) -> None:
-        if offer["dtypes"] != self.dtypes or len(offer["chunks"]) != len(self.shapes):
+        sizes = [math.prod(s) for s in self.shapes]
+        if offer["dtypes"] != self.dtypes or offer["sizes"] != sizes:
             raise ValueError(
-                f"the trainer offers {len(offer['chunks'])} leaves in "
+                f"the trainer offers {len(offer['chunks'])} leaves of {sum(offer['sizes'])} "
+                f"elements in "
                 f"{sorted(set(offer['dtypes']))}; this generator's model has "
-                f"{len(self.shapes)} in {sorted(set(self.dtypes))}: "
+                f"{len(self.shapes)} of {sum(sizes)} in {sorted(set(self.dtypes))}: "
                 "trainer and generators must run the same config"
             )
 

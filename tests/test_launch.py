@@ -122,3 +122,22 @@ def test_missing_train_arguments_is_an_error(script):
         ["bash", str(LAUNCH / script), "--dry-run"], capture_output=True, text=True
     )
     assert result.returncode == 2 and "train" in result.stderr
+
+
+def test_local_disaggregated_dry_run():
+    lines = _dry("local_disaggregated.sh", "--dry-run", "--port", "29700", "2", "3", "--",
+                 "--config", "c.yaml", "--out", "runs/d")  # fmt: skip
+    trainers = [w for w in lines if "JAXRL_ROLE=trainer" in w]
+    generators = [w for w in lines if "JAXRL_ROLE=generator" in w]
+    assert len(trainers) == 2 and len(generators) == 3
+    for i, words in enumerate(trainers):
+        assert f"JAXRL_PROCESS_ID={i}" in words and "JAXRL_COORDINATOR=127.0.0.1:29700" in words
+    for g, words in enumerate(generators):
+        assert f"JAXRL_GROUP={g}" in words and not any("COORDINATOR" in w for w in words)
+    for words in lines:
+        tail = words[words.index("jaxrl-scale") :]
+        assert tail[:6] == ["jaxrl-scale", "train", "--config", "c.yaml", "--out", "runs/d"]
+        assert "hosts.generator_groups=3" in tail and "hosts.hub=127.0.0.1:29701" in tail
+    bad = subprocess.run(["bash", str(LAUNCH / "local_disaggregated.sh"), "--dry-run", "0", "1",
+                          "--", "--out", "x"], capture_output=True, text=True)  # fmt: skip
+    assert bad.returncode == 2 and "positive integers" in bad.stderr
