@@ -30,7 +30,9 @@ from __future__ import annotations
 
 import io
 import json
+import os
 import secrets
+import socket
 import sys
 import threading
 import time
@@ -146,7 +148,7 @@ class Hub:
         self._cond = threading.Condition()
         self._published = start  # guarded by _cond (written by the trainer thread)
         self._arrived: dict[int, tuple[dict, dict, dict]] = {}  # n -> (header, arrays, curric.)
-        self._stopping = False
+        self._stopping: float | None = None  # when stopping: the time the hub thread ends by
         self._failed: BaseException | None = None
         self.lost_rows = self.lost_batches = self.rejected = 0  # hub thread; read when joined
         # Hub thread only:
@@ -154,7 +156,7 @@ class Hub:
         self._joins: dict[str, int] = {}  # join token -> generator id
         self._gen_ids = iter(range(1, 2**31))
         self._last_heard = time.monotonic()
-        self.stopped_told: set[int] = set()
+        self.stopped_told: set[int] = set()  # generators told to stop
         context = zmq.Context.instance()
         host, port = cfg.hosts.hub.rsplit(":", 1)
         self._control = context.socket(zmq.ROUTER)
@@ -201,11 +203,8 @@ class Hub:
     def stop(self, grace: float = 3.0) -> None:
         """Tell generators to stop (each is told at its next request), then close."""
         with self._cond:
-            self._stopping = True
-        deadline = time.monotonic() + grace
-        while time.monotonic() < deadline and set(self._gens) - self.stopped_told:
-            time.sleep(0.05)
-        self._thread.join(timeout=grace + 1)
+            self._stopping = time.monotonic() + grace  # the hub thread ends by then
+        self._thread.join(timeout=grace + 5)
 
     # ------------------------------------------------------------------ hub thread
 
@@ -216,8 +215,9 @@ class Hub:
         try:
             while True:
                 with self._cond:
-                    if self._stopping and not (set(self._gens) - self.stopped_told):
-                        return
+                    ends = self._stopping
+                if ends and (time.monotonic() > ends or not set(self._gens) - self.stopped_told):
+                    return
                 events = dict(poller.poll(50))
                 if self._control in events:
                     *envelope, raw = self._control.recv_multipart()  # peer, request id, b""
@@ -411,9 +411,6 @@ class RemoteFeeder:
 def address(cfg: ExperimentConfig, *, trainer: bool = True) -> str:
     """Where other hosts reach this process: `hosts.address`, JAXRL_HOST, loopback for a hub
     on loopback, the hub's host on the trainer's process 0, else this host's name."""
-    import os
-    import socket
-
     if cfg.hosts.address or os.environ.get("JAXRL_HOST"):
         return cfg.hosts.address or os.environ["JAXRL_HOST"]
     hub_host = cfg.hosts.hub.rsplit(":", 1)[0]
