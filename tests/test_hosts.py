@@ -300,3 +300,14 @@ def test_memory_plans_the_trainer_and_a_generator_group_apart():
     assert gen["parameters_bytes"] == 2 * report["generate"]["parameters_bytes"]
     assert report["generate_mesh"] == {"data": 2, "fsdp": 1, "tensor": 1}
     assert report["fits"] is True
+
+
+def test_model_sampler_and_engine_do_not_load_the_transport():
+    code = ("import sys, jaxrl_scale.model, jaxrl_scale.sampler, jaxrl_scale.engine, "
+            "jaxrl_scale.generation, jaxrl_scale.train; "
+            "print(sorted(m for m in ('zmq', 'jaxrl_scale.hosts', 'jaxrl_scale.weights', "
+            "'jax.experimental.transfer') if m in sys.modules))")  # fmt: skip
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          env=_env("trainer"), timeout=120)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip() == "[]"
