@@ -151,10 +151,6 @@ class RolloutWorker:
         """The slot engine (continuous batching, once the first batch was drawn) or None."""
         return None if self.continuous is None else self.continuous.engine
 
-    def _texts(self, ro: Rollout) -> list[str]:
-        tokens, lengths = distributed.to_host(ro.completion_tokens), distributed.to_host(ro.lengths)
-        return [self.tok.decode(t[:n]) for t, n in zip(tokens, lengths, strict=True)]
-
     def _encode(self, examples) -> list[list[int]]:
         return [self.tok.encode(e["prompt"]) for e in examples]
 
@@ -247,7 +243,7 @@ class RolloutWorker:
             n_new=self.cfg.sampler.max_new_tokens,
             repeat=k,
         )
-        texts = self._texts(ro)
+        texts = completion_texts(self.tok, ro)
         scores = [self.task.score(t, examples[i // k]) for i, t in enumerate(texts)]
         scores = np.asarray(scores, float).reshape(len(examples), k)
         return float(scores.mean()), sampling_sd(scores)
@@ -265,6 +261,12 @@ class Scored:
     stats: dict[str, float]
 
 
+def completion_texts(tok, ro: Rollout) -> list[str]:
+    """Each row's completion, decoded (on the host, from wherever `ro` lives)."""
+    tokens, lengths = distributed.to_host(ro.completion_tokens), distributed.to_host(ro.lengths)
+    return [tok.decode(t[:n]) for t, n in zip(tokens, lengths, strict=True)]
+
+
 def score_rollout(cfg: ExperimentConfig, task, ro: Rollout, examples, *, reference: bool) -> Scored:
     """Decode and score `ro`'s completions of `examples` (G consecutive rows each, then any
     rows that only filled up the last wave), with the statistics of its rows: lengths, the
@@ -274,8 +276,8 @@ def score_rollout(cfg: ExperimentConfig, task, ro: Rollout, examples, *, referen
     if ro.lengths.shape[0] > rows:  # rows decoded only to fill the last wave up
         fill = jax.tree.map(lambda x: x[rows:], ro)
         ro = jax.tree.map(lambda x: x[:rows], ro)
-    tokens, lengths = distributed.to_host(ro.completion_tokens), distributed.to_host(ro.lengths)
-    texts = [tok.decode(t[:n]) for t, n in zip(tokens, lengths, strict=True)]
+    texts = completion_texts(tok, ro)
+    lengths = distributed.to_host(ro.lengths)
     rewards = np.array([task.score(t, examples[i // g]) for i, t in enumerate(texts)])
     finish, versions, prompt_mask = (
         distributed.to_host(x) for x in (ro.finish_reason, ro.versions, ro.prompt_mask)
