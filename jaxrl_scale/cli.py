@@ -120,9 +120,29 @@ def _parser() -> argparse.ArgumentParser:
     fit.add_argument("--bootstrap", type=int, default=2000, metavar="N", help="resamples")
     fit.add_argument("--a-max", type=float, default=1.0, help="upper bound on A and rewards")
     fit.add_argument("--margin", type=float, default=0.02, help="A difference below which runs tie")
+    fit.add_argument(
+        "--eval-size",
+        type=_positive_int,
+        default=None,
+        metavar="N",
+        help="problems in the eval set: its binomial sampling noise sharpens the intervals "
+        "(a file's eval_sampling_sd column, which runs of this trainer log, is used by itself)",
+    )
     fit.add_argument("--plot", type=Path, default=None, metavar="PNG")
     fit.add_argument("--json", action="store_true", help="print the report as JSON")
     return parser
+
+
+def _positive_int(text: str) -> int:
+    import argparse
+
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
 
 
 def _fit(args) -> None:
@@ -146,6 +166,7 @@ def _fit(args) -> None:
             a_max=args.a_max,
             margin=args.margin,
             plot=args.plot,
+            eval_size=args.eval_size,
         )
     for w in caught:
         if issubclass(w.category, UserWarning) and "JAXopt" not in str(w.message):

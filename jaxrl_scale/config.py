@@ -512,6 +512,9 @@ class ForecastConfig:
     # Stop the run once the upper bound of the gain still to come (ceiling A minus the fitted
     # pass rate now) is below this; 0 = never stop early.
     stop_when_gain_below: float = 0.0
+    # Stop (with a checkpoint) once the evals have fallen after a peak by more than their noise
+    # allows (fit.decline).
+    stop_when_declining: bool = False
 
     def __post_init__(self):
         _require(self.every >= 0, "forecast.every", "must be >= 0")

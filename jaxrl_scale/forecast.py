@@ -6,10 +6,15 @@ fields = forecaster.observe(step=25, compute=3e12, rate=0.40)  # a dict for the 
                                                                # or None when not due
 Every `forecast.every` evaluations (once there are `forecast.min_points` after step 0) the
 sigmoid is refitted with R0 held at the step-0 eval and bootstrap intervals, and the row gets
-the predicted ceiling A [lo, hi], B, C_mid and the pass rate predicted at the compute budget
-(default: the run's projected end). Until the data pass the curve's inflection the fit cannot
-pin A down (many ceilings fit a curve that is still concave), so the row says
-`forecast_status: "not identifiable yet"` and carries no numbers.
+the predicted ceiling A [lo, hi], B, C_mid and the pass rate an eval at the compute budget
+(default: the run's projected end) would measure, its interval including the eval's noise.
+`forecast_identified` says which parameters the data pin down ("A" when the run rose before
+its first evals, "A, B, C_mid" when they show the rise too). Until the data show the curve
+bending over, A is not pinned down (many ceilings fit a curve that is still concave), so the
+row says `forecast_status: "not identifiable yet"`, carries no numbers and gives the reason
+(`forecast_reason`, which also says when a status seen before was lost). A run whose evals
+fell after a peak by more than their noise allows is `forecast_status: "declining"`
+(`forecast.stop_when_declining` stops it).
 
 Each fit pads the curve to a bucket of 8, 16, 32, ... points (weight-0 padding), so a run
 compiles the bootstrap a handful of times, not once per evaluation.
@@ -24,20 +29,26 @@ import warnings
 import numpy as np
 
 from jaxrl_scale.config import ForecastConfig
-from jaxrl_scale.fit import Curve, CurveDataError, bootstrap_sigmoid
+from jaxrl_scale.fit import Curve, CurveDataError, bootstrap_sigmoid, clean_curve
 from jaxrl_scale.fit.curves import sigmoid
+from jaxrl_scale.fit.decline import Decline, detect_decline
 from jaxrl_scale.fit.extrapolation import early_cut
+from jaxrl_scale.fit.report import identified_label
 
 NOT_IDENTIFIABLE = "not identifiable yet"
+DECLINING = "declining"
 
 
 @dataclasses.dataclass(frozen=True)
 class Forecast:
     """One refit of the eval curve. Numbers are None unless `status == "ok"`."""
 
-    status: str  # "ok" | "not identifiable yet" | "too few points" | "fit failed: ..."
+    status: str  # "ok" | "declining" | "not identifiable yet" | "too few points" | "fit failed"
     points: int  # evaluations fitted (after step 0)
     budget: float  # compute the pass rate is predicted at
+    reason: str | None = None  # why A is not identified (or the decline), when not "ok"
+    identified: str = "none"  # which parameters the data pin down: "A, B, C_mid" / "A" / "none"
+    decline: Decline | None = None
     a: float | None = None
     a_ci: tuple[float, float] | None = None
     b: float | None = None
@@ -58,7 +69,16 @@ class Forecast:
             "forecast_points": self.points,
             "forecast_budget": self.budget,
             "forecast_left_out": self.left_out,
+            "forecast_identified": self.identified,
         }
+        if self.reason is not None:
+            out["forecast_reason"] = self.reason
+        if self.decline is not None:
+            out.update(
+                forecast_decline_peak_x=self.decline.peak_x,
+                forecast_decline_drop=self.decline.drop,
+                forecast_decline_p=self.decline.p_value,
+            )
         if self.ok:
             out.update(
                 forecast_a=self.a,
@@ -75,9 +95,11 @@ class Forecast:
 
     def describe(self) -> str:
         if not self.ok:
-            return f"forecast: {self.status} ({self.points} evals)"
+            why = f": {self.reason}" if self.reason else ""
+            return f"forecast: {self.status} ({self.points} evals){why}"
         return (
-            f"forecast: A {self.a:.3f} [{self.a_ci[0]:.3f}, {self.a_ci[1]:.3f}]  "
+            f"forecast: A {self.a:.3f} [{self.a_ci[0]:.3f}, {self.a_ci[1]:.3f}] "
+            f"(identified: {self.identified})  "
             f"at budget {self.at_budget:.3f} [{self.at_budget_ci[0]:.3f}, "
             f"{self.at_budget_ci[1]:.3f}]  gain left <= {self.gain_left_hi:.3f}"
         )
@@ -95,13 +117,18 @@ def fit_forecast(
     seed: int = 0,
     min_points: int = 4,
     c_min_fraction: float = 0.0,
+    eval_sd=None,
+    r0_sd: float | None = None,
 ) -> Forecast:
-    """Fit eval points (compute > 0) with R0 held at `r0`; predict the pass rate at `budget`.
-    Points below `c_min_fraction` of the latest compute are left out (fit.early_cut)."""
+    """Fit eval points (compute > 0) with R0 held at `r0`; predict the pass rate an eval at
+    `budget` would measure. Points below `c_min_fraction` of the latest compute are left out
+    (fit.early_cut). `eval_sd` [P] / `r0_sd`: each eval's known sampling sd (the run's
+    `eval_sampling_sd`), which sharpens the intervals."""
     compute, rate = np.asarray(compute, float), np.asarray(rate, float)
     late = compute >= early_cut(compute, c_min_fraction, min_points)
     left_out = int((~late).sum())
     compute, rate = compute[late], rate[late]
+    sd = None if eval_sd is None else np.asarray(eval_sd, float)[late]
     points = int(compute.size)
     if points < min_points:
         return Forecast("too few points", points, budget, left_out=left_out)
@@ -110,13 +137,27 @@ def fit_forecast(
         with warnings.catch_warnings():  # repairs (sorting, averaging) are fine here
             warnings.simplefilter("ignore")
             boot = bootstrap_sigmoid(
-                compute, rate, n=n_boot, seed=seed, r0=r0, level=level, method=method, pad_to=width
-            )
+                compute, rate, n=n_boot, seed=seed, r0=r0, level=level, method=method,
+                pad_to=width, eval_sd=sd, r0_sd=r0_sd,
+            )  # fmt: skip
+            decline = detect_decline(clean_curve(compute, rate, sd=sd), r0=r0, seed=seed)
     except CurveDataError as e:
         return Forecast(f"fit failed: {e}", points, budget, left_out=left_out)
+    identified = identified_label(boot.identified)
+    if decline is not None:
+        return Forecast(
+            DECLINING, points, budget, decline.message("the run"), identified, decline,
+            left_out=left_out,
+        )  # fmt: skip
     if not boot.identifiable:
-        return Forecast(NOT_IDENTIFIABLE, points, budget, left_out=left_out)
-    lo, mid, hi = (float(np.asarray(v)) for v in boot.predict_ci(budget))
+        return Forecast(
+            NOT_IDENTIFIABLE, points, budget, boot.why_not["a"], identified, left_out=left_out
+        )
+    # An interval for what an eval at the budget would measure: the curve's uncertainty
+    # plus the eval's own noise (the final eval it is checked against carries that noise).
+    lo, mid, hi = (
+        float(np.asarray(v)) for v in boot.predict_ci(budget, observation_noise=True, seed=seed)
+    )
     s = boot.samples  # every resample (fixed shape: no recompile per converged count)
     now = float(compute.max())
     gain_left = np.asarray(s["a"] - sigmoid(now, s["a"], s["b"], s["c_mid"], s["r0"]))
@@ -126,6 +167,7 @@ def fit_forecast(
         "ok",
         points,
         budget,
+        identified=identified,
         a=float(fit.a),
         a_ci=boot.ci["a"],
         b=float(fit.b),
@@ -145,7 +187,10 @@ class OnlineForecast:
         self.r0: float | None = None
         self.compute: list[float] = []
         self.rate: list[float] = []
+        self.sd: list[float | None] = []  # each eval's sampling sd, when logged
+        self.r0_sd: float | None = None
         self.last: Forecast | None = None
+        self.first_ok: int | None = None  # evals fitted when the forecast was first "ok"
 
     def budget(self, step: int) -> float:
         """`forecast.budget`, or the compute the run will have spent at its last step if it
@@ -158,24 +203,30 @@ class OnlineForecast:
         """Take a run's eval curve so far (fit.data.curve_from_rows of its metrics, unclean)
         without refitting (on resume)."""
         self.r0 = curve.r0 if curve.r0 is not None else self.r0
+        self.r0_sd = curve.r0_sd if curve.r0 is not None else self.r0_sd
         self.compute += [float(c) for c in curve.compute]
         self.rate += [float(r) for r in curve.reward]
+        sds = [None] * curve.compute.size if curve.sd is None else curve.sd.tolist()
+        self.sd += sds
 
-    def observe(self, step: int, compute: float, rate: float) -> dict | None:
-        """Record one evaluation; returns forecast fields for its metrics row when a refit is
-        due, else None. An evaluation at zero compute (before any RL) is R0, as in
-        fit.data.curve_from_rows."""
+    def observe(self, step: int, compute: float, rate: float, sd: float | None = None):
+        """Record one evaluation (and its sampling sd, when known); returns forecast fields for
+        its metrics row when a refit is due, else None. An evaluation at zero compute (before
+        any RL) is R0, as in fit.data.curve_from_rows."""
         if not math.isfinite(rate):
             raise ValueError(f"eval pass rate at step {step} is {rate}")
+        sd = None if sd is None or not math.isfinite(sd) else float(sd)
         if compute <= 0:
-            self.r0 = rate
+            self.r0, self.r0_sd = rate, sd
             return None
         self.compute.append(float(compute))
         self.rate.append(float(rate))
+        self.sd.append(sd)
         n = len(self.compute)
         if not self.cfg.every or n % self.cfg.every or self.r0 is None:
             return None
-        self.last = fit_forecast(
+        known = all(v is not None for v in self.sd)
+        forecast = fit_forecast(
             self.compute,
             self.rate,
             self.r0,
@@ -186,12 +237,27 @@ class OnlineForecast:
             seed=self.seed + n,
             min_points=self.cfg.min_points,
             c_min_fraction=self.cfg.c_min_fraction,
+            eval_sd=self.sd if known else None,
+            r0_sd=self.r0_sd if known else None,
         )
-        return self.last.row()
+        if forecast.ok and self.first_ok is None:
+            self.first_ok = n
+        elif not forecast.ok and self.first_ok is not None and forecast.reason:
+            # A status that goes back says why, so a reader does not think the run regressed.
+            forecast = dataclasses.replace(
+                forecast,
+                reason=f"A was identified from {self.first_ok} evals on; with {n} it is not: "
+                f"{forecast.reason}",
+            )
+        self.last = forecast
+        return forecast.row()
 
     def should_stop(self) -> str | None:
-        """Why the run should stop now (`forecast.stop_when_gain_below`), or None."""
+        """Why the run should stop now (`forecast.stop_when_gain_below`,
+        `forecast.stop_when_declining`), or None."""
         threshold, last = self.cfg.stop_when_gain_below, self.last
+        if self.cfg.stop_when_declining and last is not None and last.status == DECLINING:
+            return f"forecast: {last.reason}; stopping (forecast.stop_when_declining)"
         if not threshold or last is None or not last.ok or last.gain_left_hi >= threshold:
             return None
         return (

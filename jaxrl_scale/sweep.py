@@ -28,7 +28,13 @@ import numpy as np
 from jaxrl_scale.config import load_config
 from jaxrl_scale.fit import Curve, bootstrap_sigmoid, shared_ceiling
 from jaxrl_scale.fit.recipe import compare_ceilings, recipe_ceiling
-from jaxrl_scale.fit.report import describe_shared, fit_run, run_curve, shared_entry
+from jaxrl_scale.fit.report import (
+    describe_shared,
+    fit_run,
+    identified_label,
+    run_curve,
+    shared_entry,
+)
 from jaxrl_scale.metrics import read_metrics
 
 N_BOOT = 1000
@@ -117,10 +123,12 @@ def compare(out: Path, names, runs, *, margin: float, n_boot: int, x: str) -> di
         boot = bootstrap_sigmoid(curve.compute, curve.reward, n=n_boot, r0=curve.r0)
         curves[name] = curve
         entries.append((curve, boot, None))
+        declining = [r["seed"] for r in mine if r.get("declining")]
         configs.append(
             {
                 "config": name,
                 "seeds": len(mine),
+                "declining_seeds": declining,
                 "final_pass_rate": float(curve.reward[-1]),
                 "recipe_a": recipe.a,
                 "recipe_a_ci": list(recipe.ci),
@@ -128,7 +136,10 @@ def compare(out: Path, names, runs, *, margin: float, n_boot: int, x: str) -> di
                 **boot.to_dict(),  # the fit of the seed-averaged curve
             }
         )
-    ranking = sorted(names, key=lambda n: -recipes[n].a)
+    # A config with a declining seed is named, not ranked: its runs' ceilings describe a rise
+    # the runs did not keep.
+    falling = [c["config"] for c in configs if c["declining_seeds"]]
+    ranking = sorted((n for n in names if n not in falling), key=lambda n: -recipes[n].a)
     ceilings, shared = [], []
     for i, first in enumerate(ranking):
         for second in ranking[i + 1 :]:
@@ -157,6 +168,7 @@ def compare(out: Path, names, runs, *, margin: float, n_boot: int, x: str) -> di
         "runs": runs,
         "configs": configs,
         "ranking": ranking,
+        "declining": falling,
         "ceilings": ceilings,
         "shared_ceiling": shared,
         "predictive_validity": validity,
@@ -177,14 +189,21 @@ def format_study(study: dict[str, Any]) -> str:
     for c in study["configs"]:
         lo, hi = c["a_ci"]
         r_lo, r_hi = c["recipe_a_ci"]
-        flag = "" if c["identifiable"] else " (not identified)"
+        flag = f" (identified: {identified_label(c['identified'])})" if "identified" in c else ""
+        if c.get("declining_seeds"):
+            flag += f" declining seeds {c['declining_seeds']}"
         lines.append(
             f"| {c['config']} | {c['seeds']} | {c['r0']:.3f} | {c['final_pass_rate']:.3f} | "
             f"{c['recipe_a']:.3f} [{r_lo:.3f}, {r_hi:.3f}] | {c['between_seed_sd']:.3f} | "
             f"{c['a']:.3f} [{lo:.3f}, {hi:.3f}]{flag} | {c['b']:.2f} | {c['c_mid']:.3g} |"
         )
     lines.append("")
-    lines.append("ranking by the recipe's A: " + " > ".join(study["ranking"]))
+    lines.append("ranking by the recipe's A: " + (" > ".join(study["ranking"]) or "(none)"))
+    if study.get("declining"):
+        lines.append(
+            "declining, not ranked (a seed's evals fell after a peak beyond their noise): "
+            + ", ".join(study["declining"])
+        )
     for d in study["ceilings"]:
         first, second = d["configs"]
         lo, hi = d["diff_ci"]
@@ -199,9 +218,9 @@ def format_study(study: dict[str, Any]) -> str:
         lines.append(describe_shared(s, study["margin"]))
     lines += [
         "",
-        "| run | A [95% interval] | half-run forecast of the final eval | actual | error | "
-        "covered |",
-        "|---|---|---|---|---|---|",
+        "| run | A [95% interval] | identified | half-run forecast of the final eval | actual | "
+        "error | covered |",
+        "|---|---|---|---|---|---|---|",
     ]
     for r in study["runs"]:
         h = r["half_run"]
@@ -215,9 +234,13 @@ def format_study(study: dict[str, Any]) -> str:
             )
         else:
             forecast, tail = "n/a", "| | "
+        identified = identified_label(r["identified"]) if "identified" in r else "n/a"
+        if r.get("declining"):
+            d = r["declining"]
+            identified += f"; declining: peak at x = {d['peak_x']:.3g}, drop {d['drop']:.3f}"
         lines.append(
             f"| {r['config']} seed {r['seed']} | {r['a']:.3f} [{lo:.3f}, {hi:.3f}] | "
-            f"{forecast} | {tail} |"
+            f"{identified} | {forecast} | {tail} |"
         )
     v = study["predictive_validity"]
     if v["forecasts"]:

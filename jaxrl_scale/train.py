@@ -187,7 +187,7 @@ def train_run(run: Run) -> list[dict[str, Any]]:
             )
             train_state = run.new_train_state(params)  # a KL reference is this policy
         rate, sd = worker.evaluate_with_sd(train_state.params, jax.random.fold_in(key, 10**9))
-        forecaster.observe(0, 0.0, rate)
+        forecaster.observe(0, 0.0, rate, sd)
         rows.append({**dict.fromkeys(("step", "policy_version", "staleness_max"), 0),
                      "compute_flops": 0.0, "device_seconds": 0.0, "tokens": 0,
                      "eval_pass_rate": rate, "eval_sampling_sd": sd})  # fmt: skip
@@ -201,7 +201,8 @@ def train_run(run: Run) -> list[dict[str, Any]]:
     def finish(record: _Step, ended: float, evaluation: tuple | None = None) -> dict[str, Any]:
         row = _row(record, ended, totals, clock, cfg, evaluation)
         if evaluation is not None and distributed.is_main():
-            row.update(forecaster.observe(record.step, row[cfg.forecast.x], evaluation[0]) or {})
+            x, (rate, sd) = row[cfg.forecast.x], evaluation
+            row.update(forecaster.observe(record.step, x, rate, sd) or {})
         metrics_log.write(row)
         rows.append(row)
         if distributed.is_main():

@@ -149,7 +149,7 @@ def test_gradients_match_finite_differences_float64():
         grad_a = np.asarray(influence(c, y))
         grad_pred = np.asarray(influence(c, y, target=100_000.0))
         assert grad_a.dtype == np.float64
-        eps = 1e-6
+        eps = 1e-4  # far above the optimum's precision (about 1e-9 in A), small for curvature
         for i in (0, 7, 15, 29):
             up, down = y.copy(), y.copy()
             up[i] += eps

@@ -20,7 +20,7 @@ import numpy as np
 
 from jaxrl_scale.fit.curves import sigmoid
 from jaxrl_scale.fit.data import clean_curve
-from jaxrl_scale.fit.sigmoid_fit import FitResult, FitSpec, fit_batch, pad_curves
+from jaxrl_scale.fit.sigmoid_fit import B_MIN, FitResult, FitSpec, fit_batch, pad_curves
 
 PARAMS = ("a", "b", "c_mid", "r0")
 Method = Literal["auto", "pairs", "residual", "block"]
@@ -109,6 +109,81 @@ def noise_model(residuals, jacobian, grid=RHO_GRID, *, prior: str = "jeffreys") 
 
 
 @dataclasses.dataclass(frozen=True)
+class DriftModel:
+    """Evaluation noise with a known sampling part: e = sampling + drift, where the sampling
+    noise is independent with known variances `sampling_var` [P] (binomial from the eval set's
+    size, or the run's logged `eval_sampling_sd`) and the drift of the policy between
+    checkpoints is AR(1) with coefficient rho and sd tau, both unknown.
+
+    `weight` is the posterior over the (rho, tau) grid (flattened, [G]). Built by
+    `drift_model`."""
+
+    rho: np.ndarray  # [G]
+    tau: np.ndarray  # [G]
+    weight: np.ndarray  # [G]
+    sampling_var: np.ndarray  # [P]
+
+    @property
+    def mean_rho(self) -> float:
+        return float(np.sum(self.weight * self.rho))
+
+    @property
+    def sd(self) -> float:
+        """Posterior-mean marginal sd of one eval's noise (sampling and drift)."""
+        return float(np.sqrt(np.mean(self.sampling_var) + np.sum(self.weight * self.tau**2)))
+
+
+DRIFT_RHO_GRID = np.linspace(-0.6, 0.97, 32)
+DRIFT_TAU_GRID = np.concatenate([[0.0], np.geomspace(0.05, 8.0, 24)])  # x the sampling sd
+
+
+def drift_model(residuals, jacobian, sampling_var) -> DriftModel:
+    """The posterior of the drift (rho, tau) given a fit's residuals [P] (in run order), its
+    Jacobian [P, K] and the known sampling variances [P].
+
+    Restricted (REML) likelihood of the linearised model, as in `noise_model`, with the
+    covariance diag(sampling_var) + tau^2 R(rho). Priors: the AR(1) reference prior
+    (1 - rho^2)^-1/2 on rho and a half-Cauchy on tau whose scale is the sampling sd (a priori
+    the drift is as likely under that size as over it). Knowing the sampling part is what
+    lets a short run rule out a large drift: its residuals cannot be much smaller than the
+    sampling noise, and a drift that would make them much larger is not seen.
+    """
+    e = np.asarray(residuals, np.float64)
+    jac = np.asarray(jacobian, np.float64)
+    v = np.asarray(sampling_var, np.float64)
+    p = e.size
+    u, sv, _ = np.linalg.svd(jac, full_matrices=False)
+    jac = u[:, sv > 1e-9 * max(sv[0], 1e-300)]  # an orthonormal basis of what the fit can move
+    if p - jac.shape[1] < 1:
+        raise ValueError(f"{p} points and {jac.shape[1]} fitted parameters leave no noise estimate")
+    scale = float(np.sqrt(np.mean(v)))
+    rho, tau = (g.ravel() for g in np.meshgrid(DRIFT_RHO_GRID, scale * DRIFT_TAU_GRID))
+    lag = np.abs(np.arange(p)[:, None] - np.arange(p)[None, :])
+    cov = np.diag(v)[None] + (tau**2)[:, None, None] * rho[:, None, None] ** lag[None]
+    chol = np.linalg.cholesky(cov)  # [G, P, P]
+    we = np.linalg.solve(chol, np.broadcast_to(e[:, None], (rho.size, p, 1)))[..., 0]
+    wj = np.linalg.solve(chol, np.broadcast_to(jac, (rho.size, *jac.shape)))
+    jtj = np.einsum("gpk,gpl->gkl", wj, wj)
+    jte = np.einsum("gpk,gp->gk", wj, we)
+    quad = np.einsum("gp,gp->g", we, we) - np.einsum(
+        "gk,gk->g", jte, np.linalg.solve(jtj, jte[..., None])[..., 0]
+    )
+    log_det = 2 * np.sum(np.log(np.diagonal(chol, axis1=1, axis2=2)), axis=1)
+    log_lik = -0.5 * (log_det + np.linalg.slogdet(jtj)[1] + quad)
+    # Prior mass of each grid cell: the density times the cell's width along tau.
+    mids = np.sqrt(DRIFT_TAU_GRID[1:] * DRIFT_TAU_GRID[:-1])
+    mids[0] = DRIFT_TAU_GRID[1] / 2  # the cell of tau = 0 reaches half way to the next point
+    edges = np.concatenate([[0.0], mids, [np.inf]])
+    cdf = 2 / np.pi * np.arctan(edges)  # half-Cauchy, unit scale (tau in sampling-sd units)
+    tau_mass = np.tile(np.diff(cdf), (DRIFT_RHO_GRID.size, 1)).T.ravel()
+    rho_prior = (1 - rho**2) ** -0.5
+    rho_prior = rho_prior / np.sum(rho_prior[: DRIFT_RHO_GRID.size])
+    log_post = log_lik + np.log(tau_mass) + np.log(rho_prior)
+    weight = np.exp(log_post - log_post.max())
+    return DriftModel(rho, tau, weight / weight.sum(), v)
+
+
+@dataclasses.dataclass(frozen=True)
 class BootstrapResult:
     """Point fit, resampled fits, and percentile intervals at `level`."""
 
@@ -130,21 +205,64 @@ class BootstrapResult:
     # "auto": which scheme drew each resample [n] (0: parametric AR(1), 1: pairs). Intervals
     # are the envelope of each scheme's percentile interval. None: one scheme.
     groups: np.ndarray | None = None
+    # With a known sampling noise (`eval_size` or `eval_sd`): each resample's drift sd [n], the
+    # eval set's size (binomial sampling sd at any predicted rate) or else the sampling sd of
+    # the last eval (what a forecast's eval is assumed to carry).
+    drift_samples: jax.Array | None = None
+    eval_size: int | None = None
+    sampling_sd_last: float | None = None
+    c_min: float = 0.0  # the smallest compute in the data
 
     @property
     def converged_fraction(self) -> float:
         return float(jnp.mean(self.converged))
 
     @property
+    def why_not(self) -> dict[str, str | None]:
+        """Per parameter ("a", "b", "c_mid"): None when the data pin it down, else the reason.
+
+        A is identified when the data show the curve bending over: the inflection lies inside
+        (or before) the data in the point fit and in the resamples (C_mid's upper end <= the
+        last compute), and A's interval stays below a_max. B and C_mid are identified when the
+        data show the rise: C_mid's interval lies within the evaluated compute. Neither, when
+        the fit or too many of its resamples did not converge.
+        """
+        fmt = lambda v: f"{v:.4g}"  # noqa: E731
+        if not bool(self.fit.converged):
+            return dict.fromkeys(("a", "b", "c_mid"), "the fit did not converge")
+        if self.converged_fraction < 0.9:
+            reason = (
+                f"only {self.converged_fraction:.0%} of the bootstrap refits converged "
+                "(at least 90% are needed for an interval)"
+            )
+            return dict.fromkeys(("a", "b", "c_mid"), reason)
+        lo, hi = self.ci["c_mid"]
+        out: dict[str, str | None] = {"a": None, "b": None, "c_mid": None}
+        if hi > self.c_max:
+            out["a"] = (
+                f"the data do not reach the curve's inflection: C_mid's interval reaches "
+                f"{fmt(hi)}, beyond the last point at {fmt(self.c_max)}"
+            )
+        elif self.ci["a"][1] >= self.a_max - 1e-3:
+            out["a"] = f"A's interval reaches its bound a_max = {self.a_max}"
+        if lo < self.c_min:
+            out["b"] = out["c_mid"] = (
+                f"the curve rose before the first eval: C_mid's interval reaches down to "
+                f"{fmt(lo)}, below the first point at {fmt(self.c_min)}"
+            )
+        elif hi > self.c_max:
+            out["b"] = out["c_mid"] = out["a"]
+        return out
+
+    @property
+    def identified(self) -> dict[str, bool]:
+        """Per parameter: whether the data pin it down (see `why_not`)."""
+        return {k: v is None for k, v in self.why_not.items()}
+
+    @property
     def identifiable(self) -> bool:
-        """The data pin the curve down: the point fit is identifiable, at least 90% of the
-        resamples converge, and even the upper end of the C_mid interval lies inside the data
-        (the inflection is observed in the resamples too, not only in the point fit)."""
-        return (
-            bool(self.fit.identifiable)
-            and self.converged_fraction >= 0.9
-            and self.ci["c_mid"][1] <= self.c_max
-        )
+        """Whether the ceiling A is identified (the parameter a forecast needs)."""
+        return self.why_not["a"] is None
 
     def to_dict(self) -> dict:
         """The one serialisation of a fit (fit.json, `jaxrl-scale fit --json`, the sweep):
@@ -159,11 +277,14 @@ class BootstrapResult:
             rmse=float(fit.rmse),
             converged=bool(fit.converged),
             identifiable=self.identifiable,
+            identified=self.identified,
+            not_identified={k: v for k, v in self.why_not.items() if v is not None},
             bootstrap_converged=self.converged_fraction,
             level=self.level,
             method=self.method,
             autocorrelation=self.autocorrelation,
             noise_sd=self.noise_sd,
+            eval_size=self.eval_size,
         )
         return out
 
@@ -191,6 +312,14 @@ class BootstrapResult:
             sd = self.noise_sd
             if self.noise_samples is not None:
                 sd = jnp.reshape(self.noise_samples, expand)
+            if self.drift_samples is not None:  # known sampling noise plus the drawn drift
+                drift = jnp.reshape(self.drift_samples, expand)
+                if self.eval_size:
+                    p = jnp.clip(preds, 0.0, self.a_max)
+                    sampling_var = p * (1 - p) / self.eval_size
+                else:
+                    sampling_var = self.sampling_sd_last**2
+                sd = jnp.sqrt(sampling_var + drift**2)
             preds = preds + jax.random.normal(jax.random.key(seed), preds.shape) * sd
         preds = np.clip(np.asarray(preds)[keep], 0.0, self.a_max)
         groups = np.zeros(keep.shape, int) if self.groups is None else self.groups
@@ -260,6 +389,31 @@ def _simulate(key, fitted, p, rho, log_weight, scale, dof, a_max, *, n: int):
     return ys, jnp.broadcast_to(present.astype(float), (n, width)), sd
 
 
+@functools.partial(jax.jit, static_argnames=("n",))
+def _simulate_drift(key, fitted, p, sampling_sd, rho, tau, log_weight, a_max, *, n: int):
+    """Rewards [n, W], weights [n, W] and drift sds [n] for n parametric resamples: the point
+    fit's curve plus known sampling noise (sd [W]) plus AR(1) drift with (rho, tau) drawn
+    from their posterior (`DriftModel`, flattened grid [G]). Only the first `p` of W points
+    are present."""
+    width = fitted.shape[0]
+    k_pick, k_samp, k_drift = jax.random.split(key, 3)
+    pick = jax.random.categorical(k_pick, log_weight, shape=(n,))
+    r, t = rho[pick], tau[pick]
+    eps = jax.random.normal(k_drift, (width, n))
+    innovation = jnp.sqrt(1.0 - r * r)
+
+    def step(prev, eps_t):
+        e = r * prev + innovation * eps_t
+        return e, e
+
+    _, rest = jax.lax.scan(step, eps[0], eps[1:])
+    drift = jnp.concatenate([eps[:1], rest]).T * t[:, None]  # [n, W]
+    sampling = jax.random.normal(k_samp, (n, width)) * sampling_sd
+    present = jnp.arange(width) < p
+    ys = jnp.where(present, jnp.clip(fitted + sampling + drift, 0.0, a_max), 0.0)
+    return ys, jnp.broadcast_to(present.astype(float), (n, width)), t
+
+
 def resample(curve, fitted, *, n: int, seed: int, method: Method = "pairs", block=None):
     """(rewards [n, P], weights [n, P]) of n resamples of a clean curve (fit.data.Curve) whose
     point fit predicts `fitted` [P] (used by the residual method). "auto" is not a resampling
@@ -298,8 +452,12 @@ def bootstrap_sigmoid(
     block: int | None = None,
     a_max: float = 1.0,
     c_min: float | None = None,
-    n_iter: int = 20,
+    n_iter: int = 40,
+    b_min: float = B_MIN,
     pad_to: int | None = None,
+    eval_size: int | None = None,
+    eval_sd=None,
+    r0_sd: float | None = None,
 ) -> BootstrapResult:
     """Percentile bootstrap intervals for A, B, C_mid, r0 and predictions.
 
@@ -312,11 +470,16 @@ def bootstrap_sigmoid(
         rule correlation out. Half the resamples are pairs resamples instead, and each interval
         is the wider envelope of the two schemes' intervals: where the fit is barely
         identified, resampling the points shows how far it can move.
+        With the evaluation's sampling noise known (`eval_size`: the eval set's size, for a
+        binomial sd sqrt(p (1 - p) / eval_size) at the fitted rate; or `eval_sd`: each eval's
+        sampling sd, e.g. the run's logged `eval_sampling_sd`), the noise is that plus an AR(1)
+        drift of unknown size (`drift_model`), every resample is parametric, and a held `r0`
+        is redrawn in each resample with its own sampling sd (`r0_sd`, or the binomial sd).
       "pairs" resamples points with replacement; "block" resamples runs of `block`
         consecutive points (default about P ** (1/3)); "residual" keeps the points and adds
         resampled residuals of the point fit. These assume independent noise (block: short
         range) and cover far less than nominal when it is not.
-    benchmarks/bench_calibration.py measures each method's coverage.
+    benchmarks/bench_calibration.py and bench_forecasts.py measure the coverage.
     All n refits run in one jitted, vmapped call. `pad_to` pads the curve with weight-0 points
     to that many, so a growing curve (an online forecast) reuses one compiled program.
     """
@@ -324,7 +487,9 @@ def bootstrap_sigmoid(
         raise ValueError(f"method must be one of {', '.join(METHODS)}, got {method!r}")
     if not 0 < level < 1:
         raise ValueError(f"level must be in (0, 1), got {level}")
-    curve = clean_curve(compute, reward, a_max=a_max, c_min=c_min)
+    if eval_size is not None and (int(eval_size) != eval_size or eval_size < 1):
+        raise ValueError(f"eval_size must be a positive whole number of problems, got {eval_size}")
+    curve = clean_curve(compute, reward, a_max=a_max, c_min=c_min, sd=eval_sd)
     p = curve.compute.size
     block = block or max(2, round(p ** (1 / 3)))
     if method == "block" and not 1 <= block <= p:
@@ -332,34 +497,70 @@ def bootstrap_sigmoid(
     width = max(p, pad_to or 0)
     log_c, y, w = (jnp.asarray(v[0]) for v in pad_curves([curve], width))
     held_r0 = jnp.broadcast_to(jnp.asarray(0.0 if r0 is None else r0, float), (n,))
-    spec = FitSpec(a_max=float(a_max), fit_r0=r0 is None, n_iter=n_iter)
+    spec = FitSpec(a_max=float(a_max), fit_r0=r0 is None, n_iter=n_iter, b_min=b_min)
     point = jax.tree.map(
         lambda v: v[0], fit_batch(log_c, y[None], w[None], held_r0[:1], jnp.zeros((1,)), spec=spec)
     )
     fitted = jnp.where(w > 0, point.predict(jnp.exp(log_c)), 0.0)
     free = 3 + int(spec.fit_r0)  # A, B, C_mid (+ R0)
-    noise_samples, rho, groups = None, 0.0, None
+    noise_samples, rho, groups, drift = None, 0.0, None, None
     noise_sd = float(point.rmse) * math.sqrt(p / max(p - free, 1))
     key = jax.random.key(seed)
+    known = eval_size is not None or curve.sd is not None
+    extra: dict = {}
     if method == "auto":
         residuals = np.asarray(y - fitted)[:p]
         jac = _jacobian(point, curve.compute, spec.fit_r0)
         if not (np.isfinite(residuals).all() and np.isfinite(jac).all()) or p <= free:
             return _no_interval(point, n, level, method, curve, a_max)
-        noise = noise_model(residuals, jac)
-        rho, noise_sd = noise.mean_rho, noise.sd
-        key, k_pairs = jax.random.split(key)
-        ys, ws, sds = _simulate(
-            key, fitted, p, jnp.asarray(noise.rho),
-            jnp.log(jnp.asarray(noise.weight) + 1e-300), jnp.asarray(noise.scale),
-            float(noise.dof), float(a_max), n=n - n // 2,
-        )  # fmt: skip
-        # Pairs resamples too: where the fit is barely identified a parametric bootstrap stays
-        # near the point fit's curve, and resampling the points shows how far it can move.
-        y_pairs, w_pairs = _resample(k_pairs, y, fitted, p, n=n // 2, method="pairs", block=block)
-        ys, ws = jnp.concatenate([ys, y_pairs]), jnp.concatenate([ws, w_pairs])
-        noise_samples = jnp.concatenate([sds, sds[: n // 2]])
-        groups = np.repeat([0, 1], [n - n // 2, n // 2])
+        if known:
+            if eval_size is not None:
+                rate = np.clip(np.asarray(fitted)[:p], 0.5 / eval_size, 1 - 0.5 / eval_size)
+                sampling_var = rate * (1 - rate) / eval_size
+            else:
+                sampling_var = np.maximum(curve.sd, 1e-6) ** 2
+            model = drift_model(residuals, jac, sampling_var)
+            rho, noise_sd = model.mean_rho, model.sd
+            sampling_sd = np.zeros(width)
+            sampling_sd[:p] = np.sqrt(sampling_var)
+            key, k_r0 = jax.random.split(key)
+            ys, ws, drift = _simulate_drift(
+                key, fitted, p, jnp.asarray(sampling_sd), jnp.asarray(model.rho),
+                jnp.asarray(model.tau), jnp.log(jnp.asarray(model.weight) + 1e-300),
+                float(a_max), n=n,
+            )  # fmt: skip
+            if r0 is not None:  # the step-0 eval is a measurement too
+                sd0 = r0_sd
+                if sd0 is None and eval_size is not None:
+                    rate0 = min(max(float(r0), 0.5 / eval_size), 1 - 0.5 / eval_size)
+                    sd0 = math.sqrt(rate0 * (1 - rate0) / eval_size)
+                elif sd0 is None:  # only the evals' own sds: the first one's
+                    sd0 = float(curve.sd[0])
+                noise0 = jax.random.normal(k_r0, (n,)) * sd0
+                held_r0 = jnp.clip(held_r0 + noise0, 0.0, a_max - 1e-3)
+            extra = dict(
+                drift_samples=drift,
+                eval_size=None if eval_size is None else int(eval_size),
+                sampling_sd_last=float(np.sqrt(sampling_var[-1])),
+            )
+        else:
+            noise = noise_model(residuals, jac)
+            rho, noise_sd = noise.mean_rho, noise.sd
+            key, k_pairs = jax.random.split(key)
+            ys, ws, sds = _simulate(
+                key, fitted, p, jnp.asarray(noise.rho),
+                jnp.log(jnp.asarray(noise.weight) + 1e-300), jnp.asarray(noise.scale),
+                float(noise.dof), float(a_max), n=n - n // 2,
+            )  # fmt: skip
+            # Pairs resamples too: where the fit is barely identified a parametric bootstrap
+            # stays near the point fit's curve, and resampling the points shows how far it
+            # can move.
+            y_pairs, w_pairs = _resample(
+                k_pairs, y, fitted, p, n=n // 2, method="pairs", block=block
+            )
+            ys, ws = jnp.concatenate([ys, y_pairs]), jnp.concatenate([ws, w_pairs])
+            noise_samples = jnp.concatenate([sds, sds[: n // 2]])
+            groups = np.repeat([0, 1], [n - n // 2, n // 2])
     else:
         ys, ws = _resample(key, y, fitted, p, n=n, method=method, block=block)
     fits = fit_batch(log_c, ys, ws, held_r0, jnp.zeros((n,), float), spec=spec)
@@ -373,7 +574,7 @@ def bootstrap_sigmoid(
     c_max = float(curve.compute[-1])
     return BootstrapResult(
         point, samples, fits.converged, ci, level, method, c_max, rho, noise_sd, a_max,
-        noise_samples, groups,
+        noise_samples, groups, c_min=float(curve.compute[0]), **extra,
     )  # fmt: skip
 
 
@@ -384,5 +585,6 @@ def _no_interval(point, n, level, method, curve, a_max) -> BootstrapResult:
     ci = dict.fromkeys(PARAMS, (math.nan, math.nan))
     c_max = float(curve.compute[-1])
     return BootstrapResult(
-        point, samples, jnp.zeros((n,), bool), ci, level, method, c_max, a_max=a_max
-    )
+        point, samples, jnp.zeros((n,), bool), ci, level, method, c_max, a_max=a_max,
+        c_min=float(curve.compute[0]),
+    )  # fmt: skip

@@ -33,6 +33,9 @@ class Curve:
     reward: np.ndarray  # [P] float64
     r0: float | None = None  # a measurement at zero compute (a run's step-0 eval), if any
     steps: np.ndarray | None = None  # [P] the run's step at each point, when known
+    # [P] each point's known sampling sd (a run's `eval_sampling_sd`), when known
+    sd: np.ndarray | None = None
+    r0_sd: float | None = None  # the R0 measurement's sampling sd, when known
 
 
 def clean_curve(
@@ -42,8 +45,10 @@ def clean_curve(
     name: str = "curve",
     a_max: float | None = 1.0,
     c_min: float | None = None,
+    sd=None,
 ) -> Curve:
-    """Validate and tidy one curve.
+    """Validate and tidy one curve; `sd` (a scalar or [P]), each point's known sampling sd,
+    goes along (sorted with its point; for averaged repeats, the sd of their mean).
 
     Errors: mismatched shapes, NaN/inf, compute <= 0, rewards outside [0, a_max] (when a_max is
     given), fewer than 4 distinct compute values. Repairs, with a warning: points sorted by
@@ -55,7 +60,11 @@ def clean_curve(
         raise CurveDataError(
             f"{name}: compute and reward must be 1-D of one length, got {c.shape} and {r.shape}"
         )
-    for label, arr in (("compute", c), ("reward", r)):
+    if sd is not None:
+        sd = np.broadcast_to(np.asarray(sd, np.float64), c.shape).copy()
+    for label, arr in (("compute", c), ("reward", r), ("sd", sd)):
+        if arr is None:
+            continue
         bad = np.flatnonzero(~np.isfinite(arr))
         if bad.size:
             raise CurveDataError(f"{name}: {label}[{bad[0]}] is {arr[bad[0]]} (must be finite)")
@@ -78,6 +87,7 @@ def clean_curve(
                 stacklevel=2,
             )
         c, r = c[keep], r[keep]
+        sd = None if sd is None else sd[keep]
     if np.any(np.diff(c) < 0):
         warnings.warn(
             f"{name}: points were not sorted by compute; sorted them",
@@ -86,6 +96,7 @@ def clean_curve(
         )
         order = np.argsort(c, kind="stable")
         c, r = c[order], r[order]
+        sd = None if sd is None else sd[order]
     unique, inverse, counts = np.unique(c, return_inverse=True, return_counts=True)
     if unique.size < c.size:
         repeated = unique[counts > 1]
@@ -96,12 +107,16 @@ def clean_curve(
             stacklevel=2,
         )
         r = np.bincount(inverse, weights=r) / counts
+        if sd is not None:
+            sd = np.sqrt(np.bincount(inverse, weights=sd**2)) / counts
         c = unique
     if c.size < MIN_POINTS:
         raise CurveDataError(
             f"{name}: {c.size} distinct points; a sigmoid fit needs at least {MIN_POINTS}"
         )
-    return Curve(name, c, r)
+    if sd is not None and np.any(sd < 0):
+        raise CurveDataError(f"{name}: sd[{int(np.argmax(sd < 0))}] is negative")
+    return Curve(name, c, r, sd=sd)
 
 
 # --------------------------------------------------------------------------- files
@@ -149,8 +164,12 @@ def curve_from_rows(
     c_min: float | None = None,
     clean: bool = True,
     where: list[str] | None = None,
+    sd: str | None = "auto",
 ) -> Curve:
     """The one reader from logged rows (metrics.jsonl objects, CSV/JSONL rows) to a curve.
+
+    `sd` names a column with each eval's known sampling sd ("auto": `eval_sampling_sd`, which
+    this trainer logs, when y is `eval_pass_rate`); it is used when every point has it.
 
     Rows lacking x or y (training steps without an evaluation) are skipped. The R0 rule: rows
     at zero compute (a run's evaluation before any RL) are measurements of R0, which is their
@@ -160,22 +179,31 @@ def curve_from_rows(
     in error messages (file:line).
     """
     where = where or [f"{name}: row {i + 1}" for i in range(len(rows))]
-    cs, rs, steps = [], [], []
+    if sd == "auto":
+        sd = "eval_sampling_sd" if y == "eval_pass_rate" else None
+    cs, rs, steps, sds = [], [], [], []
     for loc, row in zip(where, rows, strict=True):
         cx, ry = _number(row.get(x), f"{loc}: {x}"), _number(row.get(y), f"{loc}: {y}")
         if cx is not None and ry is not None:
             cs.append(cx)
             rs.append(ry)
             steps.append(row.get("step", -1))
+            sds.append(_number(row.get(sd), f"{loc}: {sd}") if sd else None)
     cs, rs, steps = np.array(cs, float), np.array(rs, float), np.array(steps)
+    known = bool(sds) and all(v is not None and np.isfinite(v) for v in sds)
+    sds = np.array(sds, float) if known else None
     at_zero = cs == 0
     r0 = float(rs[at_zero].mean()) if at_zero.any() else None
+    r0_sd = None
+    if known and at_zero.any():  # the sd of the step-0 evals' mean
+        r0_sd = float(np.sqrt(np.sum(sds[at_zero] ** 2)) / at_zero.sum())
     cs, rs, steps = cs[~at_zero], rs[~at_zero], steps[~at_zero]
+    sds = None if sds is None else sds[~at_zero]
     if not clean:
-        return Curve(name, cs, rs, r0, steps)
-    curve = clean_curve(cs, rs, name=name, a_max=a_max, c_min=c_min)
+        return Curve(name, cs, rs, r0, steps, sds, r0_sd)
+    curve = clean_curve(cs, rs, name=name, a_max=a_max, c_min=c_min, sd=sds)
     as_logged = curve.compute.size == cs.size and np.array_equal(curve.compute, cs)
-    return dataclasses.replace(curve, r0=r0, steps=steps if as_logged else None)
+    return dataclasses.replace(curve, r0=r0, steps=steps if as_logged else None, r0_sd=r0_sd)
 
 
 def load_curve(

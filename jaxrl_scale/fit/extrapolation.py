@@ -58,14 +58,18 @@ def extrapolation_check(
     a_max: float = 1.0,
     method: str = "auto",
     c_min_fraction: float = 0.0,
+    eval_size: int | None = None,
+    eval_sd=None,
+    r0_sd: float | None = None,
 ) -> ExtrapolationReport:
     """Fit points with C <= c_cut (default: fit_until x the last compute), predict the last one.
 
     Points below `c_min_fraction` x c_cut are left out of the fit (early transients, see
     `early_cut`). The interval is for the observed reward at the last point: the curve's
-    bootstrap uncertainty plus evaluation noise.
+    bootstrap uncertainty plus evaluation noise. `eval_size` / `eval_sd` / `r0_sd`: the known
+    sampling noise (bootstrap_sigmoid).
     """
-    curve = clean_curve(compute, reward, a_max=a_max)
+    curve = clean_curve(compute, reward, a_max=a_max, sd=eval_sd)
     c_last = float(curve.compute[-1])
     if c_cut is None:
         if fit_until is None or not 0 < fit_until < 1:
@@ -84,6 +88,9 @@ def extrapolation_check(
         level=level,
         a_max=a_max,
         method=method,
+        eval_size=eval_size,
+        eval_sd=None if curve.sd is None else curve.sd[early],
+        r0_sd=r0_sd,
     )
     # The forecast is of a measured eval point, so its interval includes evaluation noise.
     lo, mid, hi = (float(np.asarray(v)) for v in boot.predict_ci(c_last, observation_noise=True))

@@ -19,7 +19,30 @@ from jaxrl_scale.fit.data import (
     curve_from_rows,
     load_curve,
 )
+from jaxrl_scale.fit.decline import Decline, detect_decline
 from jaxrl_scale.fit.extrapolation import ExtrapolationReport, early_cut, extrapolation_check
+
+NAMES = {"a": "A", "b": "B", "c_mid": "C_mid"}
+
+
+def identified_label(identified: dict[str, bool]) -> str:
+    """'A, B, C_mid' / 'A' / 'none': which parameters the data pin down."""
+    names = [NAMES[k] for k in ("a", "b", "c_mid") if identified.get(k)]
+    return ", ".join(names) or "none"
+
+
+def fit_warnings(boot: BootstrapResult, decline: Decline | None, name: str) -> list[str]:
+    """What a reader of a fit must know: a decline, and each parameter the data do not pin
+    down with the true reason."""
+    out = [] if decline is None else [decline.message(name)]
+    why = boot.why_not
+    if why["a"] is not None:
+        out.append(f"{name}: A is not identified ({why['a']}); read its interval, not its value")
+    if why["b"] is not None and why["b"] != why["a"]:
+        out.append(f"{name}: B and C_mid are not identified ({why['b']})")
+    elif why["b"] is not None:
+        out.append(f"{name}: B and C_mid are not identified either")
+    return out
 
 
 def run_curve(rows: list[dict[str, Any]], x: str = "compute_flops", name: str = "run") -> Curve:
@@ -39,12 +62,15 @@ class RunFit:
     rate: np.ndarray
     final: BootstrapResult
     half: ExtrapolationReport | None  # None when the first half has too few points
+    decline: Decline | None = None
 
     def summary(self) -> dict[str, Any]:
         out: dict[str, Any] = {
             **self.final.to_dict(),
             "final_pass_rate": float(self.rate[-1]),
             "gain": float(self.rate[-1] - self.r0),
+            "declining": None if self.decline is None else self.decline.to_dict(),
+            "warnings": fit_warnings(self.final, self.decline, "run"),
             "half_run": None,
         }
         h = self.half
@@ -55,6 +81,7 @@ class RunFit:
                 "a": float(h.boot.fit.a),
                 "a_ci": list(h.boot.ci["a"]),
                 "identifiable": h.boot.identifiable,
+                "identified": h.boot.identified,
                 "predicted_final": h.predicted,
                 "interval": [h.lo, h.hi],
                 "actual_final": h.actual,
@@ -65,16 +92,18 @@ class RunFit:
 
 
 def fit_run(rows: list[dict[str, Any]], *, x: str = "compute_flops", n_boot: int = 2000):
-    """Fit a run's eval curve (R0 held at the step-0 eval) and check the forecast its first
-    half makes of its last point (the paper's protocol)."""
+    """Fit a run's eval curve (R0 held at the step-0 eval; the sampling noise its logged
+    `eval_sampling_sd` gives), check the forecast its first half makes of its last point (the
+    paper's protocol) and test it for a decline."""
     curve = run_curve(rows, x)
     r0, compute, rate = curve.r0, curve.compute, curve.reward
-    final = bootstrap_sigmoid(compute, rate, n=n_boot, r0=r0)
+    noise = dict(eval_sd=curve.sd, r0_sd=curve.r0_sd)
+    final = bootstrap_sigmoid(compute, rate, n=n_boot, r0=r0, **noise)
     try:
-        half = extrapolation_check(compute, rate, fit_until=0.5, n_boot=n_boot, r0=r0)
+        half = extrapolation_check(compute, rate, fit_until=0.5, n_boot=n_boot, r0=r0, **noise)
     except CurveDataError:
         half = None
-    return RunFit(r0, compute, rate, final, half)
+    return RunFit(r0, compute, rate, final, half, detect_decline(curve, r0=r0))
 
 
 def _drop_early(curve: Curve, fraction: float) -> Curve:
@@ -89,13 +118,22 @@ def _drop_early(curve: Curve, fraction: float) -> Curve:
         stacklevel=3,
     )
     steps = None if curve.steps is None else curve.steps[keep]
+    sd = None if curve.sd is None else curve.sd[keep]
     return dataclasses.replace(
-        curve, compute=curve.compute[keep], reward=curve.reward[keep], steps=steps
+        curve, compute=curve.compute[keep], reward=curve.reward[keep], steps=steps, sd=sd
     )
 
 
-def _run_entry(curve: Curve, boot, predict_at: float | None, extrapolation=None) -> dict[str, Any]:
-    entry: dict[str, Any] = {"run": curve.name, "points": int(curve.compute.size), **boot.to_dict()}
+def _run_entry(
+    curve: Curve, boot, predict_at: float | None, extrapolation=None, decline=None
+) -> dict[str, Any]:
+    entry: dict[str, Any] = {
+        "run": curve.name,
+        "points": int(curve.compute.size),
+        **boot.to_dict(),
+        "declining": None if decline is None else decline.to_dict(),
+        "warnings": fit_warnings(boot, decline, curve.name),
+    }
     if predict_at is not None:
         lo, mid, hi = (float(np.asarray(v)) for v in boot.predict_ci(predict_at))
         entry.update(predict_at=predict_at, predicted=mid, predicted_ci=[lo, hi])
@@ -128,11 +166,15 @@ def fit_files(
     margin: float = 0.02,
     seed: int = 0,
     plot: str | Path | None = None,
+    eval_size: int | None = None,
 ) -> dict[str, Any]:
     """Fit every file's curve and compare them; returns the JSON-ready report. R0 is held at
     `r0` when given, else at a file's own zero-compute measurement (a run's step-0 eval), else
     fitted. Points below `c_min` (compute units) are dropped on loading; points below
-    `c_min_fraction` of the last fitted compute are left out of each fit (early transients)."""
+    `c_min_fraction` of the last fitted compute are left out of each fit (early transients).
+    The eval noise's sampling part is known from `eval_size` (binomial) or from a file's
+    `eval_sampling_sd` column; each run is tested for a decline, and declining runs are
+    named instead of ranked."""
     curves = [load_curve(p, x=x, y=y, a_max=a_max, c_min=c_min) for p in paths]
     if c_min_fraction and fit_until is None:  # with fit_until, the cut is of the fitted part
         curves = [_drop_early(c, c_min_fraction) for c in curves]
@@ -143,6 +185,12 @@ def fit_files(
     held_r0 = r0
     for curve in curves:
         r0 = held_r0 if held_r0 is not None else curve.r0
+        sizes = curve.sd is None and eval_size is not None  # a logged sd is per eval: finer
+        noise = dict(
+            eval_size=eval_size if sizes else None,
+            eval_sd=curve.sd,
+            r0_sd=curve.r0_sd if held_r0 is None else None,
+        )
         extrapolation, c_cut = None, None
         if fit_until is not None:
             extrapolation = extrapolation_check(
@@ -154,18 +202,20 @@ def fit_files(
                 r0=r0,
                 a_max=a_max,
                 c_min_fraction=c_min_fraction,
+                **noise,
             )
             boot, c_cut = extrapolation.boot, extrapolation.c_cut
             keep = curve.compute <= c_cut
             fitted.append(Curve(curve.name, curve.compute[keep], curve.reward[keep], r0=r0))
         else:
             boot = bootstrap_sigmoid(
-                curve.compute, curve.reward, n=n_boot, seed=seed, r0=r0, a_max=a_max
+                curve.compute, curve.reward, n=n_boot, seed=seed, r0=r0, a_max=a_max, **noise
             )
             fitted.append(dataclasses.replace(curve, r0=r0))
-        runs.append(_run_entry(curve, boot, predict_at, extrapolation))
+        decline = detect_decline(curve, r0=r0, eval_size=noise["eval_size"], seed=seed)
+        runs.append(_run_entry(curve, boot, predict_at, extrapolation, decline))
         plotted.append((curve, boot, c_cut))
-    ranking = sorted(runs, key=lambda e: -e["a"])
+    ranking = sorted((e for e in runs if e["declining"] is None), key=lambda e: -e["a"])
     shared = []
     for i, first in enumerate(ranking):
         for second in ranking[i + 1 :]:
@@ -180,6 +230,8 @@ def fit_files(
         "y": y,
         "runs": runs,
         "ranking": [e["run"] for e in ranking],
+        "declining": [e["run"] for e in runs if e["declining"] is not None],
+        "eval_size": eval_size,
         "margin": margin,
         "shared_ceiling": shared,
     }
@@ -226,7 +278,7 @@ def _fmt(v: float) -> str:
 
 def format_report(report: dict[str, Any]) -> str:
     """The human-readable table."""
-    header = ["run", "A [lo, hi]", "B", "C_mid", "R0"]
+    header = ["run", "A [lo, hi]", "B", "C_mid", "R0", "identified"]
     has_pred = any("predicted" in r for r in report["runs"])
     has_extra = any("extrapolation" in r for r in report["runs"])
     if has_pred:
@@ -242,6 +294,7 @@ def format_report(report: dict[str, Any]) -> str:
             _fmt(r["b"]),
             _fmt(r["c_mid"]),
             _fmt(r["r0"]),
+            identified_label(r["identified"]),
         ]
         if has_pred:
             lo, hi = r["predicted_ci"]
@@ -256,14 +309,11 @@ def format_report(report: dict[str, Any]) -> str:
     widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
     lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)) for row in rows]
     for r in report["runs"]:
-        if not r["identifiable"]:
-            lines.append(
-                f"warning: {r['run']}: the data do not reach the curve's inflection "
-                f"(C_mid {_fmt(r['c_mid'])} beyond the last point or fit not converged); "
-                "A is not identified, read its interval, not its value"
-            )
+        lines += [f"warning: {w}" for w in r["warnings"]]
     if len(report["runs"]) > 1:
-        lines.append("ranking by A: " + " > ".join(report["ranking"]))
+        lines.append("ranking by A: " + (" > ".join(report["ranking"]) or "(none)"))
+    if report["declining"]:
+        lines.append("declining, not ranked: " + ", ".join(report["declining"]))
     for s in report["shared_ceiling"]:
         lines.append(describe_shared(s, report["margin"]))
     if "plot" in report:

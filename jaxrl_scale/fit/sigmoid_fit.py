@@ -8,7 +8,7 @@ Bounds become smooth reparameterisations, theta = (u_a, u_b, m, u_r):
 
     r0 = top - softplus(u_r)                  (top = A when A is held fixed, else a_max)
     A  = r0 + (a_max - r0) * logistic(u_a)    so r0 < A < a_max
-    beta = exp(u_b)                           so B > 0
+    beta = beta_min + exp(u_b)                so B > b_min (beta_min = b_min * std)
 
 Starts come from variable projection: for fixed (beta, m) the curve is linear in (r0, A), so a
 G-point grid over (beta, m) is solved in closed form and the best point seeds Levenberg-Marquardt.
@@ -37,7 +37,15 @@ from jaxrl_scale.fit.solver import (
 )
 
 BETA_GRID = np.geomspace(0.25, 24.0, 10)  # steepness in standardised log-compute units
-M_GRID = np.linspace(-2.5, 4.0, 19)  # midpoint; data sits in about [-1.7, 1.7]
+# Midpoint. The data sit in about [-1.7, 1.7], or reach -3 and below when evals come at equal
+# compute steps; real runs often rise fastest before their first eval, so the grid reaches far
+# below the data.
+M_GRID = np.linspace(-6.0, 4.0, 25)
+# The default lower bound on B. B is unit-free (changing compute units moves C_mid, not B);
+# at B = 0.5 a curve takes a factor 81^4 (about 4e7) in compute to go from 10% to 90% of its
+# gain. Without a floor, data that have levelled off fit as well with B -> 0 (a curve flat over
+# the data, still rising somewhere beyond any compute ever spent) and any ceiling above them.
+B_MIN = 0.5
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,7 +55,8 @@ class FitSpec:
     a_max: float = 1.0
     fit_r0: bool = True
     fit_a: bool = True
-    n_iter: int = 20
+    n_iter: int = 40
+    b_min: float = B_MIN
 
 
 @jax.tree_util.register_dataclass
@@ -74,19 +83,19 @@ class FitResult:
 # --------------------------------------------------------------------------- one curve
 
 
-def _unpack(theta, r0_fixed, a_fixed, spec: FitSpec):
+def _unpack(theta, r0_fixed, a_fixed, beta_min, spec: FitSpec):
     u_a, u_b, m, u_r = theta[0], theta[1], theta[2], theta[3]
     top = spec.a_max if spec.fit_a else a_fixed
     r0 = top - jax.nn.softplus(u_r) if spec.fit_r0 else r0_fixed
     a = r0 + (spec.a_max - r0) * jax.nn.sigmoid(u_a) if spec.fit_a else a_fixed
-    return a, jnp.exp(u_b), m, r0
+    return a, beta_min + jnp.exp(u_b), m, r0
 
 
-def _residual_and_columns(theta, x, y, w, r0_fixed, a_fixed, spec: FitSpec):
+def _residual_and_columns(theta, x, y, w, r0_fixed, a_fixed, beta_min, spec: FitSpec):
     """Weighted residual sqrt(w) * (curve - y) [P] and the 4 Jacobian columns [P], in closed
     form (one exp per point; a held parameter's column is zero)."""
     u_a, u_b, m, u_r = theta[0], theta[1], theta[2], theta[3]
-    beta = jnp.exp(u_b)
+    beta = beta_min + jnp.exp(u_b)
     top = spec.a_max if spec.fit_a else a_fixed
     r0 = top - jax.nn.softplus(u_r) if spec.fit_r0 else r0_fixed
     sig_a = jax.nn.sigmoid(u_a)
@@ -96,7 +105,7 @@ def _residual_and_columns(theta, x, y, w, r0_fixed, a_fixed, spec: FitSpec):
     sqrt_w = jnp.sqrt(w)
     zero = jnp.zeros_like(s)
     d_ua = (spec.a_max - r0) * sig_a * (1.0 - sig_a) * s if spec.fit_a else zero
-    d_ub = span * q * (x - m) * beta
+    d_ub = span * q * (x - m) * jnp.exp(u_b)
     d_m = -span * q * beta
     # d r0 / d u_r = -sigmoid(u_r), times d curve / d r0 at fixed u_a.
     d_r0 = 1.0 - (sig_a * s if spec.fit_a else s)
@@ -105,19 +114,19 @@ def _residual_and_columns(theta, x, y, w, r0_fixed, a_fixed, spec: FitSpec):
     return residual, tuple(sqrt_w * d for d in (d_ua, d_ub, d_m, d_ur))
 
 
-def _residual_and_jac(theta, x, y, w, r0_fixed, a_fixed, spec: FitSpec):
-    residual, columns = _residual_and_columns(theta, x, y, w, r0_fixed, a_fixed, spec)
+def _residual_and_jac(theta, x, y, w, r0_fixed, a_fixed, beta_min, spec: FitSpec):
+    residual, columns = _residual_and_columns(theta, x, y, w, r0_fixed, a_fixed, beta_min, spec)
     return residual, jnp.stack(columns, axis=-1)
 
 
-def _optimality(theta, x, y, w, r0_fixed, a_fixed, spec: FitSpec):
+def _optimality(theta, x, y, w, r0_fixed, a_fixed, beta_min, spec: FitSpec):
     """J^T r on free parameters; theta itself on held ones (the solver leaves those at 0)."""
-    r, j = _residual_and_jac(theta, x, y, w, r0_fixed, a_fixed, spec)
+    r, j = _residual_and_jac(theta, x, y, w, r0_fixed, a_fixed, beta_min, spec)
     free = jnp.array([spec.fit_a, True, True, spec.fit_r0])
     return jnp.where(free, j.T @ r, theta)
 
 
-def _grid_start(x, y, w, r0_fixed, a_fixed, spec: FitSpec):
+def _grid_start(x, y, w, r0_fixed, a_fixed, beta_min, spec: FitSpec):
     """For N curves at once: the best (beta, m) on the grid with (r0, A) solved in closed form,
     as thetas [N, 4]. x is [P] (shared by every curve) or [N, P]; y, w [N, P]; held values [N].
 
@@ -127,12 +136,15 @@ def _grid_start(x, y, w, r0_fixed, a_fixed, spec: FitSpec):
     under vmap so that every [G, N] array is laid out with the batch innermost: the elementwise
     work reads memory in order and the best grid point is a reduction over the major axis.
     """
+    # The grid's steepness is exp(u_b), on top of the floor beta_min.
     beta_g, m_g = (jnp.asarray(g, y.dtype).ravel() for g in np.meshgrid(BETA_GRID, M_GRID))
-    if x.ndim == 1:  # [G, P] sigmoids, computed once for the batch
-        s = jax.nn.sigmoid(beta_g[:, None] * (x[None, :] - m_g[:, None]))
+    if x.ndim == 1:  # [G, P] sigmoids, computed once for the batch (whose floors are equal)
+        steep = beta_min[0] + beta_g
+        s = jax.nn.sigmoid(steep[:, None] * (x[None, :] - m_g[:, None]))
         contract = lambda a, v: a @ v.T  # noqa: E731  [G, P] x [N, P] -> [G, N]
     else:  # [N, G, P]
-        s = jax.nn.sigmoid(beta_g[None, :, None] * (x[:, None, :] - m_g[None, :, None]))
+        steep = beta_min[:, None, None] + beta_g[None, :, None]
+        s = jax.nn.sigmoid(steep * (x[:, None, :] - m_g[None, :, None]))
         contract = lambda a, v: jnp.einsum("ngp,np->gn", a, v)  # noqa: E731
     # Centre the rewards so the expanded sum of squares below does not cancel in float32.
     w_sum = jnp.sum(w, axis=-1)
@@ -190,14 +202,14 @@ def _grid_start(x, y, w, r0_fixed, a_fixed, spec: FitSpec):
     return jnp.stack([u_a, jnp.log(beta), m, u_r], axis=-1).astype(y.dtype)
 
 
-def _solve(theta0, x, y, w, r0_fixed, a_fixed, spec: FitSpec):
+def _solve(theta0, x, y, w, r0_fixed, a_fixed, beta_min, spec: FitSpec):
     residual_and_columns = functools.partial(_residual_and_columns, spec=spec)
     return levenberg_marquardt(
-        residual_and_columns, theta0, x, y, w, r0_fixed, a_fixed, n_iter=spec.n_iter
+        residual_and_columns, theta0, x, y, w, r0_fixed, a_fixed, beta_min, n_iter=spec.n_iter
     ).theta
 
 
-def _fit_standardised(theta0, x, y, w, r0_fixed, a_fixed, spec: FitSpec):
+def _fit_standardised(theta0, x, y, w, r0_fixed, a_fixed, beta_min, spec: FitSpec):
     """One curve in standardised log-compute from the start theta0: (A, beta, m, r0, rmse,
     stationarity, converged)."""
     # Closures, not partials: custom_root would treat a partial's keywords as array arguments.
@@ -206,9 +218,11 @@ def _fit_standardised(theta0, x, y, w, r0_fixed, a_fixed, spec: FitSpec):
         lambda theta, *args: _solve(theta, *args, spec),
         lambda theta, *args: _optimality(theta, *args, spec),
     )
-    theta = solve(theta0, x, y, w, r0_fixed, a_fixed)
-    a, beta, m, r0 = _unpack(theta, r0_fixed, a_fixed, spec)
-    r, j = _residual_and_jac(jax.lax.stop_gradient(theta), x, y, w, r0_fixed, a_fixed, spec)
+    theta = solve(theta0, x, y, w, r0_fixed, a_fixed, beta_min)
+    a, beta, m, r0 = _unpack(theta, r0_fixed, a_fixed, beta_min, spec)
+    r, j = _residual_and_jac(
+        jax.lax.stop_gradient(theta), x, y, w, r0_fixed, a_fixed, beta_min, spec
+    )
     rmse = jnp.sqrt(jnp.sum(r * r) / jnp.sum(w))
     converged = jnp.all(jnp.isfinite(theta)) & is_converged(r, j)
     return a, beta, m, jnp.asarray(r0, a.dtype), rmse, stationarity(r, j), converged
@@ -231,11 +245,12 @@ def _fit_block(log_c, y, w, r0_fixed, a_fixed, spec: FitSpec) -> FitResult:
     std = jnp.sqrt(var) + 1e-12
     x = jnp.where(present, (log_c - mean) / std, 0.0)
     y = jnp.where(w > 0, y, 0.0)
-    theta0 = jax.lax.stop_gradient(_grid_start(x, y, w, r0_fixed, a_fixed, spec))
+    beta_min = jnp.broadcast_to(spec.b_min * std[..., 0], r0_fixed.shape)  # [N]
+    theta0 = jax.lax.stop_gradient(_grid_start(x, y, w, r0_fixed, a_fixed, beta_min, spec))
     a, beta, m, r0, rmse, cosine, converged = jax.vmap(
         functools.partial(_fit_standardised, spec=spec),
-        in_axes=(0, None if shared else 0, 0, 0, 0, 0),
-    )(theta0, x, y, w, r0_fixed, a_fixed)
+        in_axes=(0, None if shared else 0, 0, 0, 0, 0, 0),
+    )(theta0, x, y, w, r0_fixed, a_fixed, beta_min)
     mean, std = mean[..., 0], std[..., 0]
     c_mid = jnp.exp(mean + std * m)
     c_max = jnp.exp(jnp.max(jnp.where(w > 0, log_c, -jnp.inf), axis=-1))
@@ -361,7 +376,8 @@ def fit_sigmoid(
     a=None,
     a_max: float = 1.0,
     c_min: float | None = None,
-    n_iter: int = 20,
+    n_iter: int = 40,
+    b_min: float = B_MIN,
 ) -> FitResult:
     """Least-squares fit of R = r0 + (A - r0) / (1 + (C_mid / C) ** B), r0 < A <= a_max, B > 0.
 
@@ -373,6 +389,8 @@ def fit_sigmoid(
       r0: None to fit it, else a float or [N] held value (e.g. the measured step-0 pass rate).
       a: None to fit A, else a held value (used for shared-A comparisons).
       a_max: upper bound on A (1 for pass rates) and on rewards.
+      b_min: lower bound on B (`B_MIN`): without one, data that have levelled off fit as well
+        by a curve still rising beyond any compute ever spent, with any ceiling above them.
 
     Returns:
       FitResult with fields [] (one curve) or [N]; `converged` flags fits whose residual is
@@ -381,7 +399,9 @@ def fit_sigmoid(
     """
     from jaxrl_scale.fit.data import CurveDataError, clean_curve
 
-    spec = FitSpec(a_max=float(a_max), fit_r0=r0 is None, fit_a=a is None, n_iter=n_iter)
+    spec = FitSpec(
+        a_max=float(a_max), fit_r0=r0 is None, fit_a=a is None, n_iter=n_iter, b_min=b_min
+    )
     single = np.ndim(compute) == 1
     if _is_traced(compute, reward, r0, a, mask):
         log_c = jnp.log(jnp.asarray(compute))
