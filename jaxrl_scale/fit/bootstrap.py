@@ -229,7 +229,16 @@ class BootstrapResult:
         """
         fmt = lambda v: f"{v:.4g}"  # noqa: E731
         if not bool(self.fit.converged):
-            return dict.fromkeys(("a", "b", "c_mid"), "the fit did not converge")
+            reason = "the fit did not converge"
+            c_mid, a = float(self.fit.c_mid), float(self.fit.a)
+            if c_mid > self.c_max:
+                reason += (
+                    f": the data do not reach the curve's inflection (its C_mid runs to "
+                    f"{fmt(c_mid)}, beyond the last point at {fmt(self.c_max)})"
+                )
+            elif a >= self.a_max - 1e-3:
+                reason += f": A runs to its bound a_max = {self.a_max}"
+            return dict.fromkeys(("a", "b", "c_mid"), reason)
         if self.converged_fraction < 0.9:
             reason = (
                 f"only {self.converged_fraction:.0%} of the bootstrap refits converged "
