@@ -373,6 +373,19 @@ def _resample(key, y, fitted, p, *, n: int, method: str, block: int):
     return fitted + draws, jnp.broadcast_to(present.astype(float), (n, width))
 
 
+def _ar1_paths(key, rho, width: int):
+    """[n, W] AR(1) paths along the run with unit marginal variance, coefficient rho [n]."""
+    eps = jax.random.normal(key, (width, rho.shape[0]))
+    innovation = jnp.sqrt(1.0 - rho * rho)
+
+    def step(prev, eps_t):
+        e = rho * prev + innovation * eps_t
+        return e, e
+
+    _, rest = jax.lax.scan(step, eps[0], eps[1:])
+    return jnp.concatenate([eps[:1], rest]).T
+
+
 @functools.partial(jax.jit, static_argnames=("n",))
 def _simulate(key, fitted, p, rho, log_weight, scale, dof, a_max, *, n: int):
     """Rewards [n, W], weights [n, W] and noise sds [n] for n parametric resamples: the point
@@ -384,15 +397,7 @@ def _simulate(key, fitted, p, rho, log_weight, scale, dof, a_max, *, n: int):
     r = rho[pick]
     chi2 = 2.0 * jax.random.gamma(k_chi, dof / 2.0, (n,))
     sd = jnp.sqrt(scale[pick] * dof / chi2)
-    eps = jax.random.normal(k_eps, (width, n))
-    innovation = jnp.sqrt(1.0 - r * r)
-
-    def step(prev, eps_t):
-        e = r * prev + innovation * eps_t
-        return e, e
-
-    _, rest = jax.lax.scan(step, eps[0], eps[1:])
-    z = jnp.concatenate([eps[:1], rest]).T  # [n, W], unit marginal variance
+    z = _ar1_paths(k_eps, r, width)
     present = jnp.arange(width) < p
     ys = jnp.where(present, jnp.clip(fitted + sd[:, None] * z, 0.0, a_max), 0.0)
     return ys, jnp.broadcast_to(present.astype(float), (n, width)), sd
@@ -408,15 +413,7 @@ def _simulate_drift(key, fitted, p, sampling_sd, rho, tau, log_weight, a_max, *,
     k_pick, k_samp, k_drift = jax.random.split(key, 3)
     pick = jax.random.categorical(k_pick, log_weight, shape=(n,))
     r, t = rho[pick], tau[pick]
-    eps = jax.random.normal(k_drift, (width, n))
-    innovation = jnp.sqrt(1.0 - r * r)
-
-    def step(prev, eps_t):
-        e = r * prev + innovation * eps_t
-        return e, e
-
-    _, rest = jax.lax.scan(step, eps[0], eps[1:])
-    drift = jnp.concatenate([eps[:1], rest]).T * t[:, None]  # [n, W]
+    drift = _ar1_paths(k_drift, r, width) * t[:, None]  # [n, W]
     sampling = jax.random.normal(k_samp, (n, width)) * sampling_sd
     present = jnp.arange(width) < p
     ys = jnp.where(present, jnp.clip(fitted + sampling + drift, 0.0, a_max), 0.0)
