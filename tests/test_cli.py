@@ -48,7 +48,11 @@ def test_demo_from_scratch_trains_fits_and_reports(tmp_path, capsys, monkeypatch
     assert summary["final_pass_rate"] == evals[-1]["eval_pass_rate"]
     compute = np.array([r["compute_flops"] for r in evals[1:]])
     rate = np.array([r["eval_pass_rate"] for r in evals[1:]])
-    again = bootstrap_sigmoid(compute, rate, n=2000, r0=summary["r0"])
+    # The fit is told each eval's logged sampling sd (and R0's).
+    sds = np.array([r["eval_sampling_sd"] for r in evals[1:]])
+    again = bootstrap_sigmoid(
+        compute, rate, n=2000, r0=summary["r0"], eval_sd=sds, r0_sd=evals[0]["eval_sampling_sd"]
+    )
     assert summary["a"] == float(again.fit.a) and summary["a_ci"] == list(again.ci["a"])
     half = summary["half_run"]
     assert half["c_cut"] == 0.5 * compute[-1] and half["actual_final"] == rate[-1]
