@@ -4,6 +4,7 @@ import numpy as np
 import pytest
 
 from jaxrl_scale.fit import (
+    SharedCeiling,
     clean_curve,
     compare_runs,
     extrapolation_check,
@@ -51,6 +52,53 @@ def test_two_runs_of_one_recipe_are_indistinguishable():
     s = shared_ceiling(a, b, n_boot=500)
     lo, hi = s.b_diff_ci
     assert lo < 0 < hi and not s.distinguishable and s.verdict == "indistinguishable"
+
+
+def test_identical_runs_give_an_interval_around_zero():
+    """The same data twice: the point fits agree exactly (B difference 0) and the resamples of
+    each run scatter alike, so the interval sits about 0."""
+    run = dataclasses.replace(_curve("run", 0.61, 1.9, 2500.0, 8), r0=0.3)
+    s = shared_ceiling(run, dataclasses.replace(run, name="copy"), n_boot=200)
+    assert s.b[0] == s.b[1]
+    lo, hi = s.b_diff_ci
+    assert lo < 0 < hi and s.verdict == "indistinguishable"
+    assert abs(lo + hi) < (hi - lo) / 2  # centred: its midpoint within a quarter-width of 0
+
+
+def test_very_different_b_is_distinguishable():
+    slow = dataclasses.replace(_curve("slow", 0.61, 1.2, 2500.0, 9, 0.01), r0=0.3)
+    fast = dataclasses.replace(_curve("fast", 0.61, 3.0, 2500.0, 10, 0.01), r0=0.3)
+    s = shared_ceiling(slow, fast, n_boot=200)
+    assert s.b_diff_ci[1] < 0 and s.verdict == "fast"
+
+
+def test_held_r0_carries_its_eval_noise():
+    """R0 held at the step-0 eval is one noisy measurement however many evals follow: with 100
+    evals the data pin B down and the pairs interval (R0 taken as exact) shrinks, but "auto"
+    redraws the held R0 in every resample and keeps that noise. (The noise here is independent
+    and 100 evals put the AR(1) posterior near 0: on these runs, auto's interval measured 3.6x
+    as wide as pairs' with R0 held, 1.2x with R0 fitted instead.)"""
+    c = np.geomspace(300, 30000, 100)
+
+    def run(name, seed):
+        noise = 0.01 * np.random.default_rng(seed).standard_normal(c.size)
+        y = np.asarray(sigmoid(c, 0.61, 1.9, 2500.0, 0.3)) + noise
+        return dataclasses.replace(clean_curve(c, y, name=name), r0=0.3)
+
+    def width(method):
+        s = shared_ceiling(run("a", 11), run("b", 12), n_boot=200, method=method)
+        return s.b_diff_ci[1] - s.b_diff_ci[0]
+
+    assert width("auto") > 2 * width("pairs")
+
+
+def test_no_interval_is_no_difference():
+    """Where no resample converged the interval is NaN, and NaN excludes nothing."""
+    nan = SharedCeiling(("a", "b"), 0.6, (2.0, 1.0), (1.0, 1.0), (0.3, 0.3), (np.nan, np.nan), 0.95)
+    assert not nan.distinguishable and nan.verdict == "indistinguishable"
+    run = _curve("a", 0.6, 2.0, 2500.0, 0)
+    with pytest.raises(ValueError, match="method"):
+        shared_ceiling(run, run, method="jackknife")
 
 
 def test_compare_ranks_by_a_and_refits_only_close_pairs():
