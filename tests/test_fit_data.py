@@ -88,3 +88,18 @@ def test_file_errors_are_named(tmp_path):
         load_curve(csv, x="x", y="reward")
     with pytest.raises(CurveDataError, match="no such file"):
         load_curve(tmp_path / "missing.jsonl")
+
+
+def test_a_sampling_sd_column_on_some_evals_only_is_not_used_and_says_so():
+    from jaxrl_scale.fit.data import curve_from_rows
+
+    rows = [
+        {"compute_flops": float(c), "eval_pass_rate": 0.3 + 0.05 * c, "eval_sampling_sd": 0.01}
+        for c in range(5)
+    ]
+    full = curve_from_rows(rows)
+    assert full.sd is not None and full.r0_sd == pytest.approx(0.01)
+    del rows[2]["eval_sampling_sd"]
+    with pytest.warns(CurveDataWarning, match="eval_sampling_sd is given for 4 of 5 evals"):
+        partial = curve_from_rows(rows)
+    assert partial.sd is None

@@ -190,7 +190,15 @@ def curve_from_rows(
             steps.append(row.get("step", -1))
             sds.append(_number(row.get(sd), f"{loc}: {sd}") if sd else None)
     cs, rs, steps = np.array(cs, float), np.array(rs, float), np.array(steps)
-    known = bool(sds) and all(v is not None and np.isfinite(v) for v in sds)
+    have = sum(v is not None and np.isfinite(v) for v in sds)
+    known = bool(sds) and have == len(sds)
+    if sd and 0 < have < len(sds):
+        warnings.warn(
+            f"{name}: {sd} is given for {have} of {len(sds)} evals; not used (the noise is "
+            "estimated from the residuals instead)",
+            CurveDataWarning,
+            stacklevel=2,
+        )
     sds = np.array(sds, float) if known else None
     at_zero = cs == 0
     r0 = float(rs[at_zero].mean()) if at_zero.any() else None
