@@ -23,6 +23,7 @@ import concurrent.futures
 import dataclasses
 import functools
 import os
+import threading
 
 import jax
 import jax.numpy as jnp
@@ -324,14 +325,34 @@ def fit_batch(log_c, y, w, r0_fixed, a_fixed, spec: FitSpec) -> FitResult:
 
     args = [jnp.asarray(v) for v in args]  # to the device once, not once per thread
 
-    def run(k):
-        take = idx[k * part : (k + 1) * part]
-        per_curve = [v if i == 0 and v.ndim == 1 else v[take] for i, v in enumerate(args)]
-        return jax.block_until_ready(_fit_blocked(*per_curve, spec=spec))
+    # Every part's inputs are gathered here, in the calling thread: the threads only run one
+    # compiled program.
+    parts_in = [
+        [v if i == 0 and v.ndim == 1 else v[idx[k * part : (k + 1) * part]]
+         for i, v in enumerate(args)]
+        for k in range(workers)
+    ]  # fmt: skip
 
+    def run(k):
+        return jax.block_until_ready(_fit_blocked(*parts_in[k], spec=spec))
+
+    # The first call of a shape compiles its program (and writes the persistent compilation
+    # cache) in this thread alone, before any thread runs it: two threads compiling and
+    # serialising executables at once crashed the process in the compilation cache.
+    signature = (spec, *((v.shape, v.dtype) for v in parts_in[0]))
+    with _COMPILED_LOCK:
+        first = signature not in _COMPILED
+        _COMPILED.add(signature)
+    done = [run(0)] if first else []
     with concurrent.futures.ThreadPoolExecutor(workers) as pool:
-        parts = list(pool.map(run, range(workers)))
+        parts = done + list(pool.map(run, range(len(done), workers)))
     return jax.tree.map(lambda *v: jnp.concatenate(v)[:n], *parts)
+
+
+# Shapes fit_batch has compiled. A lock, not one owner: fits run from any thread (the CLI's, a
+# trainer's forecast).
+_COMPILED: set = set()
+_COMPILED_LOCK = threading.Lock()
 
 
 # --------------------------------------------------------------------------- public API
