@@ -34,6 +34,8 @@ class RunState:
     key: jax.Array  # the run's rng key (per-step keys fold the step in)
     totals: dict[str, float]  # compute_flops, device_seconds, tokens, skipped/dropped counts
     pending: list[Any]  # batches generated for the next steps (rollout.Rollouts)
+    # A LoRA run's base: its fingerprint (lora.fingerprint), not a copy; None without LoRA.
+    base: np.ndarray | None = None
 
 
 class CheckpointError(ValueError):
@@ -79,16 +81,24 @@ class Checkpointer:
             "totals": {k: np.asarray(v) for k, v in run.totals.items()},
             "pending": pending_to_host(run.pending),
         }
+        if run.base is not None:
+            host["base"] = np.asarray(run.base)
         tree = {"train": run.train, "host": host}
         self.manager.save(run.step, args=ocp.args.StandardSave(tree))
 
     def restore_latest(
-        self, abstract_train: TrainState, pending_from_host: Callable[[dict], list]
+        self,
+        abstract_train: TrainState,
+        pending_from_host: Callable[[dict], list],
+        *,
+        base: np.ndarray | None = None,
     ) -> RunState | None:
         """The newest readable checkpoint, or None when there is none. A corrupt or partly
         written newest checkpoint is skipped with a warning and the one before it used; when
         checkpoints exist but none can be read (or one is of another model) it is an error,
-        never a silent start from scratch that would overwrite the run's metrics."""
+        never a silent start from scratch that would overwrite the run's metrics. `base`: a
+        LoRA run's base fingerprint, which must be the one the checkpoint's adapters were
+        trained on."""
         steps = sorted(self.manager.all_steps(), reverse=True)
         for step in steps:
             if (self.directory / str(step) / "state").exists():  # the format before RunState
@@ -103,6 +113,7 @@ class Checkpointer:
                 host_target = jax.tree.map(lambda m: np.zeros(m.shape, m.dtype), meta["host"])
                 target = {"train": abstract_train, "host": host_target}
                 tree = self.manager.restore(step, args=ocp.args.StandardRestore(target))
+                self._check_base(step, tree["host"].get("base"), base)
             except CheckpointMismatch:
                 raise
             except Exception as e:  # orbax raises many types for damaged files
@@ -112,6 +123,7 @@ class Checkpointer:
                 )
                 continue
             host = tree["host"]
+            saved_base = host.get("base")
             return RunState(
                 step=step,
                 train=tree["train"],
@@ -119,6 +131,7 @@ class Checkpointer:
                 key=jax.random.wrap_key_data(jnp.asarray(host["key"], jnp.uint32)),
                 totals={k: np.asarray(v).item() for k, v in host["totals"].items()},
                 pending=pending_from_host(host["pending"]),
+                base=None if saved_base is None else np.asarray(saved_base),
             )
         if steps:
             raise CheckpointError(
@@ -141,6 +154,27 @@ class Checkpointer:
             f"{want.get(first, 'absent')} here; {len(diff)} entries differ): resume with the "
             "config that wrote it (RUN/config.yaml), or start over with --no-resume"
         )
+
+    def _check_base(self, step: int, saved, base: np.ndarray | None) -> None:
+        """Refuse adapters saved on top of another base than this run's (or a LoRA state
+        where this run has none, and the reverse)."""
+        from jaxrl_scale.lora import same_base
+
+        if saved is None and base is None:
+            return
+        if saved is None or base is None:
+            have, want = ("no", "a") if saved is None else ("a", "no")
+            raise CheckpointMismatch(
+                f"checkpoint {step} in {self.directory} has {have} LoRA base, this config has "
+                f"{want} (model.lora.rank): resume with the config that wrote it "
+                "(RUN/config.yaml), or start over with --no-resume"
+            )
+        if not same_base(np.asarray(saved), base):
+            raise CheckpointMismatch(
+                f"checkpoint {step} in {self.directory} holds LoRA adapters trained on another "
+                "base model than this run's (model.init_from / seed): resume with the base "
+                "they were trained on, or start over with --no-resume"
+            )
 
     def wait(self) -> None:
         self.manager.wait_until_finished()

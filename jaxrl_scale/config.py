@@ -58,6 +58,69 @@ class RopeScalingConfig:
         )
 
 
+# The projections a LoRA adapter can target (PEFT's module names), and the groups that name
+# several at once.
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+LORA_GROUPS = {
+    "all": LORA_TARGETS,
+    "attention": LORA_TARGETS[:4],
+    "mlp": LORA_TARGETS[4:],
+}
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class LoRAConfig:
+    """Low-rank adapters on the decoder's projections (lora.py); rank 0 (the default) is off.
+
+    Each targeted kernel W [in, out] gains A [in, rank] and B [rank, out] and computes
+    x W + (alpha / rank) x A B (alpha / sqrt(rank) with `rslora`), as PEFT does. B starts at 0,
+    so the adapted policy starts equal to the base. Only A and B train; the base is frozen and
+    kept in `base_dtype` (bfloat16 halves it; norms and the FP32 head's kernel stay float32).
+    `init_from`: a PEFT adapter folder (adapter_config.json + adapter_model.safetensors) to
+    start from; its rank, alpha and targets are the run's (a different value set here is an
+    error). A learning rate about 10x full fine-tuning's is the usual starting point.
+    """
+
+    rank: int = 0
+    alpha: float = 32.0
+    targets: tuple[str, ...] = ("all",)
+    base_dtype: DType = "float32"
+    rslora: bool = False
+    init_from: str | None = None
+
+    def __post_init__(self):
+        _require(self.rank >= 0, "model.lora.rank", f"must be >= 0 (0 = off), got {self.rank}")
+        _require(self.alpha > 0, "model.lora.alpha", f"must be > 0, got {self.alpha}")
+        _require(bool(self.targets), "model.lora.targets", "name at least one projection")
+        for t in self.targets:
+            _require(
+                t in LORA_TARGETS or t in LORA_GROUPS,
+                "model.lora.targets",
+                f"unknown target {t!r} (projections: {', '.join(LORA_TARGETS)}; groups: "
+                f"{', '.join(LORA_GROUPS)})",
+            )
+        _require(
+            self.base_dtype == "float32" or self.rank > 0 or self.init_from is not None,
+            "model.lora.base_dtype",
+            "only applies to a LoRA run (model.lora.rank > 0)",
+        )
+
+    @property
+    def enabled(self) -> bool:
+        return self.rank > 0
+
+    @property
+    def scale(self) -> float:
+        """The adapter's output scale: alpha / rank (alpha / sqrt(rank) with rslora)."""
+        return self.alpha / (self.rank**0.5 if self.rslora else self.rank)
+
+    @property
+    def projections(self) -> tuple[str, ...]:
+        """The targeted projections, groups expanded, in LORA_TARGETS order."""
+        named = {p for t in self.targets for p in LORA_GROUPS.get(t, (t,))}
+        return tuple(p for p in LORA_TARGETS if p in named)
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class ModelConfig:
     """Decoder-only policy of the Qwen2/Qwen2.5, Qwen3 and Llama-3 families.
@@ -106,8 +169,9 @@ class ModelConfig:
     scan_layers: bool = False
     # A Hugging Face folder (config.json, *.safetensors, tokenizer.json) to start from. Its
     # config.json fixes the architecture fields above; the runtime fields (dtype through
-    # scan_layers: `runtime_fields()`) still come from here.
+    # lora: `runtime_fields()`) still come from here.
     init_from: str | None = None
+    lora: LoRAConfig = dataclasses.field(default_factory=LoRAConfig)
 
     def __post_init__(self):
         for name in (
@@ -162,6 +226,7 @@ class ModelConfig:
             "attention_block_size",
             "remat",
             "scan_layers",
+            "lora",
         )
         return {name: getattr(self, name) for name in names}
 
@@ -714,7 +779,9 @@ def from_dict(cls: type, data: Mapping[str, Any], prefix: str = ""):
     _check_keys(cls, data, prefix)
     try:
         return dacite.from_dict(
-            cls, dict(data), config=dacite.Config(strict=True, type_hooks={float: _to_float})
+            cls,
+            dict(data),
+            config=dacite.Config(strict=True, type_hooks={float: _to_float}, cast=[tuple]),
         )
     except dacite.WrongTypeError as e:
         key = f"{prefix}{e.field_path}"

@@ -45,10 +45,10 @@ def summarise(
     run's metrics rows."""
     run = fit_run(rows, x=x, n_boot=N_BOOT)
     summary = {"x": x, **run.summary(), **extra}
-    entries = [(Curve("demo run", run.compute, run.rate), run.final, None)]
+    entries = [(Curve("demo run", run.compute, run.rate, r0=run.r0), run.final, None)]
     if run.half is not None:
         early = run.compute <= run.half.c_cut
-        half_curve = Curve("fit at half the run", run.compute[early], run.rate[early])
+        half_curve = Curve("fit at half the run", run.compute[early], run.rate[early], r0=run.r0)
         entries.append((half_curve, run.half.boot, run.half.c_cut))
     summary["plot"] = str(
         plot_fits(entries, out / "fit.png", xlabel=f"{x} (RL)", ylabel="held-out pass rate")

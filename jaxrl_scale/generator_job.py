@@ -20,6 +20,7 @@ held and the newest announced are shared behind `Weights._cond`.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import secrets
 import socket
@@ -32,7 +33,7 @@ import numpy as np
 import zmq
 from flax import nnx
 
-from jaxrl_scale import sharding
+from jaxrl_scale import lora, sharding
 from jaxrl_scale.config import ExperimentConfig
 from jaxrl_scale.generation import WaveGenerator
 from jaxrl_scale.hosts import ROLLOUT_FIELDS, address, encode_batch
@@ -196,8 +197,13 @@ class Weights:
 
 def _model(cfg: ExperimentConfig):
     """(model config, graphdef, abstract generation params, tokenizer or None): from the
-    config, or from the Hugging Face folder it starts from (config and tokenizer only)."""
+    config, or from the Hugging Face folder it starts from (config and tokenizer only). The
+    parameters are what the trainer sends: every one, or with LoRA the adapters alone."""
     m, tokenizer = cfg.model, None
+    if m.lora.init_from:
+        from jaxrl_scale.peft import resolve_lora
+
+        m = dataclasses.replace(m, lora=resolve_lora(m.lora))
     if m.init_from:
         from jaxrl_scale.hf import config_from_hf, load_tokenizer, resolve_checkpoint
 
@@ -206,9 +212,25 @@ def _model(cfg: ExperimentConfig):
         m = config_from_hf(hf, **m.runtime_fields())
         tokenizer = load_tokenizer(folder)
     abstract = nnx.eval_shape(lambda: Policy(m, rngs=nnx.Rngs(params=0)))
-    graphdef, params = nnx.split(abstract)
+    graphdef, _, params = lora.split_policy(abstract, m)
     gen = jax.eval_shape(lambda p: for_generation(p, m, copy=False), params)
     return m, graphdef, gen, tokenizer
+
+
+def _generation_base(cfg: ExperimentConfig, m, mesh):
+    """A LoRA run's base as this job decodes with it (None without LoRA): the job's own copy,
+    made as the trainer makes it (model.init_from, else the seed's initialisation), so the
+    trainer sends only adapters."""
+    if not m.lora.enabled:
+        return None
+    if m.init_from:
+        from jaxrl_scale.hf import load_pretrained
+
+        model, _ = load_pretrained(m.init_from, mesh=mesh, seed=cfg.seed, **m.runtime_fields())
+    else:
+        model = sharding.init_sharded(lambda: Policy(m, rngs=nnx.Rngs(params=cfg.seed)), mesh)
+    _, frozen, _ = lora.split_policy(model, m)
+    return for_generation(frozen, m, copy=False)
 
 
 def run_generator(cfg: ExperimentConfig, group: int) -> int:
@@ -216,6 +238,7 @@ def run_generator(cfg: ExperimentConfig, group: int) -> int:
     host = address(cfg, trainer=False)
     mesh = sharding.make_mesh(cfg.hosts.generator_mesh, jax.local_devices())
     model_cfg, graphdef, abstract, tokenizer = _model(cfg)
+    base = _generation_base(cfg, model_cfg, mesh)
     task = make_task(cfg.task, seed=cfg.seed, tokenizer=tokenizer)
     tok = task.tokenizer
     longest = max(len(tok.encode(e["prompt"])) for e in task.train_examples + task.eval_examples)
@@ -254,7 +277,8 @@ def run_generator(cfg: ExperimentConfig, group: int) -> int:
                     continue
                 print(f"{name}: generating batch {work['batch']}", flush=True)
                 try:
-                    frames = _make_batch(cfg, task, waves, weights, work, run_key, sampling)
+                    frames = _make_batch(cfg, task, waves, weights, work, run_key, sampling,
+                                         base)  # fmt: skip
                 except Rejoin:
                     break
                 header = json.loads(frames[0])
@@ -269,8 +293,11 @@ def run_generator(cfg: ExperimentConfig, group: int) -> int:
         client.close()
 
 
-def _make_batch(cfg, task, waves, weights: Weights, work: dict, run_key, sampling) -> list[bytes]:
-    """Generate and score one assigned batch; its frames for the hub."""
+def _make_batch(
+    cfg, task, waves, weights: Weights, work: dict, run_key, sampling, base=None
+) -> list[bytes]:
+    """Generate and score one assigned batch; its frames for the hub. `base`: a LoRA run's
+    base, under the adapters the trainer sends."""
     start = time.perf_counter()
     g = cfg.train.group_size
     examples = [task.train_examples[i] for i in work["indices"]]
@@ -278,8 +305,10 @@ def _make_batch(cfg, task, waves, weights: Weights, work: dict, run_key, samplin
 
     def params_for_chunk(chunk: int):
         if schedule is not None:
-            return weights.get(version=schedule[0] if chunk < swap_at else schedule[1])
-        return weights.get(at_least=work["oldest"])
+            got = weights.get(version=schedule[0] if chunk < swap_at else schedule[1])
+        else:
+            got = weights.get(at_least=work["oldest"])
+        return got[0], lora.merge_params(base, got[1])
 
     ro = waves.generate(
         params_for_chunk,

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import tokenizers
 from flax import nnx
@@ -23,6 +24,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.numpy import save_file
 
 from jaxrl_scale.config import ModelConfig, RopeScalingConfig, asset_path
+from jaxrl_scale.lora import adapted_modules, init_adapters, merged_module
 from jaxrl_scale.model import Policy
 from jaxrl_scale.sharding import variable_sharding
 from jaxrl_scale.tokenizer import Tokenizer
@@ -251,13 +253,14 @@ def resolve_checkpoint(path: str | Path) -> Path:
 
 
 def load_pretrained(
-    path: str | Path, *, mesh: Mesh | None = None, **config_overrides: Any
+    path: str | Path, *, mesh: Mesh | None = None, seed: int = 0, **config_overrides: Any
 ) -> tuple[Policy, Tokenizer]:
     """Read an HF folder (or "asset:NAME", a packaged one) into (Policy, Tokenizer).
     Parameters are stored float32.
 
     With `mesh`, each tensor goes straight to its sharding (no full copy on one device).
-    `config_overrides` set ModelConfig fields the checkpoint does not fix (dtype, lm_head_dtype).
+    `config_overrides` set ModelConfig fields the checkpoint does not fix (dtype, lm_head_dtype,
+    lora: a LoRA policy's adapters start fresh from `seed`, B = 0).
     """
     path = resolve_checkpoint(path)
     cfg = config_from_hf(_read_json(path / "config.json"), **config_overrides)
@@ -301,7 +304,22 @@ def load_pretrained(
             array = from_hf_layout(np.asarray(array, dtype=np.float32), n_in, want)
             target = variable_sharding(variable, mesh) if mesh is not None else None
             variable.set_value(jax.device_put(array, target))
+    if cfg.lora.enabled:
+        _fresh_adapters(model, seed, mesh)
     return model, load_tokenizer(path)
+
+
+def _fresh_adapters(model: Policy, seed: int, mesh: Mesh | None) -> None:
+    """A loaded base's adapters (abstract until now): A drawn as a fresh policy's, B = 0."""
+    for _, _, module, prefix in adapted_modules(model):
+        b = getattr(module, f"{prefix}_lora_b")
+        b.set_value(jnp.zeros(b.get_value().shape, jnp.float32))
+    init_adapters(model, jax.random.fold_in(jax.random.key(seed), 1))
+    for _, _, module, prefix in adapted_modules(model):
+        for which in ("a", "b"):
+            variable = getattr(module, f"{prefix}_lora_{which}")
+            target = variable_sharding(variable, mesh) if mesh is not None else None
+            variable.set_value(jax.device_put(variable.get_value(), target))
 
 
 # --------------------------------------------------------------------------- save
@@ -314,9 +332,12 @@ def save_pretrained(
     *,
     max_shard_bytes: int | None = None,
 ) -> Path:
-    """Write `model` and `tokenizer` as an HF folder (float32 weights), sharded if asked."""
+    """Write `model` and `tokenizer` as an HF folder (float32 weights), sharded if asked. A
+    LoRA policy is written merged (a plain checkpoint transformers loads as it is)."""
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
+    if model.cfg.lora.enabled:  # adapters folded in: W + s A B (peft.save_adapter keeps them)
+        model = merged_module(model)
     tensors = {}
     for name, variable, n_in in _hf_variables(model):
         array = np.asarray(jax.device_get(variable.get_value()), dtype=np.float32)

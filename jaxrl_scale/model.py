@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxrl_scale import attention
+from jaxrl_scale import attention, lora
 from jaxrl_scale.config import ModelConfig, RopeScalingConfig
 from jaxrl_scale.sharding import constrain_rows
 
@@ -152,6 +152,7 @@ class Attention(nnx.Module):
         if cfg.qk_norm:
             self.q_norm = _ones((e,), ("norm",))
             self.k_norm = _ones((e,), ("norm",))
+        _add_adapters(self, cfg, ("q", "k", "v", "o"))
 
     def __call__(self, x_btd, rope, valid_bs, qslot_bt, kv=None, write_index=None):
         """Attention of T queries over S key slots under the slot mask (attention.py: slot s is
@@ -164,15 +165,16 @@ class Attention(nnx.Module):
         dtype = x_btd.dtype
         precision = PRECISIONS[cfg.matmul_precision]
 
-        def project(kernel_dhe, bias_name):
-            y_bthe = dense(x_btd, kernel_dhe[...].astype(dtype), precision=precision)
+        def project(name):
+            kernel_dhe = getattr(self, f"{name}_kernel")
+            y_bthe = _project(self, name, x_btd, kernel_dhe, 1, precision)
             if cfg.qkv_bias:
-                y_bthe = y_bthe + getattr(self, bias_name)[...].astype(dtype)
+                y_bthe = y_bthe + getattr(self, f"{name}_bias")[...].astype(dtype)
             return y_bthe
 
-        q_bthe = project(self.q_kernel, "q_bias")
-        k_btke = project(self.k_kernel, "k_bias")
-        v_btke = project(self.v_kernel, "v_bias")
+        q_bthe = project("q")
+        k_btke = project("k")
+        v_btke = project("v")
         if cfg.qk_norm:
             q_bthe = rms_norm(q_bthe, self.q_norm[...], cfg.rms_norm_eps, dtype)
             k_btke = rms_norm(k_btke, self.k_norm[...], cfg.rms_norm_eps, dtype)
@@ -208,7 +210,7 @@ class Attention(nnx.Module):
             block_size=cfg.attention_block_size,
             query_offset=offset,
         )
-        return dense(out_bthe, self.o_kernel[...].astype(dtype), n_in=2, precision=precision), kv
+        return _project(self, "o", out_bthe, self.o_kernel, 2, precision), kv
 
 
 def _write_slots(cache_bkse, new_bkte, write_index):
@@ -235,12 +237,41 @@ class MLP(nnx.Module):
         self.gate_kernel = _param(rngs, (d, f), ("embed", "mlp"))
         self.up_kernel = _param(rngs, (d, f), ("embed", "mlp"))
         self.down_kernel = _param(rngs, (f, d), ("mlp", "embed"))
+        _add_adapters(self, cfg, ("gate", "up", "down"))
 
     def __call__(self, x_btd):
-        dtype, precision = x_btd.dtype, self.precision
-        gate = jax.nn.silu(dense(x_btd, self.gate_kernel[...].astype(dtype), precision=precision))
-        up = dense(x_btd, self.up_kernel[...].astype(dtype), precision=precision)
-        return dense(gate * up, self.down_kernel[...].astype(dtype), precision=precision)
+        precision = self.precision
+        gate = jax.nn.silu(_project(self, "gate", x_btd, self.gate_kernel, 1, precision))
+        up = _project(self, "up", x_btd, self.up_kernel, 1, precision)
+        return _project(self, "down", gate * up, self.down_kernel, 1, precision)
+
+
+def _add_adapters(module, cfg: ModelConfig, names: tuple[str, ...]) -> None:
+    """LoRA's (A, B) beside each of `module`'s kernels that `model.lora` targets."""
+    module.lora_scale = cfg.lora.scale if cfg.lora.enabled else 0.0
+    if not cfg.lora.enabled:
+        return
+    targets = cfg.lora.projections
+    for name in names:
+        if f"{name}_proj" not in targets:
+            continue
+        kernel = getattr(module, f"{name}_kernel")
+        n_in = 2 if name == "o" else 1
+        a, b = lora.adapter_pair(
+            kernel.get_value().shape,
+            kernel.get_metadata()["logical_axes"],
+            n_in,
+            cfg.lora.rank,
+        )
+        setattr(module, f"{name}_lora_a", a)
+        setattr(module, f"{name}_lora_b", b)
+
+
+def _project(module, name: str, x, kernel, n_in: int, precision):
+    """x @ kernel in x's dtype, plus the kernel's LoRA adapter's s (x A) B where it has one."""
+    y = dense(x, kernel[...].astype(x.dtype), n_in=n_in, precision=precision)
+    d = lora.delta(module, name, x, n_in=n_in, precision=precision, scale=module.lora_scale)
+    return y if d is None else y + d
 
 
 class Block(nnx.Module):
@@ -275,6 +306,8 @@ class Policy(nnx.Module):
         self.final_norm = _ones((d,), ("norm",))
         if not cfg.tie_embeddings:
             self.lm_head = _param(rngs, (d, v), ("embed", "vocab"))
+        if cfg.lora.enabled:  # after the base: the base equals a rank-0 policy's of this seed
+            lora.init_adapters(self, rngs.params())
 
     @property
     def compute_dtype(self):
@@ -429,14 +462,15 @@ def for_generation(params, cfg: ModelConfig, *, copy: bool = True):
     embedding, in the compute dtype, which is what the model casts them to at use, so decoding
     is bit-identical to decoding with the float32 parameters at about half their bytes
     (Qwen3-8B: 30.5 GiB -> 16.4 GiB). Norm weights (scaled in float32) and the head's kernel
-    (the FP32 head; the embedding when tied) keep their dtype. With `copy`, every leaf is a new
+    (the FP32 head; the embedding when tied) keep their dtype, and nothing is widened (a
+    bfloat16 LoRA base stays bfloat16 under float32 compute). With `copy`, every leaf is a new
     buffer, so the train step may donate `params` while the generator reads the result."""
     dtype = _DTYPES[cfg.dtype]
     head = {"lm_head"} | ({"embedding"} if cfg.tie_embeddings else set())
 
     def one(path, var):
         x = var.get_value()
-        if _is_norm(var) or path[0].key in head or x.dtype == dtype:
+        if _is_norm(var) or path[0].key in head or x.dtype.itemsize <= jnp.dtype(dtype).itemsize:
             return var.replace(jnp.copy(x)) if copy else var
         return var.replace(x.astype(dtype))
 

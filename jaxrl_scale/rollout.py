@@ -37,6 +37,7 @@ from jaxrl_scale.compute import batch_flops
 from jaxrl_scale.config import ConfigError, ExperimentConfig
 from jaxrl_scale.curriculum import Curriculum
 from jaxrl_scale.generation import EngineBatches, WaveGenerator, batch_chunks, wave_prompts
+from jaxrl_scale.lora import merge_params, state_bytes
 from jaxrl_scale.model import for_generation
 from jaxrl_scale.pipeline import ParamsForChunk
 from jaxrl_scale.sampler import (
@@ -75,7 +76,10 @@ class RolloutWorker:
         *,
         mesh: jax.sharding.Mesh,
         gen_mesh: jax.sharding.Mesh | None = None,
+        frozen=None,
     ):
+        """`frozen`: a LoRA policy's base (lora.py); the parameters this worker is then given
+        are the adapters, which it decodes on top of its own generation copy of the base."""
         self.cfg, self.task, self.tok, self.graphdef = cfg, task, task.tokenizer, graphdef
         if cfg.model.vocab_size < self.tok.vocab_size:
             raise ConfigError(
@@ -84,6 +88,9 @@ class RolloutWorker:
             )
         self.mesh, self.gen_mesh = mesh, gen_mesh
         self.multiprocess = jax.process_count() > 1
+        # The base as the generator decodes with it, placed once: on the generator's devices,
+        # or the trainer's own buffers (never donated) in the compute dtype.
+        self.generator_base = None if frozen is None else self._place(frozen, copy=False)
         s = cfg.sampler
         self.sampling = Sampling(s.temperature, s.top_p, s.top_k)
         self.interruption = Interruption.from_config(s, self.tok)
@@ -131,12 +138,27 @@ class RolloutWorker:
         compute dtype, bit-identical samples). On its own devices: resharded there. On the
         trainer's in pipeline_rl, whose generator decodes while the train step that donates
         the trainer's parameters runs: a copy. Otherwise (sync, ppo_off_policy: generation ends
-        before training starts) the trainer's own, with no copy beside the train state."""
+        before training starts) the trainer's own, with no copy beside the train state.
+        With LoRA, `params` are the adapters: only they move, on top of `generator_base`."""
+        placed = self._place(params, copy=decodes_with_copy(self.cfg, self.gen_mesh))
+        return merge_params(self.generator_base, placed)
+
+    def update_bytes(self, params, *, remote: bool = False) -> int:
+        """Bytes one weight update moves or copies to a generator (`to_generator`, or a
+        generator job's pull with `remote`): 0 where it decodes with the trainer's own
+        buffers."""
+        if not remote and not decodes_with_copy(self.cfg, self.gen_mesh):
+            return 0
+        return state_bytes(jax.eval_shape(lambda p: for_generation(p, self.cfg.model), params))
+
+    def _place(self, params, *, copy: bool):
         if self.gen_mesh is not None:
             params = for_generation(params, self.cfg.model, copy=False)
             return distributed.transfer(params, sharding.state_shardings(params, self.gen_mesh))
-        if decodes_with_copy(self.cfg, self.gen_mesh):
+        if copy:
             return for_generation(params, self.cfg.model)
+        if self.cfg.model.lora.enabled:  # the base, cast where the compute dtype is narrower
+            return for_generation(params, self.cfg.model, copy=False)
         return params
 
     # ------------------------------------------------------------------ generation

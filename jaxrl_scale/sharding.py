@@ -29,6 +29,7 @@ LOGICAL_RULES: dict[str, str | tuple[str, ...] | None] = {
     "head_dim": None,
     "mlp": "tensor",
     "norm": None,
+    "lora": None,  # an adapter's rank axis (lora.py): small, replicated
 }
 
 

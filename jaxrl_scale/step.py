@@ -15,6 +15,7 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxrl_scale.config import ExperimentConfig, LossConfig, OptimConfig
+from jaxrl_scale.lora import merge_policy
 from jaxrl_scale.losses import combine_sums, loss_sums, loss_weights, metrics_from_sums
 from jaxrl_scale.model import completion_logprobs, token_logprobs
 from jaxrl_scale.sharding import LOGICAL_RULES, replicated
@@ -23,6 +24,10 @@ from jaxrl_scale.sharding import LOGICAL_RULES, replicated
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class TrainState:
+    """What an optimizer step updates. `params` are the trainable parameters: every one, or
+    with LoRA the adapters alone, whose frozen base is an argument of the step beside the
+    state (lora.py), never donated and never copied into it."""
+
     params: nnx.State
     opt_state: optax.OptState
     step: jax.Array  # optimizer steps taken (the policy version)
@@ -111,6 +116,7 @@ def _rl_loss(
     ref_params,
     batch: Batch,
     weights_bt,
+    frozen=None,
     *,
     graphdef,
     group_size,
@@ -122,7 +128,7 @@ def _rl_loss(
 
     def logprobs(p):
         return completion_logprobs(
-            nnx.merge(graphdef, p),
+            merge_policy(graphdef, p, frozen),
             batch.prompt_tokens[::group_size],
             batch.prompt_mask[::group_size],
             batch.tokens,
@@ -163,6 +169,7 @@ def _micro(tree, m: int, mesh=None):
 def train_step(
     state: TrainState,
     batch: Batch,
+    frozen=None,
     *,
     graphdef,
     tx,
@@ -178,9 +185,12 @@ def train_step(
     With `micro_batches` = m, the batch runs as m slices of whole prompt groups (memory / m),
     each under the token weights of the whole batch (losses.loss_weights), so the summed
     slice losses and gradients equal the whole batch's whatever filtering left in each slice.
+
+    `frozen`: a LoRA policy's base (lora.py); gradients are taken for `state.params` only.
     """
     loss_fn = functools.partial(
         _rl_loss,
+        frozen=frozen,
         graphdef=graphdef,
         group_size=group_size,
         loss_cfg=loss_cfg,
@@ -248,11 +258,13 @@ def compile_train_step(
     micro_batches=1,
     state_sharding=None,
     batch_sharding=None,
+    frozen_sharding=None,
 ):
     """jit of `train_step` with the state donated. With `state_sharding` (a TrainState of
     shardings) and `batch_sharding` (a Batch of shardings) the layout is explicit: the state
     comes out where it went in and metrics come out replicated; without them, shardings follow
-    the inputs' placement."""
+    the inputs' placement. With LoRA the step takes the frozen base third, (state, batch,
+    frozen), laid out as `frozen_sharding` and not donated."""
     step = functools.partial(
         train_step,
         graphdef=graphdef,
@@ -266,21 +278,26 @@ def compile_train_step(
         return jax.jit(step, donate_argnums=0)
     mesh = jax.tree.leaves(batch_sharding)[0].mesh
 
-    def step_on_mesh(state, batch):
+    def step_on_mesh(state, batch, *frozen):
         with jax.sharding.use_abstract_mesh(
             mesh.abstract_mesh
         ):  # activations' rows pinned to the batch axes (constrain_rows)
-            return step(state, batch, mesh=mesh)
+            return step(state, batch, *frozen, mesh=mesh)
 
+    in_shardings = (state_sharding, batch_sharding)
+    if frozen_sharding is not None:
+        in_shardings += (frozen_sharding,)
     return jax.jit(
         step_on_mesh,
-        in_shardings=(state_sharding, batch_sharding),
+        in_shardings=in_shardings,
         out_shardings=(state_sharding, replicated(mesh)),
         donate_argnums=0,
     )
 
 
-def compile_run_step(cfg: ExperimentConfig, graphdef, tx, *, state_sharding, batch_sharding):
+def compile_run_step(
+    cfg: ExperimentConfig, graphdef, tx, *, state_sharding, batch_sharding, frozen_sharding=None
+):
     """`compile_train_step` with a run's settings from `cfg` (group size, loss, sampling
     temperature, micro-batches): the step a run trains with and `jaxrl-scale memory` plans."""
     return compile_train_step(
@@ -292,14 +309,17 @@ def compile_run_step(cfg: ExperimentConfig, graphdef, tx, *, state_sharding, bat
         micro_batches=cfg.train.micro_batches,
         state_sharding=state_sharding,
         batch_sharding=batch_sharding,
+        frozen_sharding=frozen_sharding,
     )
 
 
-def sft_step(params, opt_state, tokens, attention_mask, target_mask, *, graphdef, tx):
-    """One supervised step: maximise the mean log-likelihood of the target tokens."""
+def sft_step(params, opt_state, tokens, attention_mask, target_mask, frozen=None, *, graphdef, tx):
+    """One supervised step: maximise the mean log-likelihood of the target tokens (of
+    `params`, the trainable parameters, over a LoRA policy's `frozen` base)."""
 
     def loss_fn(params):
-        logp = token_logprobs(nnx.merge(graphdef, params), tokens, mask_bt=attention_mask)
+        model = merge_policy(graphdef, params, frozen)
+        logp = token_logprobs(model, tokens, mask_bt=attention_mask)
         return -jnp.sum(logp * target_mask) / jnp.maximum(jnp.sum(target_mask), 1.0)
 
     loss, grads = jax.value_and_grad(loss_fn)(params)

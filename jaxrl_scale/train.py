@@ -40,7 +40,7 @@ import numpy as np
 from flax import nnx
 
 import jaxrl_scale
-from jaxrl_scale import distributed, sharding
+from jaxrl_scale import distributed, lora, sharding
 from jaxrl_scale.checkpoint import Checkpointer, RunState, abstract_like
 from jaxrl_scale.compute import RunClock
 from jaxrl_scale.config import ExperimentConfig, dump_config
@@ -49,6 +49,7 @@ from jaxrl_scale.forecast import OnlineForecast
 from jaxrl_scale.hf import load_pretrained
 from jaxrl_scale.metrics import MetricsWriter, read_metrics
 from jaxrl_scale.model import Policy
+from jaxrl_scale.peft import load_adapter, resolve_lora
 from jaxrl_scale.pipeline import ParamsSource, make_feeder, staleness_bound
 from jaxrl_scale.rollout import Rollouts, RolloutWorker, rollouts_from_host, rollouts_to_host
 from jaxrl_scale.step import Batch, compile_run_step, init_train_state, make_optimizer
@@ -78,6 +79,7 @@ class Run:
     resumed: bool
     checkpointer: Checkpointer
     devices: int  # every device the run holds (trainer's and generator's)
+    frozen: Any = None  # a LoRA policy's base (lora.py): read by the step, never donated
 
 
 def setup(cfg: ExperimentConfig, out: str | Path, *, resume: bool = True) -> Run:
@@ -90,14 +92,22 @@ def setup(cfg: ExperimentConfig, out: str | Path, *, resume: bool = True) -> Run
     sharding.check_divisible(cfg, mesh, gen_mesh)
     # ---------------------------------------------------------------- model and task
     m, tokenizer = cfg.model, None
+    if m.lora.init_from:  # a PEFT adapter fixes the adapters' shape
+        m = dataclasses.replace(m, lora=resolve_lora(m.lora))
+        cfg = dataclasses.replace(cfg, model=m)
     if m.init_from:
-        model, tokenizer = load_pretrained(m.init_from, mesh=mesh, **m.runtime_fields())
+        model, tokenizer = load_pretrained(
+            m.init_from, mesh=mesh, seed=cfg.seed, **m.runtime_fields()
+        )
         cfg = dataclasses.replace(cfg, model=dataclasses.replace(model.cfg, init_from=m.init_from))
     else:
         model = sharding.init_sharded(lambda: Policy(m, rngs=nnx.Rngs(params=cfg.seed)), mesh)
-    graphdef, params = nnx.split(model)
+    # With LoRA, `params` are the adapters and `frozen` the base (lora.py); else frozen is None.
+    graphdef, frozen, params = lora.split_policy(model, cfg.model)
+    if cfg.model.lora.init_from:
+        params = load_adapter(cfg.model.lora.init_from, params, cfg.model)
     task = make_task(cfg.task, seed=cfg.seed, tokenizer=tokenizer)
-    worker = RolloutWorker(cfg, task, graphdef, mesh=mesh, gen_mesh=gen_mesh)
+    worker = RolloutWorker(cfg, task, graphdef, mesh=mesh, gen_mesh=gen_mesh, frozen=frozen)
     if distributed.is_main():  # the resolved config reruns the run: --config RUN/config.yaml
         stamp = f"jaxrl-scale {jaxrl_scale.__version__}, {datetime.datetime.now():%Y-%m-%d %H:%M}"
         (out / "config.yaml").write_text(dump_config(cfg, header=f"{stamp}\nresolved config"))
@@ -109,9 +119,18 @@ def setup(cfg: ExperimentConfig, out: str | Path, *, resume: bool = True) -> Run
     n_new = cfg.sampler.max_new_tokens
     rows = cfg.train.prompts_per_step * cfg.train.group_size
     batch_sharding = sharding.batch_shardings(Batch.shapes(rows, 1, n_new), mesh)
-    train_step = compile_run_step(
-        cfg, graphdef, tx, state_sharding=state_sharding, batch_sharding=batch_sharding
-    )
+    if frozen is None:
+        train_step = compile_run_step(
+            cfg, graphdef, tx, state_sharding=state_sharding, batch_sharding=batch_sharding
+        )
+    else:  # the base rides beside the donated state, as an argument of its own
+        frozen_sharding = sharding.state_shardings(frozen, mesh)
+        step_with_base = compile_run_step(cfg, graphdef, tx, state_sharding=state_sharding,
+                                          batch_sharding=batch_sharding,
+                                          frozen_sharding=frozen_sharding)  # fmt: skip
+
+        def train_step(state, batch):
+            return step_with_base(state, batch, frozen)
 
     def new_train_state(params):
         return jax.device_put(init_train_state(params, tx, reference=reference), state_sharding)
@@ -124,11 +143,15 @@ def setup(cfg: ExperimentConfig, out: str | Path, *, resume: bool = True) -> Run
     # metrics rows after the checkpoint's step are cut (MetricsWriter) and the forecaster
     # replays the eval curve so far (train_run; both on process 0, which alone keeps the log).
     checkpointer = Checkpointer(out, keep=cfg.checkpoint.keep)
+    # A LoRA checkpoint holds the adapters and a fingerprint of the base they sit on (the base
+    # itself is the config's: model.init_from or the seed), checked on resume.
+    base_fingerprint = None if frozen is None else lora.fingerprint(frozen)
     restored = None
     if resume:
         restored = checkpointer.restore_latest(
             abstract_like(jax.device_put(state, state_sharding)),
             lambda tree: rollouts_from_host(tree, worker),
+            base=base_fingerprint,
         )
     if restored is not None:
         worker.curriculum.load_state_dict(restored.curriculum)
@@ -142,6 +165,7 @@ def setup(cfg: ExperimentConfig, out: str | Path, *, resume: bool = True) -> Run
         key=jax.random.key(cfg.seed),
         totals=dict.fromkeys(TOTALS, 0),
         pending=[],
+        base=base_fingerprint,
     )
     devices = mesh.devices.size + (gen_mesh.devices.size if gen_mesh is not None else 0)
     if cfg.hosts.generator_groups:  # the generator jobs' devices count on the x-axis too
@@ -158,6 +182,7 @@ def setup(cfg: ExperimentConfig, out: str | Path, *, resume: bool = True) -> Run
         restored is not None,
         checkpointer,
         devices,
+        frozen,
     )
 
 
@@ -182,9 +207,8 @@ def train_run(run: Run) -> list[dict[str, Any]]:
             forecaster.replay(curve_from_rows(rows_so_far, x=cfg.forecast.x, clean=False))
     else:
         if cfg.warm_start.steps:
-            params, _ = warm_start(
-                train_state.params, worker.graphdef, worker.task, cfg.warm_start, seed=cfg.seed
-            )
+            params, _ = warm_start(train_state.params, worker.graphdef, worker.task,
+                                   cfg.warm_start, seed=cfg.seed, frozen=run.frozen)  # fmt: skip
             train_state = run.new_train_state(params)  # a KL reference is this policy
         rate, sd = worker.evaluate_with_sd(train_state.params, jax.random.fold_in(key, 10**9))
         forecaster.observe(0, 0.0, rate, sd)
@@ -195,11 +219,14 @@ def train_run(run: Run) -> list[dict[str, Any]]:
     # ---------------------------------------------------------------- the loop
     clock = RunClock(run.devices, seconds=totals["device_seconds"])  # from the first RL step
     source, feeder = _feeder(cfg, worker, train_state.params, start, key)
+    # What each update moves to a generator (each generator job pulls its own copy).
+    update_bytes = worker.update_bytes(train_state.params, remote=source is None)
     unlogged: _Step | None = None  # a step dispatched but not yet read back
     curriculum, step = start.curriculum, start.step
 
     def finish(record: _Step, ended: float, evaluation: tuple | None = None) -> dict[str, Any]:
         row = _row(record, ended, totals, clock, cfg, evaluation)
+        row["weight_update_bytes"] = update_bytes
         if evaluation is not None and distributed.is_main():
             x, (rate, sd) = row[cfg.forecast.x], evaluation
             row.update(forecaster.observe(record.step, x, rate, sd) or {})
@@ -214,7 +241,8 @@ def train_run(run: Run) -> list[dict[str, Any]]:
     def save() -> None:
         with clock.excluded():
             pending = list(feeder.pending)
-            state = RunState(step, train_state, curriculum, key, dict(totals), pending)
+            state = RunState(step, train_state, curriculum, key, dict(totals), pending,
+                             start.base)  # fmt: skip
             run.checkpointer.save(state, rollouts_to_host)
 
     clock.start()

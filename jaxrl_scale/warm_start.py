@@ -38,19 +38,24 @@ def demonstration_batch(task, examples, rng: np.random.Generator):
     return tokens, attention, target
 
 
-def warm_start(params, graphdef, task, cfg: WarmStartConfig, *, seed: int):
-    """(params, per-step losses) after the warm start; `params` unchanged when steps = 0."""
+def warm_start(params, graphdef, task, cfg: WarmStartConfig, *, seed: int, frozen=None):
+    """(params, per-step losses) after the warm start; `params` unchanged when steps = 0.
+    `params` are the trainable parameters (a LoRA policy's adapters over `frozen`)."""
     if cfg.steps == 0:
         return params, []
     tx = make_optimizer(cfg.optim, total_steps=cfg.steps)
-    step = jax.jit(lambda p, o, *batch: sft_step(p, o, *batch, graphdef=graphdef, tx=tx))
+    step = jax.jit(
+        lambda p, o, tokens, attention, target, frozen: sft_step(
+            p, o, tokens, attention, target, frozen, graphdef=graphdef, tx=tx
+        )
+    )
     opt_state = tx.init(params)
     rng = np.random.default_rng(seed)
     losses = []
     for _ in range(cfg.steps):
         pick = rng.integers(0, len(task.train_examples), cfg.batch_size)
         batch = demonstration_batch(task, [task.train_examples[i] for i in pick], rng)
-        params, opt_state, loss = step(params, opt_state, *batch)
+        params, opt_state, loss = step(params, opt_state, *batch, frozen)
         if not cfg.target_loss:  # no host read per step: dispatch runs ahead
             losses.append(loss)
             continue

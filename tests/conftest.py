@@ -16,6 +16,12 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
     os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0.2"
 else:
     _CACHE_DIR = None
+# This process itself does not write the cache: in the full suite jax 0.10.2 crashed
+# (segfault) serialising an executable into it, deterministically, after some hundreds of
+# entries; the subprocesses the tests start (few programs each) still share it.
+import jax  # noqa: E402
+
+jax.config.update("jax_enable_compilation_cache", False)
 
 from pathlib import Path
 

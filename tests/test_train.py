@@ -205,7 +205,9 @@ def test_in_flight_update_gives_one_completion_two_versions(tmp_path):
     [
         "pipeline.mode=sync",
         "pipeline.mode=pipeline_rl,pipeline.lockstep=true,sampler.batching=static",
-        "pipeline.mode=ppo_off_policy,pipeline.max_staleness=3",  # checkpoints inside a round
+        # Checkpoints inside a round; a LoRA run's (adapters, their optimizer, the base's
+        # fingerprint) resume as exactly as a full one's.
+        "pipeline.mode=ppo_off_policy,pipeline.max_staleness=3,model.lora.rank=4",
         # The slot engine's rows in flight are not checkpointed: a resumed run draws their
         # prompts again and samples them with the restored parameters, so it matches the
         # uninterrupted run up to the checkpoint and goes on from there, nothing skipped.
