@@ -44,6 +44,12 @@ def _parser() -> argparse.ArgumentParser:
         help="start from this Hugging Face folder (sets model.init_from)",
     )
     train.add_argument(
+        "--adapter-from",
+        default=None,
+        metavar="PEFT_DIR",
+        help="start LoRA from this PEFT adapter folder (sets model.lora.init_from)",
+    )
+    train.add_argument(
         "--role",
         choices=("trainer", "generator"),
         default=None,
@@ -66,6 +72,16 @@ def _parser() -> argparse.ArgumentParser:
     sweep.add_argument(
         "--refit", action="store_true", help="fit finished runs again from their metrics"
     )
+
+    export = sub.add_parser(
+        "export",
+        help="a run's newest checkpoint as a Hugging Face folder (LoRA merged), and a LoRA "
+        "run's adapters as a PEFT folder",
+    )
+    export.add_argument("run", type=Path, metavar="RUN", help="run directory")
+    export.add_argument("--out", type=Path, required=True, help="Hugging Face folder to write")
+    export.add_argument("--peft", type=Path, default=None, metavar="DIR",
+                        help="also write the adapters as a PEFT folder")  # fmt: skip
 
     memory = sub.add_parser(
         "memory",
@@ -205,6 +221,8 @@ def main(argv: list[str] | None = None) -> int:
             overrides = list(args.overrides)
             if args.init_from:
                 overrides.append(f"model.init_from={args.init_from}")
+            if args.adapter_from:
+                overrides.append(f"model.lora.init_from={args.adapter_from}")
             role = args.role or os.environ.get("JAXRL_ROLE") or "trainer"
             if role == "generator":
                 from jaxrl_scale.generator_job import main as generate
@@ -238,6 +256,11 @@ def main(argv: list[str] | None = None) -> int:
             _fit(args)
         elif args.command == "memory":
             return _memory(args)
+        elif args.command == "export":
+            from jaxrl_scale.train import export_run
+
+            for path in export_run(args.run, args.out, peft_out=args.peft):
+                print(f"wrote {path}")
     except ConfigError as e:
         print(f"jaxrl-scale: config error: {e}", file=sys.stderr)
         return 2

@@ -43,7 +43,7 @@ import jaxrl_scale
 from jaxrl_scale import distributed, lora, sharding
 from jaxrl_scale.checkpoint import Checkpointer, RunState, abstract_like
 from jaxrl_scale.compute import RunClock
-from jaxrl_scale.config import ExperimentConfig, dump_config
+from jaxrl_scale.config import ConfigError, ExperimentConfig, dump_config
 from jaxrl_scale.fit.data import curve_from_rows
 from jaxrl_scale.forecast import OnlineForecast
 from jaxrl_scale.hf import load_pretrained
@@ -300,6 +300,28 @@ def train_run(run: Run) -> list[dict[str, Any]]:
         run.checkpointer.close()
         metrics_log.close()
     return rows
+
+
+def export_run(run_dir: str | Path, out: str | Path, *, peft_out=None) -> list[Path]:
+    """A run's newest checkpoint as a Hugging Face folder at `out` (a LoRA policy merged:
+    W + s A B), and with `peft_out` a LoRA run's adapters as a PEFT folder."""
+    from jaxrl_scale.config import load_config
+    from jaxrl_scale.hf import save_pretrained
+    from jaxrl_scale.peft import save_adapter
+
+    run_dir = Path(run_dir)
+    run = setup(load_config(run_dir / "config.yaml"), run_dir)
+    if not run.resumed:
+        raise FileNotFoundError(f"{run_dir}: no checkpoint to export")
+    m, params = run.cfg.model, run.start.train.params
+    if peft_out is not None and not m.lora.enabled:
+        raise ConfigError(f"--peft: {run_dir} is not a LoRA run (model.lora.rank = 0)")
+    model = lora.merge_policy(run.worker.graphdef, params, run.frozen)
+    written = [save_pretrained(model, run.worker.tok, out)]
+    if peft_out is not None:
+        written.append(save_adapter(params, m, peft_out, base=m.init_from))
+    run.checkpointer.close()
+    return written
 
 
 # --------------------------------------------------------------------------- helpers

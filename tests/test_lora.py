@@ -312,14 +312,28 @@ def test_pipeline_rl_run_sends_adapters_only_and_logprobs_match(tmp_path):
     assert full_rows[-1]["weight_update_bytes"] > 4 * steps[0]["weight_update_bytes"]
 
 
-def test_resume_refuses_adapters_of_another_base(tmp_path):
+def test_lora_checkpoint_exports_and_refuses_another_base(tmp_path):
     from jaxrl_scale.checkpoint import CheckpointMismatch
+    from jaxrl_scale.cli import main
     from jaxrl_scale.train import setup
 
     args = [*FAST, "model.lora.rank=4", "pipeline.mode=sync", "train.steps=2", "checkpoint.every=2"]
     train(load_config(TINY_CONFIG, args), tmp_path)
     run = setup(load_config(TINY_CONFIG, args), tmp_path)  # the same base: resumes
     assert run.resumed and run.start.step == 2
+    # Export: a merged Hugging Face folder and the adapters as a PEFT folder.
+    assert main(["export", str(tmp_path), "--out", str(tmp_path / "hf"),
+                 "--peft", str(tmp_path / "adapter")]) == 0  # fmt: skip
+    adapted = lora.merge_policy(run.worker.graphdef, run.start.train.params, run.frozen)
+    merged, _ = load_pretrained(tmp_path / "hf")
+    tokens = jnp.arange(20).reshape(2, 10) % run.cfg.model.vocab_size
+    np.testing.assert_allclose(merged(tokens), adapted(tokens), atol=1e-5)
+    reloaded = load_adapter(tmp_path / "adapter", run.start.train.params, run.cfg.model)
+    for x, y in zip(
+        jax.tree.leaves(reloaded), jax.tree.leaves(run.start.train.params), strict=True
+    ):
+        np.testing.assert_array_equal(x, y)
+    run.checkpointer.close()
     with pytest.raises(CheckpointMismatch, match="another base"):
         setup(load_config(TINY_CONFIG, [*args, "seed=7"]), tmp_path)
     with pytest.raises(CheckpointMismatch, match="does not make"):  # full FT vs adapters
