@@ -76,10 +76,8 @@ class RolloutWorker:
         *,
         mesh: jax.sharding.Mesh,
         gen_mesh: jax.sharding.Mesh | None = None,
-        frozen=None,
+        frozen=None,  # a LoRA base (lora.py): params given to this worker are then adapters
     ):
-        """`frozen`: a LoRA policy's base (lora.py); the parameters this worker is then given
-        are the adapters, which it decodes on top of its own generation copy of the base."""
         self.cfg, self.task, self.tok, self.graphdef = cfg, task, task.tokenizer, graphdef
         if cfg.model.vocab_size < self.tok.vocab_size:
             raise ConfigError(
