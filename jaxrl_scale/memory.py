@@ -24,6 +24,14 @@ at twice their bytes: measured, 1.78 GiB per Qwen3-8B layer at 64 slots x 17k to
 accelerator makes no such copies, so for a bf16 config the CPU also compiles the float32
 program (no copies, activations twice as wide) and reports the smaller of the two
 temporaries, each an upper bound; both stay in the report.
+
+With LoRA (`model.lora.rank` > 0) the plan holds what such a run holds (lora.py): the train
+step's arguments are the frozen base (in `model.lora.base_dtype`, never donated) beside a
+train state of the adapters alone, whose gradients and optimizer moments are the adapters';
+the generator keeps one copy of the base in its decoding dtypes and receives only adapters,
+so its copies in flight are adapter copies. The report adds what full fine-tuning of the
+same model would hold per device (parameters, gradients and Adam's moments in float32, from
+the same shapes and layout) beside LoRA's.
 """
 
 from __future__ import annotations
@@ -36,12 +44,13 @@ import jax
 import numpy as np
 from flax import nnx
 
-from jaxrl_scale import attention, sharding
+from jaxrl_scale import attention, lora, sharding
 from jaxrl_scale.config import ExperimentConfig
 from jaxrl_scale.engine import abstract_slots, lower_admission
 from jaxrl_scale.generation import wave_prompts
 from jaxrl_scale.hf import config_from_hf, resolve_checkpoint
 from jaxrl_scale.model import Policy, for_generation
+from jaxrl_scale.peft import resolve_lora
 from jaxrl_scale.rollout import decodes_with_copy
 from jaxrl_scale.sampler import Interruption, Sampling, decode, prefill
 from jaxrl_scale.step import Batch, TrainState, compile_run_step, make_optimizer
@@ -68,7 +77,11 @@ def task_prompt_len(cfg: ExperimentConfig) -> tuple[int, str]:
 
 def resolve_model(cfg: ExperimentConfig) -> ExperimentConfig:
     """With model.init_from, the architecture its config.json fixes (as training would load it);
-    the weights are not read."""
+    with model.lora.init_from, the rank and targets of that PEFT adapter's config (as
+    `train.setup` takes them). The weights are not read."""
+    if cfg.model.lora.init_from:
+        lora_cfg = resolve_lora(cfg.model.lora)
+        cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, lora=lora_cfg))
     if not cfg.model.init_from:
         return cfg
     folder = resolve_checkpoint(cfg.model.init_from)
@@ -91,13 +104,46 @@ def _placed(state, mesh):
     )
 
 
+def _abstract_policy(cfg: ExperimentConfig):
+    """(graphdef, frozen base or None, trainable parameters) as a run splits its policy
+    (`lora.split_policy`: with LoRA the base in `model.lora.base_dtype` and the adapters;
+    without, None and every parameter), as unplaced ShapeDtypeStructs."""
+    return nnx.eval_shape(lambda: lora.split_policy(Policy(cfg.model, rngs=nnx.Rngs(0)), cfg.model))
+
+
 def _abstract_params(cfg: ExperimentConfig, mesh, *, generation: bool = False):
     """(graphdef, parameters as ShapeDtypeStructs sharded by their logical axes on `mesh`);
-    with `generation`, the dtypes the generator decodes with (`model.for_generation`)."""
-    graphdef, state = nnx.split(nnx.eval_shape(lambda: Policy(cfg.model, rngs=nnx.Rngs(0))))
-    if generation:
+    with `generation`, the dtypes the generator decodes with (`model.for_generation`). A LoRA
+    generator always decodes in those (`RolloutWorker`), the base's and the adapters' alike."""
+    graphdef, frozen, params = _abstract_policy(cfg)
+    state = lora.merge_params(frozen, params)
+    if generation or frozen is not None:
         state = jax.eval_shape(lambda s: for_generation(s, cfg.model, copy=False), state)
     return graphdef, _placed(state, mesh)
+
+
+def _adapter_bytes(state, *, per_device: bool = True) -> int:
+    """Bytes of the LoRA adapters in a placed abstract state (0 without LoRA): one device's
+    shards, or with `per_device` False the whole arrays."""
+    variables = jax.tree.leaves(state, is_leaf=lambda x: isinstance(x, nnx.Variable))
+    size = _per_device_bytes if per_device else lambda x: x.size * np.dtype(x.dtype).itemsize
+    return sum(size(v.get_value()) for v in variables if isinstance(v, lora.LoRAParam))
+
+
+def _narrowed_bytes(cfg: ExperimentConfig, mesh) -> int:
+    """Per-device bytes of the new buffers a LoRA generator sharing the trainer's devices
+    makes of the frozen base (`for_generation` without a copy: the leaves it narrows to the
+    compute dtype, e.g. an untied embedding; the rest are the trainer's own buffers)."""
+    _, frozen, _ = _abstract_policy(cfg)
+    wide = _placed(frozen, mesh)
+    narrow = _placed(
+        jax.eval_shape(lambda s: for_generation(s, cfg.model, copy=False), frozen), mesh
+    )
+    return sum(
+        _per_device_bytes(n)
+        for w, n in zip(jax.tree.leaves(wide), jax.tree.leaves(narrow), strict=True)
+        if n.dtype != w.dtype
+    )
 
 
 def _breakdown(compiled) -> dict[str, int]:
@@ -118,8 +164,11 @@ def _breakdown(compiled) -> dict[str, int]:
 
 def train_step_memory(cfg: ExperimentConfig, mesh, prompt_len: int) -> dict[str, Any]:
     """The compiled train step's per-device bytes: arguments (parameters, optimizer state, the
-    batch), temporaries (activations, gradients, the update), outputs not aliased."""
-    graphdef, params = _abstract_params(cfg, mesh)
+    batch), temporaries (activations, gradients, the update), outputs not aliased. With LoRA
+    the parameters are the frozen base (an argument of its own, not donated) and the adapters,
+    the optimizer state is the adapters' alone, and `lora` compares with full fine-tuning."""
+    graphdef, frozen, params = _abstract_policy(cfg)
+    params = _placed(params, mesh)
     tx = make_optimizer(cfg.optim, total_steps=cfg.train.steps)
     scalar = jax.ShapeDtypeStruct((), np.int32, sharding=sharding.replicated(mesh))
     state = TrainState(
@@ -139,17 +188,61 @@ def train_step_memory(cfg: ExperimentConfig, mesh, prompt_len: int) -> dict[str,
         batch_shapes,
         batch_sharding,
     )
+    args = (state, batch)
+    frozen_sharding = None
+    if frozen is not None:
+        frozen = _placed(frozen, mesh)
+        frozen_sharding = jax.tree.map(lambda x: x.sharding, frozen)
+        args = (state, batch, frozen)
     step = compile_run_step(
-        cfg, graphdef, tx, state_sharding=state_sharding, batch_sharding=batch_sharding
-    )
-    out = _breakdown(step.lower(state, batch).compile())
-    param_bytes = sum(_per_device_bytes(x) for x in jax.tree.leaves(state.params))
-    out["parameters_bytes"] = param_bytes
-    out["optimizer_state_bytes"] = sum(
-        _per_device_bytes(x) for x in jax.tree.leaves(state.opt_state)
-    )
+        cfg, graphdef, tx, state_sharding=state_sharding, batch_sharding=batch_sharding,
+        frozen_sharding=frozen_sharding,
+    )  # fmt: skip
+    out = _breakdown(step.lower(*args).compile())
+    trainable = _state_bytes(state.params)
+    out["parameters_bytes"] = trainable + (0 if frozen is None else _state_bytes(frozen))
+    out["optimizer_state_bytes"] = _state_bytes(state.opt_state)
     out["rows_per_micro_batch"] = rows // cfg.train.micro_batches
+    if frozen is not None:
+        out["lora"] = _lora_state(cfg, mesh, tx, frozen, trainable, out)
     return out
+
+
+def _lora_state(cfg: ExperimentConfig, mesh, tx, frozen, trainable: int, out) -> dict[str, Any]:
+    """A LoRA train step's resident state per device beside full fine-tuning's of the same
+    model and layout (parameters, their gradients, the optimizer state; from shapes: full
+    fine-tuning keeps every parameter float32). Gradients have the trainable parameters'
+    bytes; they are inside the compiled temporaries, counted here from the shapes."""
+    lc = cfg.model.lora
+    full_cfg = dataclasses.replace(cfg.model, lora=dataclasses.replace(
+        lc, rank=0, base_dtype="float32", init_from=None))  # fmt: skip
+    _, _, full = _abstract_policy(dataclasses.replace(cfg, model=full_cfg))
+    full = _placed(full, mesh)
+    full_params = _state_bytes(full)
+    full_opt = _state_bytes(_placed(jax.eval_shape(tx.init, full), mesh))
+    # Resident: parameters, gradients, optimizer state (and GRPO's KL reference, a copy of
+    # the trainable parameters).
+    ref = 1 if cfg.loss.kl_coef else 0
+    lora_total = out["parameters_bytes"] + (1 + ref) * trainable + out["optimizer_state_bytes"]
+    full_total = (2 + ref) * full_params + full_opt
+    return {
+        "rank": lc.rank,
+        "targets": list(lc.projections),
+        "base_dtype": lc.base_dtype,
+        "frozen_base_bytes": _state_bytes(frozen),
+        "adapter_bytes": trainable,
+        "parameters_bytes": out["parameters_bytes"],
+        "gradient_bytes": trainable,
+        "optimizer_state_bytes": out["optimizer_state_bytes"],
+        "state_bytes": lora_total,
+        "full_fine_tuning": {
+            "parameters_bytes": full_params,
+            "gradient_bytes": full_params,
+            "optimizer_state_bytes": full_opt,
+            "state_bytes": full_total,
+        },
+        "saving_bytes": full_total - lora_total,
+    }
 
 
 def _interruption(cfg: ExperimentConfig) -> Interruption | None:
@@ -202,13 +295,21 @@ def _state_bytes(state) -> int:
 
 
 def generate_memory(
-    cfg: ExperimentConfig, mesh, prompt_len: int, *, copy: bool = True, copies: int = 1
+    cfg: ExperimentConfig,
+    mesh,
+    prompt_len: int,
+    *,
+    copy: bool = True,
+    copies: int = 1,
+    own_devices: bool = True,
 ) -> dict[str, Any]:
     """A decode chunk over the generator's slots: its per-device bytes (the parameters, the
     KV cache and the rows' buffers are arguments; the state is donated), plus `copies` - 1
-    more parameter copies held beside it. `copy`: the generator decodes with its own copy of
-    the parameters (`rollout.decodes_with_copy`), in the dtypes of `model.for_generation`;
-    else with the trainer's."""
+    more copies of what each update places beside it (the parameters; with LoRA the adapters,
+    on a base placed once). `copy`: the generator decodes with its own copy of the parameters
+    (`rollout.decodes_with_copy`), in the dtypes of `model.for_generation`; else with the
+    trainer's. `held_parameters_bytes`: the parameter bytes its devices hold beside what the
+    train state holds (all of them on `own_devices`)."""
     graphdef, params = _abstract_params(cfg, mesh, generation=copy)
     slots = cfg.sampler.slots or cfg.train.prompts_per_step * cfg.train.group_size
     state = abstract_slots(cfg.model, slots, prompt_len, cfg.sampler.max_new_tokens, mesh)
@@ -216,9 +317,22 @@ def generate_memory(
     cache = state.cache
     out["kv_cache_bytes"] = sum(_per_device_bytes(x) for x in jax.tree.leaves((cache.k, cache.v)))
     out["decode_state_bytes"] = _state_bytes(state)
-    out["parameters_bytes"] = sum(_per_device_bytes(x) for x in jax.tree.leaves(params))
+    out["parameters_bytes"] = _state_bytes(params)
     out["parameter_copies"] = copies
-    out["per_device_bytes"] += (copies - 1) * out["parameters_bytes"]
+    if cfg.model.lora.enabled:
+        adapters = _adapter_bytes(params)
+        base = out["parameters_bytes"] - adapters
+        out["base_bytes"], out["adapter_bytes"], out["update_bytes"] = base, adapters, adapters
+        # Beside the trainer, the base is the trainer's own buffers but for those narrowed
+        # to the compute dtype, and so are the adapters without a copy of their own.
+        narrowed = cfg.model.dtype != "float32"
+        held_base = base if own_devices else _narrowed_bytes(cfg, mesh)
+        held_adapters = copies * adapters if copy else (adapters if narrowed else 0)
+        out["held_parameters_bytes"] = held_base + held_adapters
+    else:
+        out["update_bytes"] = out["parameters_bytes"]
+        out["held_parameters_bytes"] = copies * out["parameters_bytes"] if copy else 0
+    out["per_device_bytes"] += (copies - 1) * out["update_bytes"]
     out["slots"] = slots
     return out
 
@@ -254,14 +368,17 @@ def evaluate_memory(
     """Held-out evaluation on the generator's devices: waves of task.num_eval prompts x
     train.eval_samples rows (`rollout.wave_prompts`), each prefilled and decoded to the end.
     Its total: the wave's decode state, the larger of its two programs' working memory and,
-    with `own_copy`, the parameter copy it decodes with (beside those the generator holds)."""
+    with `own_copy`, the parameter copy it decodes with (beside those the generator holds;
+    with LoRA, on the trainer's devices: adapters on the trainer's base)."""
     graphdef, params = _abstract_params(cfg, mesh, generation=copy)
     k, n_new = cfg.train.eval_samples, cfg.sampler.max_new_tokens
     prompts = wave_prompts(cfg, k, sharding.batch_ways(mesh), cfg.task.num_eval)
     first = _wave_prefill(cfg, graphdef, params, mesh, prompts, prompt_len, k)
     state = abstract_slots(cfg.model, prompts * k, prompt_len, n_new, mesh)
     chunk = _decode_chunk(cfg, graphdef, params, state, prompt_len, cfg.train.eval_temperature)
-    params_bytes = sum(_per_device_bytes(x) for x in jax.tree.leaves(params))
+    params_bytes = _state_bytes(params)
+    if cfg.model.lora.enabled:  # its own copy: adapters on the base beside the train state
+        params_bytes = _adapter_bytes(params) + _narrowed_bytes(cfg, mesh)
     state_bytes = _state_bytes(state)
     # Working memory: what each program holds beyond the parameters and the wave's state
     # (the prefill's output is that state; the decode chunk's is donated to it).
@@ -325,6 +442,7 @@ def plan(
     # the ones it has (pipeline_rl), or while the source still holds them (every mode), so
     # two copies sit on its devices; never three (`pipeline.ParamsSource`).
     copies = 2 if copy else 1
+    own_devices = gen_mesh is not None
     # Evaluation after a step decodes with the generator's newest copy, that step's (the
     # first, before the generator starts, makes one of its own): no copy beside them.
     own_copy = False
@@ -332,7 +450,9 @@ def plan(
     def programs(cfg):
         return {
             "train_step": train_step_memory(cfg, mesh, prompt_len),
-            "generate": generate_memory(cfg, gmesh, prompt_len, copy=copy, copies=copies),
+            "generate": generate_memory(
+                cfg, gmesh, prompt_len, copy=copy, copies=copies, own_devices=own_devices
+            ),
             "prefill": prefill_memory(cfg, gmesh, prompt_len, copy=copy),
             "evaluate": evaluate_memory(cfg, gmesh, prompt_len, copy=copy, own_copy=own_copy),
         }
@@ -351,9 +471,12 @@ def plan(
         # The CPU compiler has no bf16 matmuls: it converts their operands (every layer's
         # weights, the whole KV cache) to float32 copies that an accelerator never makes. The
         # same program in float32 has no such copies and activations twice as wide: its
-        # temporaries are a second upper bound. Report the smaller one.
+        # temporaries are a second upper bound. Report the smaller one. (A bfloat16 LoRA
+        # base is widened with it, or its kernels would be cast to float32 copies there.)
+        m = cfg.model
+        lora_f32 = dataclasses.replace(m.lora, base_dtype="float32")
         wide = programs(
-            dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, dtype="float32"))
+            dataclasses.replace(cfg, model=dataclasses.replace(m, dtype="float32", lora=lora_f32))
         )
         for name in ("train_step", "generate", "prefill"):
             _bound_temporaries(report[name], wide[name]["temporaries_bytes"])
@@ -366,7 +489,7 @@ def plan(
         ev["per_device_bytes"] = (
             ev["parameters_bytes"] + ev["decode_state_bytes"] + ev["working_bytes"]
         )
-    report["generator"] = _generator_devices(report, trainer_params=not copy)
+    report["generator"] = _generator_devices(report)
     names = ["train_step", "generator"]
     if cfg.hosts.generator_groups:
         _plan_hosts(report, cfg, mesh, prompt_len)
@@ -416,12 +539,15 @@ def _plan_hosts(report: dict[str, Any], cfg: ExperimentConfig, mesh, prompt_len:
     the version being received) and no evaluation (the trainer evaluates); the trainer's hold
     the train step, and beside the train state the versions its weight server keeps laid out
     for the generators (`weights.WeightServer`: 2, each split over all trainer devices), and
-    between steps a held-out evaluation with a copy of its own."""
+    between steps a held-out evaluation with a copy of its own. With LoRA a version is its
+    adapters."""
     gen = report["generator"]
     gen["per_device_bytes"] -= gen["evaluation_bytes"]
     gen["evaluation_bytes"] = 0
     _, params = _abstract_params(cfg, mesh, generation=True)
     total = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(params))
+    if cfg.model.lora.enabled:  # a version is its adapters (the generators hold the base)
+        total = _adapter_bytes(params, per_device=False)
     held = 2 * -(-total // mesh.devices.size)
     train = report["train_step"]
     evaluation = evaluate_memory(cfg, mesh, prompt_len, copy=True, own_copy=True)
@@ -479,11 +605,11 @@ def _attention_program(cfg: ExperimentConfig, prompt_len: int) -> str:
     return f"auto compiled as {compiled} on {platform}: the program this platform runs"
 
 
-def _generator_devices(report: dict[str, Any], *, trainer_params: bool) -> dict[str, Any]:
-    """What the generator's devices hold at once (see `plan`). `trainer_params`: the
-    generator decodes with the trainer's parameters (counted with the train state)."""
+def _generator_devices(report: dict[str, Any]) -> dict[str, Any]:
+    """What the generator's devices hold at once (see `plan`); parameters the generator
+    shares with the train state are counted with the train state."""
     gen, first, ev = report["generate"], report["prefill"], report["evaluate"]
-    params = 0 if trainer_params else gen["parameter_copies"] * gen["parameters_bytes"]
+    params = gen["held_parameters_bytes"]
     state = gen["decode_state_bytes"]
     decoding = gen["temporaries_bytes"] + gen["outputs_bytes"]  # the state is donated
     working = max(decoding, first["extra_bytes"])
@@ -524,9 +650,15 @@ def _advice(name: str, part: dict[str, Any], cfg: ExperimentConfig, report) -> s
         )
     state = part["parameters_bytes"] + part["optimizer_state_bytes"]
     if state >= part["temporaries_bytes"]:
+        if not m.lora.enabled:
+            also = "or train low-rank adapters alone (model.lora.rank)"
+        elif m.lora.base_dtype == "float32":
+            also = "or keep the frozen base in bfloat16 (model.lora.base_dtype)"
+        else:
+            also = "or a smaller model"
         return (
             f"parameters + optimizer state ({_gib(state)} per device) are the biggest term: "
-            f"shard them over more devices (mesh.fsdp, now {cfg.mesh.fsdp})"
+            f"shard them over more devices (mesh.fsdp, now {cfg.mesh.fsdp}) {also}"
         )
     knobs = [f"more train.micro_batches (now {cfg.train.micro_batches})"]
     if m.remat != "full" or not m.scan_layers:
@@ -594,9 +726,18 @@ def format_plan(report: dict[str, Any]) -> str:
         axes = " ".join(f"{k}={v}" for k, v in mesh.items())
         lines.append(f"\n{title}, mesh {axes}, per device:")
         rows = [("parameters", part["parameters_bytes"])]
+        if "lora" in part:
+            adapted = part["lora"]
+            rows += [
+                (f"  frozen base ({adapted['base_dtype']})", adapted["frozen_base_bytes"]),
+                ("  adapters (float32)", adapted["adapter_bytes"]),
+            ]
+        elif "adapter_bytes" in part:
+            rows += [("  base", part["base_bytes"]), ("  adapters", part["adapter_bytes"])]
         if part.get("parameter_copies", 1) > 1:
             n = part["parameter_copies"]
-            rows.append((f"  x{n}: weights in flight", n * part["parameters_bytes"]))
+            what = "adapters" if "adapter_bytes" in part else "weights"
+            rows.append((f"  x{n}: {what} in flight", n * part["update_bytes"]))
         if name == "train_step":
             rows += [
                 ("optimizer state", part["optimizer_state_bytes"]),
@@ -620,6 +761,8 @@ def format_plan(report: dict[str, Any]) -> str:
                 f"operands) and the float32 program "
                 f"({_gib(part['temporaries_bytes_float32_program'])})"
             )
+    if "lora" in report["train_step"]:
+        lines += _lora_lines(report["train_step"]["lora"])
     first, ev, gen = report["prefill"], report["evaluate"], report["generator"]
     lines.append(f"\n{first['program']}: {_gib(first['extra_bytes'])} per device beyond the "
                  "parameters and the slots' state")  # fmt: skip
@@ -667,6 +810,25 @@ def format_plan(report: dict[str, Any]) -> str:
             if not part["fits"]:
                 lines.append(f"    {part['advice']}")
     return "\n".join(lines)
+
+
+def _lora_lines(part: dict[str, Any]) -> list[str]:
+    """LoRA's resident train state per device beside full fine-tuning's."""
+    full = part["full_fine_tuning"]
+    lines = [
+        f"\nLoRA rank {part['rank']} ({', '.join(part['targets'])}), base {part['base_dtype']}:",
+        "  resident train state per device against full fine-tuning (float32) on this mesh",
+    ]
+    lines.append(f"  {'':<32}{'LoRA':>12}{'full':>12}")
+    for label, key in [
+        ("parameters", "parameters_bytes"),
+        ("gradients", "gradient_bytes"),
+        ("optimizer state", "optimizer_state_bytes"),
+        ("total", "state_bytes"),
+    ]:
+        lines.append(f"  {label:<32}{_gib(part[key]):>12}{_gib(full[key]):>12}")
+    lines.append(f"  LoRA saves {_gib(part['saving_bytes'])} per device")
+    return lines
 
 
 def _table(rows) -> list[str]:

@@ -8,11 +8,12 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from jaxrl_scale import sharding
+from jaxrl_scale import lora, sharding
 from jaxrl_scale.cli import main
 from jaxrl_scale.config import load_config
-from jaxrl_scale.memory import plan, train_step_memory
+from jaxrl_scale.memory import plan, resolve_model, train_step_memory
 from jaxrl_scale.model import Policy, for_generation
+from jaxrl_scale.step import Batch, compile_run_step, init_train_state, make_optimizer
 
 TINY = "configs/tiny_arithmetic.yaml"
 # A longer completion than the demo's, so activations are the biggest term.
@@ -231,3 +232,164 @@ def test_the_plan_says_which_attention_it_compiled():
     assert "a GPU runs cudnn" in long["attention"]
     short = plan(load_config(TINY, ["mesh.data=1"]))  # every key in one block
     assert short["attention"].startswith("auto compiled as xla")
+
+
+# --------------------------------------------------------------------------- LoRA
+
+LORA = ["model.lora.rank=4", "model.lora.base_dtype=bfloat16"]
+
+
+def _kernel_and_adapter_sizes(cfg) -> tuple[int, int]:
+    """(elements of the layers' projection kernels, of their rank-r adapters), by hand from
+    the model's shape: q [D, H E], k and v [D, K E], o [H E, D], gate and up [D, F],
+    down [F, D]; an adapter of W [in, out] is A [in, r] and B [r, out]."""
+    m = cfg.model
+    d, f, r = m.hidden_size, m.intermediate_size, m.lora.rank
+    q, kv = m.num_heads * m.resolved_head_dim, m.num_kv_heads * m.resolved_head_dim
+    shapes = [(d, q), (d, kv), (d, kv), (q, d), (d, f), (d, f), (f, d)]
+    kernels = sum(i * o for i, o in shapes)
+    adapters = sum(r * (i + o) for i, o in shapes)
+    return m.num_layers * kernels, m.num_layers * adapters
+
+
+def _run_train_step(cfg, prompt_len: int) -> dict[str, int]:
+    """The train step exactly as a run builds it (`train.setup`: real arrays, split by
+    `lora.split_policy`, `init_train_state`, the run's shardings), compiled: XLA's bytes."""
+    mesh, _ = sharding.make_meshes(cfg)
+    model = sharding.init_sharded(lambda: Policy(cfg.model, rngs=nnx.Rngs(params=0)), mesh)
+    graphdef, frozen, params = lora.split_policy(model, cfg.model)
+    tx = make_optimizer(cfg.optim, total_steps=cfg.train.steps)
+    state = init_train_state(params, tx)
+    state_sharding = sharding.train_state_shardings(state, mesh)
+    rows = cfg.train.prompts_per_step * cfg.train.group_size
+    shapes = Batch.shapes(rows, prompt_len, cfg.sampler.max_new_tokens)
+    batch_sharding = sharding.batch_shardings(shapes, mesh)
+    batch = jax.tree.map(
+        lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), shapes, batch_sharding
+    )
+    frozen_sharding = None if frozen is None else sharding.state_shardings(frozen, mesh)
+    step = compile_run_step(
+        cfg, graphdef, tx, state_sharding=state_sharding, batch_sharding=batch_sharding,
+        frozen_sharding=frozen_sharding,
+    )  # fmt: skip
+    args = (state, batch) if frozen is None else (state, batch, frozen)
+    m = step.lower(*args).compile().memory_analysis()
+    real = sum(x.addressable_shards[0].data.nbytes for x in jax.tree.leaves((params, frozen)))
+    return {
+        "arguments_bytes": int(m.argument_size_in_bytes),
+        "temporaries_bytes": int(m.temp_size_in_bytes),
+        "outputs_bytes": int(m.output_size_in_bytes - m.alias_size_in_bytes),
+        "parameters_bytes": real,
+    }
+
+
+@pytest.mark.parametrize("extra", [[], LORA], ids=["rank0", "lora"])
+def test_the_plan_compiles_the_train_step_a_run_builds(extra):
+    """Rank 0 plans today's program; with LoRA, the run's (the base a non-donated argument
+    of its own, the adapters the train state): the same bytes as compiling the step from
+    the real arrays a run makes."""
+    cfg = load_config(TINY, ["mesh.data=1", "mesh.fsdp=8", *LONG, *extra])
+    mesh, _ = sharding.make_meshes(cfg)
+    planned = train_step_memory(cfg, mesh, 8)
+    run = _run_train_step(cfg, 8)
+    for key, value in run.items():
+        assert planned[key] == value, key
+    assert ("lora" in planned) == bool(extra)
+
+
+def test_lora_plan_counts_base_adapters_and_their_optimizer_state_by_hand():
+    """On a batch-only mesh (every parameter whole on each device): the adapters are float32
+    A and B of the shapes above, Adam's two moments are over them alone, the base holds its
+    layer kernels in bfloat16 and everything else as full fine-tuning does."""
+    full_cfg = load_config(TINY, ["mesh.data=8"])
+    cfg = load_config(TINY, ["mesh.data=8", *LORA])
+    mesh, _ = sharding.make_meshes(cfg)
+    full = train_step_memory(full_cfg, mesh, 8)
+    planned = train_step_memory(cfg, mesh, 8)
+    kernels, adapters = _kernel_and_adapter_sizes(cfg)
+    part = planned["lora"]
+    assert part["adapter_bytes"] == 4 * adapters
+    # The same optimizer's scalars (Adam's step count) beside two float32 moments.
+    scalars = full["optimizer_state_bytes"] - 2 * full["parameters_bytes"]
+    assert 0 <= scalars <= 64
+    assert planned["optimizer_state_bytes"] == 2 * 4 * adapters + scalars
+    assert part["frozen_base_bytes"] == full["parameters_bytes"] - 2 * kernels  # 4 -> 2 bytes
+    assert planned["parameters_bytes"] == part["frozen_base_bytes"] + part["adapter_bytes"]
+    # Full fine-tuning's side of the comparison is the rank-0 plan's.
+    ft = part["full_fine_tuning"]
+    assert ft["parameters_bytes"] == ft["gradient_bytes"] == full["parameters_bytes"]
+    assert ft["optimizer_state_bytes"] == full["optimizer_state_bytes"]
+    assert part["saving_bytes"] == ft["state_bytes"] - part["state_bytes"] > 0
+    assert part["state_bytes"] == (
+        part["frozen_base_bytes"] + 2 * part["adapter_bytes"] + planned["optimizer_state_bytes"]
+    )
+
+
+def test_lora_holds_less_per_device_than_full_fine_tuning_on_fsdp_8(capsys):
+    """Where the parameters' state is what a device holds most of (a wider model, short
+    rows), LoRA's whole plan is smaller; its adapters' optimizer state is a sliver."""
+    wide = ["model.hidden_size=256", "model.intermediate_size=1024", "model.num_layers=4"]
+    short = ["train.prompts_per_step=8", "train.group_size=8"]
+    overrides = ["mesh.data=1", "mesh.fsdp=8", *wide, *short]
+    full = plan(load_config(TINY, overrides), prompt_len=8)
+    adapted = plan(load_config(TINY, [*overrides, *LORA]), prompt_len=8)
+    for name in ("train_step", "train_and_generate"):
+        assert adapted[name]["per_device_bytes"] < full[name]["per_device_bytes"], name
+    assert adapted["train_step"]["optimizer_state_bytes"] < (
+        0.2 * full["train_step"]["optimizer_state_bytes"]
+    )
+    args = ["memory", "--config", TINY, *[f"--set={o}" for o in [*overrides, *LORA]]]
+    assert main(args + ["--prompt-len", "8"]) == 0
+    out = capsys.readouterr().out
+    assert "frozen base (bfloat16)" in out and "x2: adapters in flight" in out
+    assert "LoRA rank 4 (q_proj, k_proj" in out and "LoRA saves" in out
+
+
+@pytest.mark.parametrize("own", [True, False], ids=["own_devices", "shared_devices"])
+def test_lora_generator_holds_one_base_and_adapter_copies(own):
+    """The generator decodes with the base in its decoding dtypes (placed once) and two
+    adapter copies in flight (pipeline_rl). Beside the trainer it shares the base's buffers
+    but for those `for_generation` narrows (here the untied embedding): counted from real
+    arrays, by which buffers are new."""
+    layout = ["pipeline.generator_devices=4", "mesh.fsdp=4"] if own else ["mesh.fsdp=8"]
+    cfg = load_config(TINY, [
+        "mesh.data=1", *layout, "sampler.slots=16", "model.dtype=bfloat16",
+        "model.tie_embeddings=false", *LORA,
+    ])  # fmt: skip
+    report = plan(cfg, prompt_len=8)
+    gen = report["generate"]
+    mesh, gen_mesh = sharding.make_meshes(cfg)
+    model = sharding.init_sharded(
+        lambda: Policy(cfg.model, rngs=nnx.Rngs(params=0)), gen_mesh or mesh
+    )
+    _, frozen, params = lora.split_policy(model, cfg.model)
+    base = for_generation(frozen, cfg.model, copy=False)
+    adapters = for_generation(params, cfg.model)
+    shard = lambda x: x.addressable_shards[0].data.nbytes  # noqa: E731
+    assert gen["adapter_bytes"] == sum(shard(x) for x in jax.tree.leaves(adapters))
+    assert gen["base_bytes"] == sum(shard(x) for x in jax.tree.leaves(base))
+    new = sum(
+        shard(g)
+        for g, w in zip(jax.tree.leaves(base), jax.tree.leaves(frozen), strict=True)
+        if g is not w
+    )
+    assert new > 0  # the untied embedding, narrowed to bfloat16
+    assert gen["parameter_copies"] == 2
+    held_base = gen["base_bytes"] if own else new
+    assert gen["held_parameters_bytes"] == held_base + 2 * gen["adapter_bytes"]
+    assert report["generator"]["parameters_bytes"] == gen["held_parameters_bytes"]
+
+
+def test_a_peft_adapter_fixes_the_planned_rank_and_targets(tmp_path):
+    """`model.lora.init_from`: the plan takes rank and targets from the adapter's config, as
+    a run does (only q and v here: A [D, r] and B [r, H E] or [r, K E] per layer)."""
+    config = {"peft_type": "LORA", "r": 2, "lora_alpha": 4, "target_modules": ["q_proj", "v_proj"]}
+    (tmp_path / "adapter_config.json").write_text(json.dumps(config))
+    cfg = resolve_model(load_config(TINY, ["mesh.data=8", f"model.lora.init_from={tmp_path}"]))
+    assert cfg.model.lora.rank == 2 and cfg.model.lora.projections == ("q_proj", "v_proj")
+    mesh, _ = sharding.make_meshes(cfg)
+    m = cfg.model
+    e = m.resolved_head_dim
+    per_layer = 2 * (m.hidden_size + m.num_heads * e) + 2 * (m.hidden_size + m.num_kv_heads * e)
+    planned = train_step_memory(cfg, mesh, 8)["lora"]
+    assert planned["adapter_bytes"] == 4 * m.num_layers * per_layer
