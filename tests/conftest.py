@@ -16,12 +16,6 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
     os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0.2"
 else:
     _CACHE_DIR = None
-# This process itself does not write the cache: in the full suite jax 0.10.2 crashed
-# (segfault) serialising an executable into it, deterministically, after some hundreds of
-# entries; the subprocesses the tests start (few programs each) still share it.
-import jax  # noqa: E402
-
-jax.config.update("jax_enable_compilation_cache", False)
 
 from pathlib import Path
 
@@ -56,6 +50,21 @@ def pytest_sessionfinish(session, exitstatus):
         import shutil
 
         shutil.rmtree(_CACHE_DIR, ignore_errors=True)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _release_compiled_programs():
+    """Drop every compiled program after each test module. The full suite segfaulted inside
+    XLA's CPU compiler (and once while caching an executable) after some thousands of programs
+    in one process, with or without the persistent cache: each program keeps its machine code
+    mapped, and a process has at most vm.max_map_count (65,530 here) mappings."""
+    yield
+    import gc
+
+    import jax
+
+    jax.clear_caches()
+    gc.collect()
 
 
 @pytest.fixture
