@@ -38,6 +38,15 @@ def test_a_run_short_of_its_inflection_names_that_reason_and_the_rise_is_seen():
     assert boot.to_dict()["not_identified"]["a"] == boot.why_not["a"]
 
 
+def test_a_run_that_never_rises_above_r0_says_so_rather_than_blaming_the_inflection():
+    rng = np.random.default_rng(3)
+    y = 0.3 - 0.02 * STEPS + 0.005 * rng.standard_normal(STEPS.size)  # a slow slide below R0
+    boot = bootstrap_sigmoid(STEPS, y, n=200, r0=0.3)
+    assert not any(boot.identified.values())
+    assert "do not rise above R0 = 0.3" in boot.why_not["a"]
+    assert "inflection" not in boot.why_not["a"]
+
+
 def test_a_run_whose_inflection_is_inside_the_data_has_everything_identified():
     y = _curve(c_mid=0.3, sd=0.004, b=2.0)
     boot = bootstrap_sigmoid(STEPS, y, n=400, r0=0.3, eval_sd=0.004)
@@ -152,3 +161,28 @@ def test_online_forecast_reports_what_is_identified_and_an_interval_with_the_eva
     assert row["forecast_identified"] == "A"
     # An eval at the budget carries its own noise: the interval is at least that wide.
     assert row["forecast_at_budget_hi"] - row["forecast_at_budget_lo"] >= 0.9 * 2 * 1.96 * 0.01
+
+
+def test_a_run_that_collapses_right_after_its_first_evals_is_declining():
+    # The CPU demo at a learning rate too high for LoRA: R0 0.47, three evals near it, then a
+    # collapse to zero (the evals after the peak are the noise reference).
+    y = np.array([0.505, 0.422, 0.302, 0.028, 0.005] + [0.0] * 15)
+    sd = np.sqrt(np.clip(y, 1e-3, None) * (1 - y) / 2048)
+    found = detect_decline(Curve("r", STEPS[:1] * np.arange(1, 21), y, sd=sd), r0=0.47)
+    assert found is not None
+    assert found.drop == pytest.approx(np.mean(y[:3]))  # by hand: windows of 3, last is 0
+
+
+def test_flat_runs_whose_best_evals_come_first_are_rarely_called_declining():
+    # The best window is the first one, so the noise is read after it: still a 5% test.
+    called = tried = 0
+    rng = np.random.default_rng(5)
+    while tried < 16:
+        y = 0.65 + 0.015 * rng.standard_normal(20)
+        windows = np.convolve(y, np.ones(3) / 3, mode="valid")
+        if int(np.argmax(windows[:-3])) > 2:
+            continue  # the peak is late enough for the rising fit
+        tried += 1
+        curve = Curve("r", STEPS[:1] * np.arange(1, 21), y, sd=np.full(20, 0.015))
+        called += detect_decline(curve, r0=0.65, seed=tried) is not None
+    assert called <= 3

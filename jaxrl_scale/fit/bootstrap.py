@@ -212,6 +212,7 @@ class BootstrapResult:
     eval_size: int | None = None
     sampling_sd_last: float | None = None
     c_min: float = 0.0  # the smallest compute in the data
+    y_mean: float = math.nan  # the mean eval (a run whose mean is not above R0 never rose)
 
     @property
     def converged_fraction(self) -> float:
@@ -230,8 +231,13 @@ class BootstrapResult:
         fmt = lambda v: f"{v:.4g}"  # noqa: E731
         if not bool(self.fit.converged):
             reason = "the fit did not converge"
-            c_mid, a = float(self.fit.c_mid), float(self.fit.a)
-            if c_mid > self.c_max:
+            c_mid, a, r0 = float(self.fit.c_mid), float(self.fit.a), float(self.fit.r0)
+            if self.y_mean <= r0:  # no rise: a run that stays at or falls below its start
+                reason += (
+                    f": the evals do not rise above R0 = {r0:.3g} (their mean is "
+                    f"{self.y_mean:.3g}); there is no rise for a sigmoid to describe"
+                )
+            elif c_mid > self.c_max:
                 reason += (
                     f": the data do not reach the curve's inflection (its C_mid runs to "
                     f"{fmt(c_mid)}, beyond the last point at {fmt(self.c_max)})"
@@ -580,7 +586,8 @@ def bootstrap_sigmoid(
     c_max = float(curve.compute[-1])
     return BootstrapResult(
         point, samples, fits.converged, ci, level, method, c_max, rho, noise_sd, a_max,
-        noise_samples, groups, c_min=float(curve.compute[0]), **extra,
+        noise_samples, groups, c_min=float(curve.compute[0]),
+        y_mean=float(np.mean(curve.reward)), **extra,
     )  # fmt: skip
 
 
@@ -592,5 +599,5 @@ def _no_interval(point, n, level, method, curve, a_max) -> BootstrapResult:
     c_max = float(curve.compute[-1])
     return BootstrapResult(
         point, samples, jnp.zeros((n,), bool), ci, level, method, c_max, a_max=a_max,
-        c_min=float(curve.compute[0]),
+        c_min=float(curve.compute[0]), y_mean=float(np.mean(curve.reward)),
     )  # fmt: skip

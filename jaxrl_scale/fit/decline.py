@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 
 import numpy as np
+from scipy.optimize import isotonic_regression
 
 from jaxrl_scale.fit.data import Curve
 
@@ -102,16 +103,31 @@ def detect_decline(
     if d <= 0:
         return None
     end = int(start) + h  # evals up to the peak window's end follow the rising model
-    keep = slice(0, max(end, 6 if r0 is not None else 7))
-    c_fit, y_fit = curve.compute[keep], y[keep]
-    fit = fit_sigmoid(c_fit, y_fit, r0=r0)
-    residuals = y_fit - np.asarray(fit.predict(c_fit))
-    jac = _jacobian(fit, c_fit, r0 is None)
+    if end >= (6 if r0 is not None else 7):
+        keep = slice(0, end)
+        c_fit, y_fit = curve.compute[keep], y[keep]
+        fit = fit_sigmoid(c_fit, y_fit, r0=r0)
+        fitted = np.asarray(fit.predict(c_fit))
+        jac = _jacobian(fit, c_fit, r0 is None)
+    else:
+        # The peak comes too early for a rising fit of its own, and a rising fit through the
+        # fall would take the fall for noise (a run that collapses after its first evals would
+        # never be called declining). The noise is read after the peak instead, around the
+        # least-squares non-increasing fit, which is locally the projection onto its constant
+        # blocks: those blocks' indicators are its Jacobian.
+        keep = slice(end, p)
+        y_fit = y[keep]
+        iso = isotonic_regression(y_fit, increasing=False)
+        fitted = np.asarray(iso.x)
+        jac = np.zeros((y_fit.size, iso.blocks.size - 1))
+        for k, (lo, hi) in enumerate(zip(iso.blocks[:-1], iso.blocks[1:])):
+            jac[lo:hi, k] = 1.0
+    residuals = y_fit - fitted
     sampling_var = None
     if curve.sd is not None:
         sampling_var = np.maximum(curve.sd[keep], 1e-6) ** 2
     elif eval_size:
-        rate = np.clip(np.asarray(fit.predict(c_fit)), 0.5 / eval_size, 1 - 0.5 / eval_size)
+        rate = np.clip(fitted, 0.5 / eval_size, 1 - 0.5 / eval_size)
         sampling_var = rate * (1 - rate) / eval_size
     if not (np.isfinite(residuals).all() and np.isfinite(jac).all()):
         return None
