@@ -11,6 +11,14 @@ slot qslot, so it sees itself and earlier slots). That covers the training forwa
 the sampler's prefill and decode over a cache and the trainer's group-shared prompt, and it is
 O(B (T + S)) to hold, where a materialised [B, T, S] mask is O(T S).
 
+A packed training row (`segments` = (seg_bs, sub_bs), self-attention, T = S; packing.py)
+narrows it further: slot s is visible to query t only within the same segment (seg[s] ==
+seg[t]) and when s holds the segment's prompt (sub[s] == 0) or the query's own sequence
+(sub[s] == sub[t]). A segment is one prompt followed by some of its completions, so each
+completion sees its prompt and itself, never a sibling or another segment. "xla" and
+"blockwise" take it ("blockwise" also skips block pairs no segment spans); "cudnn" and
+"splash" cannot express it and packed calls resolve to "blockwise".
+
 Implementations (`model.attention`):
 - "xla": scores [B, K, G, T, S] in float32, one softmax. Exact and fastest at short lengths,
   but the scores are stored for the backward pass, so memory grows as T S.
@@ -47,10 +55,20 @@ IMPLEMENTATIONS: tuple[str, ...] = ("auto", "xla", "blockwise", "cudnn", "splash
 _NEG = float(jnp.finfo(jnp.float32).min)  # a hidden score: finite, so no inf - inf = NaN
 
 
-def slot_mask(valid_bs, qslot_bt):
+def slot_mask(valid_bs, qslot_bt, segments=None):
     """The materialised [B, T, S] form of the slot mask (for "xla" and for tests)."""
     slots_s = jnp.arange(valid_bs.shape[1])
-    return valid_bs[:, None, :] & (slots_s[None, None, :] <= qslot_bt[:, :, None])
+    mask = valid_bs[:, None, :] & (slots_s[None, None, :] <= qslot_bt[:, :, None])
+    if segments is None:
+        return mask
+    seg, sub = segments
+    return mask & _segment_mask(seg, sub, seg, sub)
+
+
+def _segment_mask(qseg, qsub, kseg, ksub):
+    """[B, T, S]: key s shares query t's segment and holds its prompt or its own sequence."""
+    same = qseg[:, :, None] == kseg[:, None, :]
+    return same & ((ksub[:, None, :] == 0) | (ksub[:, None, :] == qsub[:, :, None]))
 
 
 def resolve(
@@ -62,17 +80,23 @@ def resolve(
     dtype,
     query_offset: int | None,
     head_dim: int = 128,
+    packed: bool = False,
 ) -> str:
     """The implementation "auto" stands for at this shape on this platform (others as given;
     "cudnn" or "splash" where it cannot serve the call falls back to "blockwise"). One query
     (a decode step) always runs "xla": its scores [B, H, 1, S] are linear in S already.
     `query_offset`: the slot of query 0 when it is the same static int for every row (0 for
-    self-attention), else None."""
+    self-attention), else None. `packed`: the call carries segments (packed training rows),
+    which only "xla" and "blockwise" honour."""
     half = jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
     self_attention = query_offset == 0 and queries == keys
     platform = jax.default_backend()
     if queries == 1:
         return "xla"
+    if packed:  # only "xla" and "blockwise" take segments
+        if implementation == "auto" and keys <= block_size:
+            return "xla"
+        return "blockwise" if implementation in ("auto", "cudnn", "splash") else implementation
     if implementation == "auto":
         if keys <= block_size:
             return "xla"
@@ -100,16 +124,21 @@ def attend(
     implementation: str = "xla",
     block_size: int = 512,
     query_offset: int | None = None,
+    segments=None,
 ):
     """softmax(q k^T * scale + mask) v -> [B, T, H, E] in q's dtype; scores and softmax in
     float32. A query that sees no key gets zeros (xla: a uniform average of the values);
     "cudnn" and "splash" give the slot mask's output only at queries whose own slot is valid.
-    "splash" needs `query_offset` (qslot_bt = query_offset + t in every row)."""
+    "splash" needs `query_offset` (qslot_bt = query_offset + t in every row). `segments`:
+    (seg_bs, sub_bs) of a packed self-attention call ("xla" and "blockwise" only)."""
+    if segments is not None and implementation not in ("xla", "blockwise"):
+        raise ValueError(f"{implementation} attention cannot take packed segments")
     if implementation == "xla":
-        return _attend_xla(q_bthe, k_bkse, v_bkse, slot_mask(valid_bs, qslot_bt), scale, precision)
+        mask = slot_mask(valid_bs, qslot_bt, segments)
+        return _attend_xla(q_bthe, k_bkse, v_bkse, mask, scale, precision)
     if implementation == "blockwise":
         return blockwise_attention(
-            q_bthe, k_bkse, v_bkse, valid_bs, qslot_bt, scale, precision, block_size
+            q_bthe, k_bkse, v_bkse, valid_bs, qslot_bt, segments, scale, precision, block_size
         )
     if implementation == "cudnn":
         return cudnn_self_attention(q_bthe, k_bkse, v_bkse, valid_bs, scale=scale)
@@ -168,9 +197,13 @@ def _unblocks(x, axis: int, length: int):
     return jax.lax.slice_in_dim(x, 0, length, axis=axis)
 
 
-def _block_mask(valid_bs, slots_s, qslot_bt):
-    """The slot mask of one (query block, key block) pair, [B, 1, 1, bq, bk]."""
-    return (valid_bs[:, None, :] & (slots_s[None, None, :] <= qslot_bt[:, :, None]))[:, None, None]
+def _block_mask(valid_bs, slots_s, qslot_bt, qseg=None, kseg=None):
+    """The slot mask of one (query block, key block) pair, [B, 1, 1, bq, bk]; with the
+    blocks' segments ((seg, sub) of the queries and of the keys), the packed mask."""
+    mask = valid_bs[:, None, :] & (slots_s[None, None, :] <= qslot_bt[:, :, None])
+    if qseg is not None:
+        mask = mask & _segment_mask(*qseg, *kseg)
+    return mask[:, None, None]
 
 
 def _block_scores(q_bkgte, k_bkse, mask, scale, precision):
@@ -185,7 +218,7 @@ def _block_scores(q_bkgte, k_bkse, mask, scale, precision):
     return jnp.where(mask, s * scale, _NEG)
 
 
-def _visible_blocks(qslot, valid, slots):
+def _visible_blocks(qslot, valid, slots, qseg=None, kseg=None):
     """[nq, nk] bool: whether key block j holds a slot that some query of block i sees, in any
     row (False: the block pair's work can be skipped). A query block sees a key block in row b
     iff the block's first valid slot is at or before the block's last query slot.
@@ -194,11 +227,21 @@ def _visible_blocks(qslot, valid, slots):
     that splits the rows, the loops then read a replicated table (one [nq, nk] all-reduce here)
     instead of agreeing on each step's skip with an all-reduce inside the loop. A decision per
     device would skip more only where devices' rows hide different blocks (padding); the
-    causal upper triangle, most of what is skipped, is hidden in every row."""
+    causal upper triangle, most of what is skipped, is hidden in every row. With packed
+    segments, a pair is also hidden in a row where no segment spans both blocks (segment
+    numbers rise along a packed row, so comparing the blocks' ranges decides it)."""
     last_query_ib = jnp.max(qslot, axis=-1)
     hidden = jnp.iinfo(jnp.int32).max
     first_key_jb = jnp.min(jnp.where(valid, slots[:, None, :], hidden), axis=-1)
-    return jnp.any(first_key_jb[None, :, :] <= last_query_ib[:, None, :], axis=-1)
+    seen_ijb = first_key_jb[None, :, :] <= last_query_ib[:, None, :]
+    if qseg is not None:
+        real_q, q_seg = qslot >= 0, qseg[0]
+        q_lo = jnp.min(jnp.where(real_q, q_seg, hidden), axis=-1)  # [nq, B]
+        q_hi = jnp.max(jnp.where(real_q, q_seg, -1), axis=-1)
+        k_lo = jnp.min(jnp.where(valid, kseg[0], hidden), axis=-1)  # [nk, B]
+        k_hi = jnp.max(jnp.where(valid, kseg[0], -1), axis=-1)
+        seen_ijb &= (k_lo[None] <= q_hi[:, None]) & (q_lo[:, None] <= k_hi[None])
+    return jnp.any(seen_ijb, axis=-1)
 
 
 def _skip_if_hidden(visible, step, carry):
@@ -206,16 +249,21 @@ def _skip_if_hidden(visible, step, carry):
     return jax.lax.cond(visible, step, lambda c: c, carry)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7))
-def blockwise_attention(q_bthe, k_bkse, v_bkse, valid_bs, qslot_bt, scale, precision, block):
-    out, _ = _blockwise_fwd(q_bthe, k_bkse, v_bkse, valid_bs, qslot_bt, scale, precision, block)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8))
+def blockwise_attention(
+    q_bthe, k_bkse, v_bkse, valid_bs, qslot_bt, segments, scale, precision, block
+):
+    out, _ = _blockwise_fwd(
+        q_bthe, k_bkse, v_bkse, valid_bs, qslot_bt, segments, scale, precision, block
+    )
     return out
 
 
-def _layout(q_bthe, k_bkse, v_bkse, valid_bs, qslot_bt, block):
+def _layout(q_bthe, k_bkse, v_bkse, valid_bs, qslot_bt, segments, block):
     """Everything cut into blocks: queries [nq, B, K, G, bq, E] and their slots [nq, B, bq]
     (padding queries at slot -1 see nothing); keys/values [nk, B, K, bk, E], their validity
-    [nk, B, bk] and slot numbers [nk, bk]."""
+    [nk, B, bk] and slot numbers [nk, bk]; with `segments`, the queries' and the keys' (seg,
+    sub) [nq, B, bq] / [nk, B, bk] (else None)."""
     t, s = q_bthe.shape[1], k_bkse.shape[2]
     bq, bk = min(block, t), min(block, s)
     q = _blocks(_grouped(q_bthe, k_bkse.shape[1]), 3, bq, 0)
@@ -224,20 +272,26 @@ def _layout(q_bthe, k_bkse, v_bkse, valid_bs, qslot_bt, block):
     v = _blocks(v_bkse, 2, bk, 0)
     valid = _blocks(valid_bs, 1, bk, False)
     slots = _blocks(jnp.arange(s), 0, bk, s)
-    return q, qslot, k, v, valid, slots
+    qseg = kseg = None
+    if segments is not None:
+        qseg = tuple(_blocks(x, 1, bq, -1) for x in segments)
+        kseg = tuple(_blocks(x, 1, bk, -2) for x in segments)
+    return q, qslot, k, v, valid, slots, qseg, kseg
 
 
-def _blockwise_fwd(q_bthe, k_bkse, v_bkse, valid_bs, qslot_bt, scale, precision, block):
-    q, qslot, k, v, valid, slots = _layout(q_bthe, k_bkse, v_bkse, valid_bs, qslot_bt, block)
-    visible_ij = _visible_blocks(qslot, valid, slots)
+def _blockwise_fwd(q_bthe, k_bkse, v_bkse, valid_bs, qslot_bt, segments, scale, precision, block):
+    q, qslot, k, v, valid, slots, qseg, kseg = _layout(
+        q_bthe, k_bkse, v_bkse, valid_bs, qslot_bt, segments, block
+    )
+    visible_ij = _visible_blocks(qslot, valid, slots, qseg, kseg)
 
     def one_query_block(xs):
-        q_i, qslot_i, visible_j = xs
+        q_i, qslot_i, qseg_i, visible_j = xs
         stats = q_i.shape[:-1]  # [B, K, G, bq]
 
         def one_key_block(carry, ys):
-            k_j, v_j, valid_j, slots_j, visible = ys
-            mask = _block_mask(valid_j, slots_j, qslot_i)
+            k_j, v_j, valid_j, slots_j, kseg_j, visible = ys
+            mask = _block_mask(valid_j, slots_j, qslot_i, qseg_i, kseg_j)
 
             def step(carry):
                 m, denom, acc = carry
@@ -261,25 +315,30 @@ def _blockwise_fwd(q_bthe, k_bkse, v_bkse, valid_bs, qslot_bt, scale, precision,
             jnp.zeros(stats, jnp.float32),
             jnp.zeros((*stats, q_i.shape[-1]), jnp.float32),
         )
-        (m, denom, acc), _ = jax.lax.scan(one_key_block, init, (k, v, valid, slots, visible_j))
+        keys = (k, v, valid, slots, kseg, visible_j)
+        (m, denom, acc), _ = jax.lax.scan(one_key_block, init, keys)
         seen = denom > 0
         out = acc / jnp.where(seen, denom, 1.0)[..., None]
         return out.astype(q_i.dtype), jnp.where(seen, m + jnp.log(jnp.where(seen, denom, 1.0)), 0.0)
 
-    out, lse = jax.lax.map(one_query_block, (q, qslot, visible_ij))
+    out, lse = jax.lax.map(one_query_block, (q, qslot, qseg, visible_ij))
     t = q_bthe.shape[1]
     out_bthe = _ungrouped(_unblocks(out, 3, t))
     lse_bkgt = _unblocks(lse, 3, t)
-    residuals = (q_bthe, k_bkse, v_bkse, valid_bs, qslot_bt, out_bthe, lse_bkgt, visible_ij)
+    residuals = (
+        q_bthe, k_bkse, v_bkse, valid_bs, qslot_bt, segments, out_bthe, lse_bkgt, visible_ij
+    )  # fmt: skip
     return out_bthe, residuals
 
 
 def _blockwise_bwd(scale, precision, block, residuals, dout_bthe):
-    q_bthe, k_bkse, v_bkse, valid_bs, qslot_bt, out_bthe, lse_bkgt, visible_ij = residuals
+    q_bthe, k_bkse, v_bkse, valid_bs, qslot_bt, segments, out_bthe, lse_bkgt, visible_ij = residuals
     n_kv = k_bkse.shape[1]
     t, s = q_bthe.shape[1], k_bkse.shape[2]
     bq = min(block, t)
-    q, qslot, k, v, valid, slots = _layout(q_bthe, k_bkse, v_bkse, valid_bs, qslot_bt, block)
+    q, qslot, k, v, valid, slots, qseg, kseg = _layout(
+        q_bthe, k_bkse, v_bkse, valid_bs, qslot_bt, segments, block
+    )
     do = _blocks(_grouped(dout_bthe, n_kv), 3, bq, 0)
     # D = rowsum(dO * O): the softmax Jacobian's correction term, per query.
     d_bkgt = jnp.sum(
@@ -300,12 +359,12 @@ def _blockwise_bwd(scale, precision, block, residuals, dout_bthe):
         return p, p * (dp - d_i[..., None])
 
     def dq_block(xs):
-        q_i, qslot_i, do_i, lse_i, d_i, visible_j = xs
+        q_i, qslot_i, qseg_i, do_i, lse_i, d_i, visible_j = xs
 
         def one_key_block(dq, ys):
-            k_j, v_j, valid_j, slots_j, visible = ys
+            k_j, v_j, valid_j, slots_j, kseg_j, visible = ys
 
-            mask = _block_mask(valid_j, slots_j, qslot_i)
+            mask = _block_mask(valid_j, slots_j, qslot_i, qseg_i, kseg_j)
 
             def step(dq):
                 _, ds = probs_and_dscores(mask, q_i, do_i, lse_i, d_i, k_j, v_j)
@@ -320,15 +379,15 @@ def _blockwise_bwd(scale, precision, block, residuals, dout_bthe):
             return _skip_if_hidden(visible, step, dq), None
 
         zeros = jnp.zeros(q_i.shape, jnp.float32)
-        dq, _ = jax.lax.scan(one_key_block, zeros, (k, v, valid, slots, visible_j))
+        dq, _ = jax.lax.scan(one_key_block, zeros, (k, v, valid, slots, kseg, visible_j))
         return (dq * scale).astype(q_i.dtype)
 
     def dkv_block(ys):
-        k_j, v_j, valid_j, slots_j, visible_i = ys
+        k_j, v_j, valid_j, slots_j, kseg_j, visible_i = ys
 
         def one_query_block(carry, xs):
-            q_i, qslot_i, do_i, lse_i, d_i, visible = xs
-            mask = _block_mask(valid_j, slots_j, qslot_i)
+            q_i, qslot_i, qseg_i, do_i, lse_i, d_i, visible = xs
+            mask = _block_mask(valid_j, slots_j, qslot_i, qseg_i, kseg_j)
 
             def step(carry):
                 dk, dv = carry
@@ -352,14 +411,14 @@ def _blockwise_bwd(scale, precision, block, residuals, dout_bthe):
             return _skip_if_hidden(visible, step, carry), None
 
         zeros = jnp.zeros(k_j.shape, jnp.float32)
-        queries = (q, qslot, do, lse, d, visible_i)
+        queries = (q, qslot, qseg, do, lse, d, visible_i)
         (dk, dv), _ = jax.lax.scan(one_query_block, (zeros, zeros), queries)
         return (dk * scale).astype(k_j.dtype), dv.astype(v_j.dtype)
 
-    dq = jax.lax.map(dq_block, (q, qslot, do, lse, d, visible_ij))
-    dk, dv = jax.lax.map(dkv_block, (k, v, valid, slots, visible_ij.T))
+    dq = jax.lax.map(dq_block, (q, qslot, qseg, do, lse, d, visible_ij))
+    dk, dv = jax.lax.map(dkv_block, (k, v, valid, slots, kseg, visible_ij.T))
     dq_bthe = _ungrouped(_unblocks(dq, 3, t))
-    return dq_bthe, _unblocks(dk, 2, s), _unblocks(dv, 2, s), None, None
+    return dq_bthe, _unblocks(dk, 2, s), _unblocks(dv, 2, s), None, None, None
 
 
 blockwise_attention.defvjp(_blockwise_fwd, _blockwise_bwd)

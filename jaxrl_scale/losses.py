@@ -66,7 +66,13 @@ def aggregation_weights(
     mask_bt = jnp.asarray(mask_bt, jnp.float32)
     if aggregation == "token":
         return _safe_div(mask_bt, jnp.sum(mask_bt))
-    n_b = jnp.sum(mask_bt, axis=1)
+    row_b = _row_weights(jnp.sum(mask_bt, axis=1), group_size, aggregation, equal_sequences)
+    return mask_bt * row_b[:, None]
+
+
+def _row_weights(n_b, group_size: int, aggregation: Aggregation, equal_sequences: bool):
+    """The per-sequence factor of the "sample" and "prompt" weights, from each sequence's
+    counted tokens n_b [B]."""
     if aggregation == "sample":
         row_b = _safe_div(1.0, n_b) / jnp.maximum(jnp.sum(n_b > 0), 1)
     elif aggregation == "prompt":
@@ -82,7 +88,7 @@ def aggregation_weights(
         row_b = row_pg.reshape(-1) / prompts
     else:
         raise ValueError(f"aggregation must be 'prompt', 'sample' or 'token', got {aggregation!r}")
-    return mask_bt * row_b[:, None]
+    return row_b
 
 
 def aggregate(values_bt, mask_bt, group_size: int, aggregation: Aggregation):
@@ -117,6 +123,22 @@ def loss_weights(mask_bt, group_size: int, kind: str, aggregation: Aggregation):
     return aggregation_weights(mask_bt, group_size, aggregation, equal_sequences=equal)
 
 
+def packed_loss_weights(
+    mask, seq_ids, num_seqs: int, group_size: int, kind: str, aggregation: Aggregation
+):
+    """`loss_weights` for tokens in any layout (packing.py's rows) whose sequence is
+    `seq_ids` (0..num_seqs-1; num_seqs for tokens of no sequence): the same weight per token
+    as the padded batch's, from segment sums over `seq_ids`."""
+    _hyper(kind, {})
+    mask = jnp.asarray(mask, jnp.float32)
+    if aggregation == "token":
+        return _safe_div(mask, jnp.sum(mask))
+    n_b = jax.ops.segment_sum(mask.ravel(), seq_ids.ravel(), num_seqs + 1)[:num_seqs]
+    equal = KINDS[kind].ratio == "sequence"
+    row_b = _row_weights(n_b, group_size, aggregation, equal)
+    return mask * jnp.append(row_b, 0.0)[seq_ids]
+
+
 def loss_sums(
     logp_bt,
     behavior_logp_bt,
@@ -125,6 +147,8 @@ def loss_sums(
     weights_bt,
     kind: str = "cispo",
     ref_logp_bt=None,
+    seq_ids=None,
+    num_seqs: int | None = None,
     **hyper: float,
 ):
     """The loss of (a slice of) a batch under given aggregation weights, and additive sums.
@@ -133,14 +157,27 @@ def loss_sums(
     the whole batch's loss, and so do their gradients. The sums combine across slices with
     `combine_sums` (keys ending in _max / _min take the maximum / minimum, the rest add) and
     become metrics with `metrics_from_sums`.
+
+    Layouts: rows are sequences ([B, T], `adv_b` [B]), or, with `seq_ids` (packing.py), any
+    token layout whose tokens name their sequence (0..num_seqs-1, num_seqs for none), with
+    `adv_b` given per token and `weights_bt` from `packed_loss_weights`.
     """
     h = _hyper(kind, hyper)
     surrogate = KINDS[kind]
     mask_bt = jnp.asarray(mask_bt, jnp.float32)
-    adv_b1 = jnp.asarray(adv_b, jnp.float32)[:, None]
     log_rho_bt = logp_bt - behavior_logp_bt
-    n_b1 = jnp.sum(mask_bt, axis=1, keepdims=True)
-    mean_log_rho_b1 = _safe_div(jnp.sum(log_rho_bt * mask_bt, axis=1, keepdims=True), n_b1)
+    if seq_ids is None:
+        adv_b1 = jnp.asarray(adv_b, jnp.float32)[:, None]
+        n_b1 = jnp.sum(mask_bt, axis=1, keepdims=True)
+        mean_log_rho_b1 = _safe_div(jnp.sum(log_rho_bt * mask_bt, axis=1, keepdims=True), n_b1)
+        has_tokens_b, mean_log_rho_b = n_b1[:, 0] > 0, mean_log_rho_b1[:, 0]
+    else:  # per-sequence sums over the tokens that name each sequence, read back per token
+        adv_b1 = jnp.asarray(adv_b, jnp.float32)
+        seq_sum = lambda x: jax.ops.segment_sum(x.ravel(), seq_ids.ravel(), num_seqs + 1)  # noqa: E731
+        n_s = seq_sum(mask_bt)
+        mean_log_rho_s = _safe_div(seq_sum(log_rho_bt * mask_bt), n_s)
+        mean_log_rho_b1 = mean_log_rho_s[seq_ids]
+        has_tokens_b, mean_log_rho_b = n_s[:num_seqs] > 0, mean_log_rho_s[:num_seqs]
 
     if surrogate.ratio == "sequence":
         ratio_bt = jnp.broadcast_to(jnp.exp(mean_log_rho_b1), logp_bt.shape)
@@ -170,8 +207,7 @@ def loss_sums(
     total = lambda x: jnp.sum(jnp.where(counted_bt, x, 0.0))  # noqa: E731
     rho_bt = jnp.exp(jax.lax.stop_gradient(log_rho_bt))
     abs_log_rho_bt = jnp.abs(jax.lax.stop_gradient(log_rho_bt))
-    has_tokens_b = n_b1[:, 0] > 0
-    seq_ratio_b = jnp.exp(jax.lax.stop_gradient(mean_log_rho_b1[:, 0]))
+    seq_ratio_b = jnp.exp(jax.lax.stop_gradient(mean_log_rho_b))
     sums = {
         "count": jnp.sum(mask_bt),
         "clipped": total(clipped_bt.astype(jnp.float32)),

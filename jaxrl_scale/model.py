@@ -154,13 +154,14 @@ class Attention(nnx.Module):
             self.k_norm = _ones((e,), ("norm",))
         _add_adapters(self, cfg, ("q", "k", "v", "o"))
 
-    def __call__(self, x_btd, rope, valid_bs, qslot_bt, kv=None, write_index=None):
+    def __call__(self, x_btd, rope, valid_bs, qslot_bt, kv=None, write_index=None, segments=None):
         """Attention of T queries over S key slots under the slot mask (attention.py: slot s is
         visible to a query at slot qslot iff valid_bs[s] and s <= qslot). With `kv` = (keys,
         values) [B, K, S, E] of a cache, this call's keys and values are written at slots
         write_index.. (one index for every row, or one per row [B]) and attention runs over all
-        S slots; without, the call is self-attention over its own T tokens (S = T). Returns
-        (out, updated kv), kv None without a cache."""
+        S slots; without, the call is self-attention over its own T tokens (S = T), narrowed
+        to packed segments by `segments` = (seg, sub) [B, T] (attention.py). Returns (out,
+        updated kv), kv None without a cache."""
         cfg = self.cfg
         dtype = x_btd.dtype
         precision = PRECISIONS[cfg.matmul_precision]
@@ -197,6 +198,7 @@ class Attention(nnx.Module):
             dtype=dtype,
             query_offset=offset,
             head_dim=cfg.resolved_head_dim,
+            packed=segments is not None,
         )
         out_bthe = attention.attend(
             q_bthe,
@@ -209,6 +211,7 @@ class Attention(nnx.Module):
             implementation=implementation,
             block_size=cfg.attention_block_size,
             query_offset=offset,
+            segments=segments,
         )
         return _project(self, "o", out_bthe, self.o_kernel, 2, precision), kv
 
@@ -282,10 +285,10 @@ class Block(nnx.Module):
         self.mlp_norm = _ones((cfg.hidden_size,), ("norm",))
         self.mlp = MLP(cfg, rngs=rngs)
 
-    def __call__(self, x_btd, rope, valid_bs, qslot_bt, kv=None, write_index=None):
+    def __call__(self, x_btd, rope, valid_bs, qslot_bt, kv=None, write_index=None, segments=None):
         eps, dtype = self.cfg.rms_norm_eps, x_btd.dtype
         h = rms_norm(x_btd, self.attn_norm[...], eps, dtype)
-        attn, kv = self.attn(h, rope, valid_bs, qslot_bt, kv, write_index)
+        attn, kv = self.attn(h, rope, valid_bs, qslot_bt, kv, write_index, segments)
         x_btd = x_btd + attn
         h = rms_norm(x_btd, self.mlp_norm[...], eps, dtype)
         return x_btd + self.mlp(h), kv
@@ -313,8 +316,9 @@ class Policy(nnx.Module):
     def compute_dtype(self):
         return _DTYPES[self.cfg.dtype]
 
-    def hidden_states(self, tokens_bt, *, mask_bt=None, positions_bt=None):
-        """Final-normed hidden states [B, T, D], in float32 when the head is float32."""
+    def hidden_states(self, tokens_bt, *, mask_bt=None, positions_bt=None, segments=None):
+        """Final-normed hidden states [B, T, D], in float32 when the head is float32.
+        `segments`: (seg, sub) [B, T] of packed rows (attention.py, packing.py)."""
         if mask_bt is None:
             mask_bt = jnp.ones(tokens_bt.shape, jnp.bool_)
         mask_bt = mask_bt.astype(jnp.bool_)
@@ -322,7 +326,9 @@ class Policy(nnx.Module):
             positions_bt = default_positions(mask_bt)
         b, t = tokens_bt.shape
         qslot_bt = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
-        h_btd, _ = self._run(tokens_bt, positions_bt, mask_bt, qslot_bt, scan=self.cfg.scan_layers)
+        h_btd, _ = self._run(
+            tokens_bt, positions_bt, mask_bt, qslot_bt, scan=self.cfg.scan_layers, segments=segments
+        )
         return h_btd
 
     def _run(
@@ -335,11 +341,13 @@ class Policy(nnx.Module):
         write_index=None,
         scan=False,
         return_cache=True,
+        segments=None,
     ):
         """Embedding, blocks (reading/writing `cache` if given), final norm. Returns (hidden,
         None) or (hidden, (keys, values)): per-layer tuples from the loop, [layers, ...] arrays
         from the scan (`scan`: one lax.scan over the layers' stacked weights; without
-        `return_cache` its updated cache is not kept, which a scan cannot leave to XLA)."""
+        `return_cache` its updated cache is not kept, which a scan cannot leave to XLA).
+        `segments`: a packed self-attention call's (seg, sub) (attention.py)."""
         cfg = self.cfg
         inv_freq_e2 = rope_inv_freq(cfg.resolved_head_dim, cfg.rope_theta, cfg.rope_scaling)
         rope = rope_tables(positions_bt, inv_freq_e2)
@@ -365,18 +373,19 @@ class Policy(nnx.Module):
 
             @functools.partial(jax.checkpoint, policy=REMAT_POLICIES[cfg.remat])
             def body(carry, xs):
-                x_btd, valid_bs, qslot_bt = carry
+                x_btd, valid_bs, qslot_bt, segments = carry
                 state, kv_l = xs
-                x_btd, kv_l = apply(state, x_btd, rope, valid_bs, qslot_bt, kv_l)
-                return (x_btd, valid_bs, qslot_bt), kv_l if return_cache else None
+                x_btd, kv_l = apply(state, x_btd, rope, valid_bs, qslot_bt, kv_l, segments)
+                return (x_btd, valid_bs, qslot_bt, segments), kv_l if return_cache else None
 
-            (x_btd, _, _), kv = jax.lax.scan(body, (x_btd, valid_bs, qslot_bt), (stacked, kv))
+            carry = (x_btd, valid_bs, qslot_bt, segments)
+            (x_btd, *_), kv = jax.lax.scan(body, carry, (stacked, kv))
         else:
             layer = _layer_fn(graphdef, cfg.remat, write_index)
             new_k, new_v = [], []
             for i, blk in enumerate(self.layers):
                 kv_l = None if kv is None else (kv[0][i], kv[1][i])
-                x_btd, kv_l = layer(nnx.state(blk), x_btd, rope, valid_bs, qslot_bt, kv_l)
+                x_btd, kv_l = layer(nnx.state(blk), x_btd, rope, valid_bs, qslot_bt, kv_l, segments)
                 if kv_l is not None:
                     new_k.append(kv_l[0])
                     new_v.append(kv_l[1])
@@ -440,12 +449,14 @@ class Policy(nnx.Module):
 
 
 def _layer_fn(graphdef, remat: str, write_index):
-    """(layer state, x, rope, valid, qslot, kv) -> (x, kv): one decoder layer as a pure
+    """(layer state, x, rope, valid, qslot, kv, segments) -> (x, kv): one decoder layer as a pure
     function of its weights, rematerialised under `model.remat`'s policy. `write_index` is
     closed over, so a Python int (an append) stays one."""
 
-    def apply(state, x_btd, rope, valid_bs, qslot_bt, kv):
-        x_btd, kv = nnx.merge(graphdef, state)(x_btd, rope, valid_bs, qslot_bt, kv, write_index)
+    def apply(state, x_btd, rope, valid_bs, qslot_bt, kv, segments=None):
+        x_btd, kv = nnx.merge(graphdef, state)(
+            x_btd, rope, valid_bs, qslot_bt, kv, write_index, segments
+        )
         return constrain_rows(x_btd), kv
 
     if remat == "none":

@@ -16,8 +16,15 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxrl_scale.config import ExperimentConfig, LossConfig, OptimConfig
 from jaxrl_scale.lora import merge_policy
-from jaxrl_scale.losses import combine_sums, loss_sums, loss_weights, metrics_from_sums
+from jaxrl_scale.losses import (
+    combine_sums,
+    loss_sums,
+    loss_weights,
+    metrics_from_sums,
+    packed_loss_weights,
+)
 from jaxrl_scale.model import completion_logprobs, token_logprobs
+from jaxrl_scale.packing import PackedBatch, packed_logprobs
 from jaxrl_scale.sharding import LOGICAL_RULES, replicated
 
 
@@ -114,7 +121,7 @@ def init_train_state(
 def _rl_loss(
     params,
     ref_params,
-    batch: Batch,
+    batch: Batch | PackedBatch,
     weights_bt,
     frozen=None,
     *,
@@ -123,10 +130,14 @@ def _rl_loss(
     loss_cfg: LossConfig,
     temperature,
 ):
-    """The loss of a slice of whole prompt groups under the whole batch's token weights, and
-    its additive sums (losses.loss_sums)."""
+    """The loss of a slice of whole prompt groups (or of packed rows) under the whole batch's
+    token weights, and its additive sums (losses.loss_sums)."""
+    packed = isinstance(batch, PackedBatch)
 
     def logprobs(p):
+        if packed:
+            model = merge_policy(graphdef, p, frozen)
+            return packed_logprobs(model, batch, temperature=temperature)
         return completion_logprobs(
             merge_policy(graphdef, p, frozen),
             batch.prompt_tokens[::group_size],
@@ -145,12 +156,15 @@ def _rl_loss(
         weights_bt,
         loss_cfg.kind,
         ref_logp,
+        seq_ids=batch.seq if packed else None,
+        num_seqs=batch.num_seqs if packed else None,
         **loss_cfg.hyper(),
     )
 
 
 def _micro(tree, m: int, mesh=None):
-    """[B, ...] -> [m, B / m, ...]; slices hold whole prompt groups (B / m is a multiple of G).
+    """[B, ...] -> [m, B / m, ...]; slices hold whole prompt groups (B / m is a multiple of G),
+    or whole packed rows.
 
     With `mesh`, each slice's rows stay split over the batch axes. Left to itself the
     partitioner keeps the batch sharding on the leading axis, which is now the slice index:
@@ -166,9 +180,19 @@ def _micro(tree, m: int, mesh=None):
     return jax.tree.map(one, tree)
 
 
+def batch_weights(batch: Batch | PackedBatch, group_size: int, loss_cfg: LossConfig):
+    """The whole batch's per-token loss weights (losses.loss_weights), in the batch's layout."""
+    kind, aggregation = loss_cfg.kind, loss_cfg.aggregation
+    if isinstance(batch, PackedBatch):
+        return packed_loss_weights(
+            batch.loss_mask, batch.seq, batch.num_seqs, group_size, kind, aggregation
+        )
+    return loss_weights(batch.loss_mask, group_size, kind, aggregation)
+
+
 def train_step(
     state: TrainState,
-    batch: Batch,
+    batch: Batch | PackedBatch,
     frozen=None,
     *,
     graphdef,
@@ -197,7 +221,7 @@ def train_step(
         temperature=temperature,
     )
     grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
-    weights_bt = loss_weights(batch.loss_mask, group_size, loss_cfg.kind, loss_cfg.aggregation)
+    weights_bt = batch_weights(batch, group_size, loss_cfg)
     if micro_batches == 1:
         (loss, sums), grads = grad_fn(state.params, state.ref_params, batch, weights_bt)
     else:  # gradient accumulation: the slices' unnormalised contributions add up

@@ -120,7 +120,7 @@ def detect_decline(
         iso = isotonic_regression(y_fit, increasing=False)
         fitted = np.asarray(iso.x)
         jac = np.zeros((y_fit.size, iso.blocks.size - 1))
-        for k, (lo, hi) in enumerate(zip(iso.blocks[:-1], iso.blocks[1:])):
+        for k, (lo, hi) in enumerate(zip(iso.blocks[:-1], iso.blocks[1:], strict=True)):
             jac[lo:hi, k] = 1.0
     residuals = y_fit - fitted
     sampling_var = None

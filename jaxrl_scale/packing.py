@@ -1,0 +1,255 @@
+"""Packed train steps: a batch's real tokens laid out in rows of a fixed length, so the step
+computes close to the tokens that exist instead of every completion slot up to the budget.
+
+A padded batch (step.Batch) is P prompts x G completions, [B, L] prompt slots and [B, N]
+completion slots; RL completions are heavy-tailed, so most of the [B, N] slots are padding.
+`pack` lays the same sequences out as R rows of S tokens (R bucketed, S fixed):
+
+  row: | prompt p | completion b | completion b+1 | ... | prompt p' | completion b' | ... | pad |
+         segment 0 (sub 0, 1, 2, ...)                     segment 1
+
+A segment is one prompt followed by as many of its completions as fit in what is left of the
+row (all G when they fit: the prompt runs once for its group, as in the padded step; a group
+that does not fit continues in another segment that repeats the prompt). The attention mask
+(attention.py, `segments`) lets each completion see its own prompt and itself only, and
+positions restart per sequence: prompt 0..l-1, each completion l, l+1, ..., so every
+completion token sees exactly the context, at exactly the positions, of the padded step.
+
+Completion token n of sequence b is scored from the hidden state of the token before it (its
+prompt's last token for n = 0): `prev` holds that position. The loss stays per token in this
+layout; `seq` names each token's completion, and the per-sequence quantities (token counts,
+GSPO's sequence ratio, the aggregation weights) are segment sums over it (losses.py), so the
+packed step's loss, gradients and metrics equal the padded step's to float rounding.
+
+Rows come in a few compiled shapes: R is rounded up to `bucket_rows` (a multiple of the row
+shards times micro-batches, on a 1, 2, 3, 4, 6, 8, 12, 16, ... ladder), so a run compiles a
+handful of steps, not one per batch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxrl_scale import model as model_lib
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class PackedBatch:
+    """B = P x G completions packed into R rows of S token positions (every leaf [R, S])."""
+
+    tokens: jax.Array  # int32: prompt and completion tokens, 0 in padding
+    positions: jax.Array  # int32: RoPE positions, restarting per sequence
+    valid: jax.Array  # bool: a real token
+    seg: jax.Array  # int32: segment number within the row (rising; padding: one past the last)
+    sub: jax.Array  # int32: 0 for the segment's prompt, 1, 2, ... for its completions
+    prev: jax.Array  # int32: the position whose hidden state predicts this token
+    seq: jax.Array  # int32: the completion b (0..B-1) a token belongs to, B elsewhere
+    loss_mask: jax.Array  # float32: sampled tokens of kept rows
+    behavior_logp: jax.Array  # float32
+    adv: jax.Array  # float32: the token's completion's advantage
+    num_seqs: int = dataclasses.field(metadata=dict(static=True))  # B
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.tokens.shape
+
+    @classmethod
+    def shapes(cls, rows: int, row_len: int, num_seqs: int) -> PackedBatch:
+        """Shapes and dtypes of a packed batch (e.g. to derive its shardings before one exists)."""
+        s = lambda dtype: jax.ShapeDtypeStruct((rows, row_len), dtype)  # noqa: E731
+        i32, f32 = jnp.int32, jnp.float32
+        return cls(
+            s(i32), s(i32), s(jnp.bool_), s(i32), s(i32), s(i32), s(i32), s(f32), s(f32),
+            s(f32), num_seqs=num_seqs,
+        )  # fmt: skip
+
+
+_LADDER = (1, 1.5, 2, 3, 4, 6, 8)  # then doubling: 12, 16, 24, 32, ...
+
+
+def bucket_rows(rows: int, multiple: int = 1) -> int:
+    """The compiled row count for `rows` rows: a multiple of `multiple` (row shards x
+    micro-batches), rounded up on a ladder 1, 2, 3, 4, 6, 8, 12, 16, ... x `multiple` (at
+    most 1.5x the rows needed; about 2 log2(R) shapes in all)."""
+    units = max(1, math.ceil(rows / multiple))
+    scale = 1
+    while True:
+        for step in _LADDER:
+            if step * scale >= units and float(step * scale).is_integer():
+                return int(step * scale) * multiple
+        scale *= 8
+
+
+@dataclasses.dataclass(frozen=True)
+class PackStats:
+    """What a packing kept and computed (every count is tokens)."""
+
+    rows: int  # rows the packing needed
+    bucket: int  # rows computed (rows rounded up to a compiled shape)
+    row_len: int
+    train_tokens: int  # real prompt and completion tokens in the rows (prompts once per segment)
+    segments: int
+    prompt_repeats: int  # segments beyond one per group: prompts run again for a split group
+
+    @property
+    def train_positions(self) -> int:
+        return self.bucket * self.row_len
+
+
+def pack(
+    batch,
+    group_size: int,
+    row_len: int,
+    *,
+    row_multiple: int = 1,
+    share_prompt: bool = True,
+) -> tuple[PackedBatch, PackStats]:
+    """Lay a padded batch (step.Batch of host numpy arrays) out in packed rows of `row_len`.
+
+    Each group's completions fill segments behind one copy of its prompt (`share_prompt`;
+    else one segment per completion), segments go to rows first-fit, longest first, and the
+    row count is rounded up by `bucket_rows(.., row_multiple)`. Completions without tokens
+    (length 0) have nothing to score and take no space. Raises ValueError naming the sequence
+    when a prompt and one of its completions do not fit in a row."""
+    prompt_tokens = np.asarray(batch.prompt_tokens)
+    prompt_mask = np.asarray(batch.prompt_mask, bool)
+    tokens = np.asarray(batch.tokens)
+    lengths = np.asarray(batch.mask, bool).sum(axis=1)
+    b_total = tokens.shape[0]
+    if b_total % group_size:
+        raise ValueError(f"{b_total} completions do not split into groups of {group_size}")
+
+    segments = []  # (length, group, [completions])
+    for g in range(b_total // group_size):
+        first = g * group_size
+        l_p = int(prompt_mask[first].sum())
+        current: list[int] = []
+        used = l_p
+        for b in range(first, first + group_size):
+            n = int(lengths[b])
+            if n == 0:
+                continue
+            if l_p + n > row_len:
+                raise ValueError(
+                    f"train.pack_length {row_len} is shorter than prompt {g} ({l_p} tokens) "
+                    f"plus its completion {b} ({n} tokens)"
+                )
+            if current and (used + n > row_len or not share_prompt):
+                segments.append((used, g, current))
+                current, used = [], l_p
+            current.append(b)
+            used += n
+        if current:
+            segments.append((used, g, current))
+
+    # First-fit decreasing: longest segments first, each into the first row with room.
+    order = sorted(range(len(segments)), key=lambda i: -segments[i][0])
+    free: list[int] = []
+    placed: list[list[int]] = []
+    for i in order:
+        size = segments[i][0]
+        row = next((r for r, room in enumerate(free) if room >= size), None)
+        if row is None:
+            free.append(row_len)
+            placed.append([])
+            row = len(free) - 1
+        free[row] -= size
+        placed[row].append(i)
+    rows = max(len(placed), 1)
+    bucket = bucket_rows(rows, row_multiple)
+
+    shape = (bucket, row_len)
+    out = {
+        "tokens": np.zeros(shape, np.int32),
+        "positions": np.zeros(shape, np.int32),
+        "valid": np.zeros(shape, bool),
+        "seg": np.zeros(shape, np.int32),
+        "sub": np.zeros(shape, np.int32),
+        "prev": np.broadcast_to(np.arange(row_len, dtype=np.int32), shape).copy(),
+        "seq": np.full(shape, b_total, np.int32),
+        "loss_mask": np.zeros(shape, np.float32),
+        "behavior_logp": np.zeros(shape, np.float32),
+        "adv": np.zeros(shape, np.float32),
+    }
+    loss_mask = np.asarray(batch.loss_mask, np.float32)
+    behavior = np.asarray(batch.behavior_logp, np.float32)
+    adv = np.asarray(batch.adv, np.float32)
+    real = 0
+    for r, members in enumerate(placed):
+        pos = 0
+        for k, i in enumerate(members):
+            _, g, completions = segments[i]
+            first = g * group_size
+            prompt = prompt_tokens[first][prompt_mask[first]]
+            l_p = prompt.size
+            span = slice(pos, pos + l_p)
+            out["tokens"][r, span] = prompt
+            out["positions"][r, span] = np.arange(l_p)
+            out["seg"][r, span] = k
+            last_prompt = pos + l_p - 1
+            pos += l_p
+            for j, b in enumerate(completions, start=1):
+                n = int(lengths[b])
+                span = slice(pos, pos + n)
+                out["tokens"][r, span] = tokens[b, :n]
+                out["positions"][r, span] = l_p + np.arange(n)
+                out["seg"][r, span] = k
+                out["sub"][r, span] = j
+                out["prev"][r, span] = np.concatenate([[last_prompt], np.arange(pos, pos + n - 1)])
+                out["seq"][r, span] = b
+                out["loss_mask"][r, span] = loss_mask[b, :n]
+                out["behavior_logp"][r, span] = behavior[b, :n]
+                out["adv"][r, span] = adv[b]
+                pos += n
+        out["valid"][r, :pos] = True
+        out["seg"][r, pos:] = len(members)  # padding: a segment of its own, after the last
+        real += pos
+    stats = PackStats(
+        rows=rows,
+        bucket=bucket,
+        row_len=row_len,
+        train_tokens=real,
+        segments=len(segments),
+        prompt_repeats=len(segments) - len({g for _, g, _ in segments}),
+    )
+    return PackedBatch(**out, num_seqs=b_total), stats
+
+
+def packed_logprobs(model, batch: PackedBatch, *, temperature: float = 1.0, chunk_size=None):
+    """log pi(token | its sequence's context) [R, S] for every completion token of a packed
+    batch (0 at prompt and padding positions): the padded step's `completion_logprobs`, laid
+    out in the packed rows. Each token is scored from the hidden state at `prev` in its row."""
+    cfg = model.cfg
+    h_rsd = model.hidden_states(
+        batch.tokens,
+        mask_bt=batch.valid,
+        positions_bt=batch.positions,
+        segments=(batch.seg, batch.sub),
+    )
+    h_prev_rsd = jnp.take_along_axis(h_rsd, batch.prev[..., None], axis=1)
+    logp_rs = model_lib.score_targets(
+        h_prev_rsd,
+        batch.tokens,
+        model.head_kernel(),
+        head_dtype=cfg.lm_head_dtype,
+        temperature=temperature,
+        chunk_size=chunk_size or cfg.logits_chunk_size,
+    )
+    return jnp.where(batch.seq < batch.num_seqs, logp_rs, 0.0)
+
+
+def unpack(values_rs, batch: PackedBatch, new_tokens: int) -> np.ndarray:
+    """Per-token values [R, S] of a packed batch back in the padded layout [B, N] (0 where no
+    token was packed): for tests and for reading a packed step's per-token outputs."""
+    values_rs, seq = np.asarray(values_rs), np.asarray(batch.seq)
+    out = np.zeros((batch.num_seqs, new_tokens), values_rs.dtype)
+    for b in range(batch.num_seqs):
+        where = seq == b
+        out[b, : int(where.sum())] = values_rs[where]  # a row's tokens sit in order in one row
+    return out

@@ -1,0 +1,173 @@
+"""Packed train steps: the layout, and a packed step's loss, gradients and metrics against the
+padded step's for every loss kind and aggregation."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+from jaxrl_scale.config import LossConfig, ModelConfig
+from jaxrl_scale.losses import loss_sums, loss_weights, metrics_from_sums, packed_loss_weights
+from jaxrl_scale.model import Policy
+from jaxrl_scale.packing import bucket_rows, pack, unpack
+from jaxrl_scale.step import Batch, compile_train_step, init_train_state
+
+CFG = ModelConfig(
+    architecture="qwen3",
+    vocab_size=16,
+    hidden_size=32,
+    intermediate_size=64,
+    num_layers=2,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=8,
+)
+G, L, N = 4, 5, 9
+
+
+def _batch(prompts=3, seed=0):
+    """`prompts` x G completions of uneven length (one empty), left-padded prompts of
+    different lengths, and a zero-variance group (its tokens do not count)."""
+    rng = np.random.default_rng(seed)
+    b = prompts * G
+    prompt_len = rng.integers(2, L + 1, prompts)
+    prompt_mask = np.zeros((b, L), bool)
+    for g, n in enumerate(prompt_len):
+        prompt_mask[g * G : (g + 1) * G, L - n :] = True
+    prompt_tokens = np.where(prompt_mask, np.repeat(rng.integers(1, 16, (prompts, L)), G, 0), 0)
+    lengths = rng.integers(1, N + 1, b)
+    lengths[2] = 0  # a completion that emitted nothing
+    lengths[5] = N  # one that ran to the budget
+    mask = np.arange(N)[None, :] < lengths[:, None]
+    tokens = np.where(mask, rng.integers(1, 16, (b, N)), 0)
+    loss_mask = mask.astype(np.float32)
+    loss_mask[3, 0] = 0.0  # an inserted token: context, not counted
+    loss_mask[G : 2 * G] = 0.0  # group 1 had equal rewards (zero-variance filtered)
+    behavior = np.where(mask, -rng.uniform(0.5, 3.0, (b, N)), 0.0).astype(np.float32)
+    adv = rng.normal(size=b).astype(np.float32)
+    adv[G : 2 * G] = 0.0
+    return Batch(prompt_tokens, prompt_mask, tokens, mask, loss_mask, behavior, adv)
+
+
+def _device(tree):
+    return jax.tree.map(jnp.asarray, tree)
+
+
+def test_bucketed_row_counts_are_few_and_never_more_than_one_and_a_half_times_the_need():
+    shapes = {bucket_rows(r, 4) for r in range(1, 1025)}
+    assert len(shapes) <= 20
+    for r in range(1, 1025):
+        got = bucket_rows(r, 4)
+        assert got % 4 == 0 and got >= r
+        assert got <= max(4, 1.5 * -(-r // 4) * 4)
+
+
+def test_every_completion_token_is_packed_once_after_its_prompt_at_its_padded_position():
+    batch = _batch()
+    packed, stats = pack(batch, G, row_len=24)
+    lengths = batch.mask.sum(1)
+    np.testing.assert_array_equal(unpack(packed.tokens, packed, N), batch.tokens)
+    np.testing.assert_array_equal(unpack(packed.loss_mask, packed, N), batch.loss_mask)
+    prompt_len = batch.prompt_mask.sum(1)
+    want_positions = np.where(batch.mask, prompt_len[:, None] + np.arange(N), 0)
+    np.testing.assert_array_equal(unpack(packed.positions, packed, N), want_positions)
+    # The token before completion token 0 is its prompt's last token; later ones follow.
+    prev_tokens = np.take_along_axis(np.asarray(packed.tokens), np.asarray(packed.prev), 1)
+    for b in np.flatnonzero(lengths):
+        got = unpack(prev_tokens, packed, N)[b, : lengths[b]]
+        prompt = batch.prompt_tokens[b][batch.prompt_mask[b]]
+        want = np.concatenate([prompt[-1:], batch.tokens[b, :-1]])[: lengths[b]]
+        np.testing.assert_array_equal(got, want)
+    # Tokens: the real ones only, prompts once per segment; positions: the rows computed.
+    assert stats.train_positions == packed.tokens.size
+    wide, wide_stats = pack(batch, G, row_len=64)  # every group fits one segment
+    assert wide_stats.prompt_repeats == 0
+    assert wide_stats.train_tokens == lengths.sum() + sum(prompt_len[g * G] for g in range(3))
+    assert wide_stats.train_tokens == int(np.asarray(wide.valid).sum())
+
+
+def test_a_group_too_long_for_one_row_repeats_its_prompt_and_too_short_a_row_is_an_error():
+    batch = _batch()
+    packed, stats = pack(batch, G, row_len=14)
+    assert stats.prompt_repeats > 0
+    np.testing.assert_array_equal(unpack(packed.tokens, packed, N), batch.tokens)
+    with pytest.raises(ValueError, match="pack_length 8 is shorter than prompt"):
+        pack(batch, G, row_len=8)
+
+
+def _run(batch, loss, attention="xla", micro_batches=1, reference=False):
+    cfg = dataclasses.replace(CFG, attention=attention, attention_block_size=8)
+    graphdef, params = nnx.split(Policy(cfg, rngs=nnx.Rngs(params=0)))
+    tx = optax.sgd(1.0)
+    step = compile_train_step(
+        graphdef, tx, group_size=G, loss_cfg=loss, temperature=0.7, micro_batches=micro_batches
+    )
+    before = jax.tree.map(np.array, params)
+    state, metrics = step(init_train_state(params, tx, reference=reference), _device(batch))
+    grads = jax.tree.map(lambda new, old: old - np.asarray(new), state.params, before)
+    return metrics, grads
+
+
+@pytest.mark.parametrize("kind", ["cispo", "dapo", "gspo", "grpo"])
+@pytest.mark.parametrize("aggregation", ["prompt", "sample", "token"])
+def test_packed_weights_and_loss_sums_equal_the_padded_ones(kind, aggregation):
+    """The loss side alone (no model: the same per-token log-probs in both layouts)."""
+    batch = _batch()
+    packed, _ = pack(batch, G, row_len=24)
+    rng = np.random.default_rng(1)
+    logp = np.where(batch.mask, batch.behavior_logp + rng.normal(0, 0.2, batch.mask.shape), 0)
+    logp_rs = np.zeros(packed.shape, np.float32)
+    seq = np.asarray(packed.seq)
+    for b in range(batch.tokens.shape[0]):
+        logp_rs[seq == b] = logp[b, : int(batch.mask[b].sum())]
+    hyper = {"kl_coef": 0.1} if kind == "grpo" else {}
+    ref, ref_rs = logp - 0.05, np.where(seq < packed.num_seqs, logp_rs - 0.05, 0)
+    want_w = loss_weights(batch.loss_mask, G, kind, aggregation)
+    got_w = packed_loss_weights(packed.loss_mask, packed.seq, packed.num_seqs, G, kind, aggregation)
+    np.testing.assert_allclose(unpack(got_w, packed, N), want_w, rtol=1e-6)
+    want = loss_sums(
+        logp, batch.behavior_logp, batch.adv, batch.loss_mask, want_w, kind, ref, **hyper
+    )
+    got = loss_sums(
+        logp_rs, packed.behavior_logp, packed.adv, packed.loss_mask, got_w, kind, ref_rs,
+        seq_ids=packed.seq, num_seqs=packed.num_seqs, **hyper,
+    )  # fmt: skip
+    np.testing.assert_allclose(got[0], want[0], rtol=1e-5)
+    for key, value in metrics_from_sums(want[1]).items():
+        np.testing.assert_allclose(metrics_from_sums(got[1])[key], value, rtol=1e-5, err_msg=key)
+
+
+@pytest.mark.parametrize(
+    "kind,aggregation",
+    [("cispo", "prompt"), ("dapo", "token"), ("gspo", "prompt"), ("grpo", "sample")],
+)
+def test_a_packed_step_equals_the_padded_step(kind, aggregation):
+    """Loss, gradients and metrics of a packed step (several rows, a group split over two
+    segments, two micro-batches) against the padded step's."""
+    batch = _batch()
+    packed, stats = pack(batch, G, row_len=24, row_multiple=2)
+    assert stats.rows >= 2 and stats.prompt_repeats > 0
+    hyper = {"kl_coef": 0.1} if kind == "grpo" else {}
+    loss = LossConfig(kind=kind, aggregation=aggregation, **hyper)
+    want, want_grads = _run(batch, loss, reference=kind == "grpo")
+    got, got_grads = _run(packed, loss, micro_batches=2, reference=kind == "grpo")
+    for key, value in want.items():
+        np.testing.assert_allclose(got[key], value, rtol=2e-5, atol=1e-7, err_msg=key)
+    for a, b in zip(jax.tree.leaves(want_grads), jax.tree.leaves(got_grads), strict=True):
+        np.testing.assert_allclose(b, a, rtol=1e-4, atol=1e-6)
+    assert float(want["grad_norm"]) > 1e-3  # the step did something
+
+
+def test_blockwise_attention_honours_the_packed_mask_in_the_step():
+    batch = _batch(prompts=4, seed=1)
+    packed, _ = pack(batch, G, row_len=40)
+    loss = LossConfig(kind="cispo", aggregation="prompt")
+    want, want_grads = _run(batch, loss)
+    got, got_grads = _run(packed, loss, attention="blockwise")
+    np.testing.assert_allclose(got["loss"], want["loss"], rtol=2e-5)
+    for a, b in zip(jax.tree.leaves(want_grads), jax.tree.leaves(got_grads), strict=True):
+        np.testing.assert_allclose(b, a, rtol=1e-4, atol=1e-6)
