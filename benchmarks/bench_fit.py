@@ -64,9 +64,10 @@ def bench_jaxopt_lm(y, counts):
     x = jnp.asarray((log_c - log_c.mean()) / log_c.std(), jnp.float32)
     spec = FitSpec()
     zero = jnp.zeros(())
+    beta_min = jnp.asarray(spec.b_min * log_c.std(), jnp.float32)  # the fitter's floor on B
 
     def residual(theta, y, w):
-        return _residual_and_jac(theta, x, y, w, zero, zero, spec)[0]
+        return _residual_and_jac(theta, x, y, w, zero, zero, beta_min, spec)[0]
 
     lm = jaxopt.LevenbergMarquardt(residual, maxiter=100, tol=1e-6, xtol=1e-8, gtol=1e-8)
 
@@ -74,11 +75,12 @@ def bench_jaxopt_lm(y, counts):
     def solve(y, w):
         def one(theta0, y, w):
             theta = lm.run(theta0, y, w).params
-            r, j = _residual_and_jac(theta, x, y, w, zero, zero, spec)
+            r, j = _residual_and_jac(theta, x, y, w, zero, zero, beta_min, spec)
             return theta, r, j
 
         zeros = jnp.zeros(y.shape[0], y.dtype)
-        return jax.vmap(one)(_grid_start(x, y, w, zeros, zeros, spec), y, w)
+        floors = jnp.full(y.shape[0], beta_min, y.dtype)
+        return jax.vmap(one)(_grid_start(x, y, w, zeros, zeros, floors, spec), y, w)
 
     ys = jnp.broadcast_to(jnp.asarray(y, jnp.float32), counts.shape)
     ws = jnp.asarray(counts, jnp.float32)

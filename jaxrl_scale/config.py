@@ -495,6 +495,16 @@ class TrainConfig:
     eval_every: int = 10
     eval_samples: int = 4  # k in mean@k
     eval_temperature: float = 1.0
+    # Packed train steps (packing.py): the batch's real tokens in rows of `pack_length`
+    # positions (0: the prompt slots + sampler.max_new_tokens), each prompt once per row
+    # segment, instead of every completion slot up to the budget. Same loss, gradients and
+    # metrics as the padded step, to float rounding.
+    packing: bool = False
+    pack_length: int = 0
+    # With packing: micro-steps of at most this many positions per batch shard (a device, or
+    # its fsdp / tensor group), whole rows (0: `micro_batches` slices), so a batch of long
+    # completions runs as more micro-steps instead of running out of memory.
+    tokens_per_micro_batch: int = 0
 
     def __post_init__(self):
         for name in (
@@ -507,6 +517,19 @@ class TrainConfig:
         ):
             _require(getattr(self, name) >= 1, f"train.{name}", "must be >= 1")
         _require(self.eval_every >= 0, "train.eval_every", "must be >= 0")
+        for name in ("pack_length", "tokens_per_micro_batch"):
+            _require(getattr(self, name) >= 0, f"train.{name}", "must be >= 0")
+            _require(
+                self.packing or not getattr(self, name),
+                f"train.{name}",
+                "applies to packed steps only (set train.packing: true)",
+            )
+        if self.tokens_per_micro_batch and self.pack_length:
+            _require(
+                self.tokens_per_micro_batch >= self.pack_length,
+                "train.tokens_per_micro_batch",
+                f"must hold at least one packed row (train.pack_length {self.pack_length})",
+            )
         _require(
             self.prompts_per_step % self.micro_batches == 0,
             "train.micro_batches",

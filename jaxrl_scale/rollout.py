@@ -39,6 +39,7 @@ from jaxrl_scale.curriculum import Curriculum
 from jaxrl_scale.generation import EngineBatches, WaveGenerator, batch_chunks, wave_prompts
 from jaxrl_scale.lora import merge_params, state_bytes
 from jaxrl_scale.model import for_generation
+from jaxrl_scale.packing import PackedBatch, PackGeometry, pack
 from jaxrl_scale.pipeline import ParamsForChunk
 from jaxrl_scale.sampler import (
     INTERRUPTED,
@@ -53,7 +54,7 @@ from jaxrl_scale.step import Batch
 class Rollouts:
     """One scored generation round: everything the trainer needs."""
 
-    batch: Batch  # on the trainer's devices
+    batch: Batch | PackedBatch  # on the trainer's devices (packed with train.packing)
     indices: np.ndarray  # [P] prompt indices
     versions: np.ndarray  # [B, N] policy version per sampled token (-1 elsewhere)
     stats: dict[str, float]
@@ -101,6 +102,7 @@ class RolloutWorker:
         )
         examples = task.train_examples + task.eval_examples
         longest = max(len(p) for p in self._encode(examples))  # widest prompts are padded to
+        self.packing = PackGeometry.of(cfg, longest, sharding.batch_ways(mesh))
         self.waves = WaveGenerator(
             cfg, graphdef, self.tok, self.interruption, mesh=gen_mesh or mesh,
             own_devices=gen_mesh is not None, longest_prompt=longest,
@@ -219,14 +221,27 @@ class RolloutWorker:
             scored.rewards, cfg.train.group_size, normalize=cfg.loss.normalize,
             baseline=cfg.loss.baseline,
         )  # fmt: skip
-        if self.multiprocess or not isinstance(ro.lengths, jax.Array):
-            # on the host; each process then places its rows
+        if self.multiprocess or cfg.train.packing or not isinstance(ro.lengths, jax.Array):
+            # on the host (packed there); each process then places its rows
             ro = jax.tree.map(distributed.to_host, ro)
             batch = Batch.from_rollout(ro, adv, keep, xp=np)
         else:  # built where it was generated, then moved device to device
             batch = Batch.from_rollout(ro, adv, keep)
+        if cfg.train.packing:
+            geometry = self.packing
+            batch, packed = pack(
+                batch, cfg.train.group_size, geometry.row_len, row_multiple=geometry.row_multiple
+            )
+            tokens, positions = packed.train_tokens, packed.train_positions
+        else:  # each prompt once for its group, and every completion slot
+            g = cfg.train.group_size
+            prompts = np.asarray(distributed.to_host(ro.prompt_mask))[::g]
+            tokens = int(prompts.sum()) + int(np.asarray(distributed.to_host(ro.lengths)).sum())
+            positions = prompts.size + int(np.prod(ro.completion_tokens.shape))
         stats = {
             **scored.stats,
+            "train_tokens": tokens,  # real prompt and completion tokens the step trains on
+            "train_positions": positions,  # positions it computes, padding included
             "kept_fraction": float(np.asarray(keep).mean()),
             "retired": int(np.asarray(curriculum["retired"]).sum()),
             "gen_seconds": seconds,
@@ -338,14 +353,19 @@ def sampling_sd(scores) -> float:
 
 
 def rollouts_to_host(batches: list[Rollouts]) -> dict[str, Any]:
-    """Batches as a tree of host arrays (for a checkpoint)."""
+    """Batches as a tree of host arrays (for a checkpoint; a packed batch's completion count
+    rides as an array)."""
 
     def one(ro: Rollouts) -> dict[str, Any]:
+        batch = {
+            f.name: distributed.to_host(getattr(ro.batch, f.name))
+            for f in dataclasses.fields(ro.batch)
+            if f.name != "num_seqs"
+        }
+        if isinstance(ro.batch, PackedBatch):
+            batch["num_seqs"] = np.asarray(ro.batch.num_seqs)
         return {
-            "batch": {
-                f.name: distributed.to_host(getattr(ro.batch, f.name))
-                for f in dataclasses.fields(Batch)
-            },
+            "batch": batch,
             "indices": np.asarray(ro.indices),
             "versions": np.asarray(ro.versions),
             "stats": {k: np.asarray(v) for k, v in ro.stats.items()},
@@ -362,7 +382,7 @@ def rollouts_from_host(tree: dict[str, Any], worker: RolloutWorker) -> list[Roll
         t = tree[str(i)]
         out.append(
             Rollouts(
-                worker.to_trainer(Batch(**t["batch"])),
+                worker.to_trainer(_batch_from_host(t["batch"])),
                 t["indices"],
                 t["versions"],
                 {k: np.asarray(v).item() for k, v in t["stats"].items()},
@@ -370,3 +390,9 @@ def rollouts_from_host(tree: dict[str, Any], worker: RolloutWorker) -> list[Roll
             )
         )
     return out
+
+
+def _batch_from_host(fields: dict[str, Any]) -> Batch | PackedBatch:
+    if "num_seqs" in fields:
+        return PackedBatch(**{**fields, "num_seqs": int(fields["num_seqs"])})
+    return Batch(**fields)

@@ -201,10 +201,15 @@ def train_step(
     loss_cfg: LossConfig,
     temperature: float,
     micro_batches: int = 1,
+    rows_per_micro: int | None = None,
     mesh=None,
 ):
     """One optimizer step on the RL loss. A non-finite loss or gradient leaves the parameters
     and optimizer state unchanged and counts the skip (metrics["skipped"]).
+
+    A packed batch (packing.py) runs the same loss over its rows; with `rows_per_micro`, as
+    R / rows_per_micro micro-steps (a token budget per micro-step: R is a compiled shape, so
+    each row count compiles with its own number of micro-steps).
 
     With `micro_batches` = m, the batch runs as m slices of whole prompt groups (memory / m),
     each under the token weights of the whole batch (losses.loss_weights), so the summed
@@ -222,6 +227,8 @@ def train_step(
     )
     grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
     weights_bt = batch_weights(batch, group_size, loss_cfg)
+    if rows_per_micro and isinstance(batch, PackedBatch):
+        micro_batches = batch.shape[0] // rows_per_micro
     if micro_batches == 1:
         (loss, sums), grads = grad_fn(state.params, state.ref_params, batch, weights_bt)
     else:  # gradient accumulation: the slices' unnormalised contributions add up
@@ -280,6 +287,7 @@ def compile_train_step(
     loss_cfg,
     temperature,
     micro_batches=1,
+    rows_per_micro=None,
     state_sharding=None,
     batch_sharding=None,
     frozen_sharding=None,
@@ -297,6 +305,7 @@ def compile_train_step(
         loss_cfg=loss_cfg,
         temperature=temperature,
         micro_batches=micro_batches,
+        rows_per_micro=rows_per_micro,
     )
     if state_sharding is None:
         return jax.jit(step, donate_argnums=0)
@@ -320,10 +329,18 @@ def compile_train_step(
 
 
 def compile_run_step(
-    cfg: ExperimentConfig, graphdef, tx, *, state_sharding, batch_sharding, frozen_sharding=None
+    cfg: ExperimentConfig,
+    graphdef,
+    tx,
+    *,
+    state_sharding,
+    batch_sharding,
+    frozen_sharding=None,
+    rows_per_micro=None,
 ):
     """`compile_train_step` with a run's settings from `cfg` (group size, loss, sampling
-    temperature, micro-batches): the step a run trains with and `jaxrl-scale memory` plans."""
+    temperature, micro-batches; packed steps' rows per micro-step from the rollout worker):
+    the step a run trains with and `jaxrl-scale memory` plans."""
     return compile_train_step(
         graphdef,
         tx,
@@ -331,6 +348,7 @@ def compile_run_step(
         loss_cfg=cfg.loss,
         temperature=cfg.sampler.temperature,
         micro_batches=cfg.train.micro_batches,
+        rows_per_micro=rows_per_micro,
         state_sharding=state_sharding,
         batch_sharding=batch_sharding,
         frozen_sharding=frozen_sharding,

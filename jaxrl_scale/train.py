@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import functools
 import sys
 import time
 from collections.abc import Callable
@@ -49,6 +50,7 @@ from jaxrl_scale.forecast import OnlineForecast
 from jaxrl_scale.hf import load_pretrained
 from jaxrl_scale.metrics import MetricsWriter, read_metrics
 from jaxrl_scale.model import Policy
+from jaxrl_scale.packing import PackedBatch
 from jaxrl_scale.peft import load_adapter, resolve_lora
 from jaxrl_scale.pipeline import ParamsSource, make_feeder, staleness_bound
 from jaxrl_scale.rollout import Rollouts, RolloutWorker, rollouts_from_host, rollouts_to_host
@@ -118,16 +120,19 @@ def setup(cfg: ExperimentConfig, out: str | Path, *, resume: bool = True) -> Run
     state_sharding = sharding.train_state_shardings(state, mesh)
     n_new = cfg.sampler.max_new_tokens
     rows = cfg.train.prompts_per_step * cfg.train.group_size
-    batch_sharding = sharding.batch_shardings(Batch.shapes(rows, 1, n_new), mesh)
+    if cfg.train.packing:  # rows of pack_length; their count is a shape of each batch's own
+        shapes = PackedBatch.shapes(1, worker.packing.row_len, rows)
+    else:
+        shapes = Batch.shapes(rows, 1, n_new)
+    batch_sharding = sharding.batch_shardings(shapes, mesh)
+    compile_step = functools.partial(
+        compile_run_step, cfg, graphdef, tx, state_sharding=state_sharding,
+        batch_sharding=batch_sharding, rows_per_micro=worker.packing.rows_per_micro,
+    )  # fmt: skip
     if frozen is None:
-        train_step = compile_run_step(
-            cfg, graphdef, tx, state_sharding=state_sharding, batch_sharding=batch_sharding
-        )
+        train_step = compile_step()
     else:  # the base rides beside the donated state, as an argument of its own
-        frozen_sharding = sharding.state_shardings(frozen, mesh)
-        step_with_base = compile_run_step(cfg, graphdef, tx, state_sharding=state_sharding,
-                                          batch_sharding=batch_sharding,
-                                          frozen_sharding=frozen_sharding)  # fmt: skip
+        step_with_base = compile_step(frozen_sharding=sharding.state_shardings(frozen, mesh))
 
         def train_step(state, batch):
             return step_with_base(state, batch, frozen)
