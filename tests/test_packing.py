@@ -2,6 +2,7 @@
 padded step's for every loss kind and aggregation."""
 
 import dataclasses
+import shutil
 
 import jax
 import jax.numpy as jnp
@@ -198,3 +199,22 @@ def test_a_packed_run_trains_like_the_padded_run_and_reports_its_padding(tmp_pat
         assert b["train_tokens"] >= a["train_tokens"] and c["train_tokens"] > a["train_tokens"]
         assert b["train_positions"] % (8 * 32) == 0  # rows of 2 x 14 -> 32, 8 devices
         assert c["train_positions"] >= 2 * 8 * 24  # two or more micro-steps of 8 rows
+
+
+def test_packed_batches_waiting_in_a_checkpoint_come_back_packed(tmp_path):
+    from jaxrl_scale.config import load_config
+    from jaxrl_scale.packing import PackedBatch
+    from jaxrl_scale.train import setup, train
+
+    overrides = ["train.prompts_per_step=8", "train.group_size=8", "train.steps=2"]
+    overrides += ["task.num_eval=16", "forecast.every=0", "train.packing=true"]
+    overrides += ["pipeline.mode=ppo_off_policy", "checkpoint.every=1"]
+    cfg = load_config("asset:demo.yaml", overrides)
+    train(cfg, tmp_path)
+    # As if the run had died after step 1's checkpoint: policy 1's second batch is waiting.
+    shutil.rmtree(tmp_path / "checkpoints" / "2")
+    run = setup(cfg, tmp_path)
+    (waiting,) = run.start.pending
+    assert run.start.step == 1
+    assert isinstance(waiting.batch, PackedBatch) and waiting.batch.num_seqs == 64
+    assert int(np.asarray(waiting.batch.valid).sum()) == waiting.stats["train_tokens"]
