@@ -36,6 +36,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxrl_scale import distributed
 from jaxrl_scale import model as model_lib
 from jaxrl_scale.sampler import prompt_width
 
@@ -121,6 +122,26 @@ class PackGeometry:
         if t.tokens_per_micro_batch:
             rows_per_micro = max(1, t.tokens_per_micro_batch // row_len) * ways
         return cls(row_len, rows_per_micro or ways * t.micro_batches, rows_per_micro)
+
+    def pack(self, batch, group_size: int) -> tuple[PackedBatch, dict[str, int]]:
+        """`pack` in these rows, and the metrics row's train_tokens / train_positions."""
+        packed, stats = pack(batch, group_size, self.row_len, row_multiple=self.row_multiple)
+        return packed, {
+            "train_tokens": stats.train_tokens,
+            "train_positions": stats.train_positions,
+        }
+
+
+def padded_layout(rollout, group_size: int) -> dict[str, int]:
+    """train_tokens / train_positions of the padded step on a rollout (sampler.Rollout):
+    each prompt's real tokens once for its group plus every emitted completion token, against
+    P x L prompt slots plus B x N completion slots."""
+    prompts = np.asarray(distributed.to_host(rollout.prompt_mask))[::group_size]
+    completions = int(np.asarray(distributed.to_host(rollout.lengths)).sum())
+    return {
+        "train_tokens": int(prompts.sum()) + completions,
+        "train_positions": prompts.size + int(np.prod(rollout.completion_tokens.shape)),
+    }
 
 
 @dataclasses.dataclass(frozen=True)

@@ -39,7 +39,7 @@ from jaxrl_scale.curriculum import Curriculum
 from jaxrl_scale.generation import EngineBatches, WaveGenerator, batch_chunks, wave_prompts
 from jaxrl_scale.lora import merge_params, state_bytes
 from jaxrl_scale.model import for_generation
-from jaxrl_scale.packing import PackedBatch, PackGeometry, pack
+from jaxrl_scale.packing import PackedBatch, PackGeometry, padded_layout
 from jaxrl_scale.pipeline import ParamsForChunk
 from jaxrl_scale.sampler import (
     INTERRUPTED,
@@ -102,7 +102,8 @@ class RolloutWorker:
         )
         examples = task.train_examples + task.eval_examples
         longest = max(len(p) for p in self._encode(examples))  # widest prompts are padded to
-        self.packing = PackGeometry.of(cfg, longest, sharding.batch_ways(mesh))
+        row_shards = sharding.batch_ways(mesh)  # packed rows (train.packing), else None
+        self.packing = PackGeometry.of(cfg, longest, row_shards) if cfg.train.packing else None
         self.waves = WaveGenerator(
             cfg, graphdef, self.tok, self.interruption, mesh=gen_mesh or mesh,
             own_devices=gen_mesh is not None, longest_prompt=longest,
@@ -221,27 +222,11 @@ class RolloutWorker:
             scored.rewards, cfg.train.group_size, normalize=cfg.loss.normalize,
             baseline=cfg.loss.baseline,
         )  # fmt: skip
-        if self.multiprocess or cfg.train.packing or not isinstance(ro.lengths, jax.Array):
-            # on the host (packed there); each process then places its rows
-            ro = jax.tree.map(distributed.to_host, ro)
-            batch = Batch.from_rollout(ro, adv, keep, xp=np)
-        else:  # built where it was generated, then moved device to device
-            batch = Batch.from_rollout(ro, adv, keep)
-        if cfg.train.packing:
-            geometry = self.packing
-            batch, packed = pack(
-                batch, cfg.train.group_size, geometry.row_len, row_multiple=geometry.row_multiple
-            )
-            tokens, positions = packed.train_tokens, packed.train_positions
-        else:  # each prompt once for its group, and every completion slot
-            g = cfg.train.group_size
-            prompts = np.asarray(distributed.to_host(ro.prompt_mask))[::g]
-            tokens = int(prompts.sum()) + int(np.asarray(distributed.to_host(ro.lengths)).sum())
-            positions = prompts.size + int(np.prod(ro.completion_tokens.shape))
+        batch, layout = _trainer_batch(ro, adv, keep, cfg.train.group_size, self.packing,
+                                       host=self.multiprocess)  # fmt: skip
         stats = {
             **scored.stats,
-            "train_tokens": tokens,  # real prompt and completion tokens the step trains on
-            "train_positions": positions,  # positions it computes, padding included
+            **layout,  # train_tokens, train_positions
             "kept_fraction": float(np.asarray(keep).mean()),
             "retired": int(np.asarray(curriculum["retired"]).sum()),
             "gen_seconds": seconds,
@@ -347,6 +332,20 @@ def sampling_sd(scores) -> float:
     if k < 2:
         return float("nan")
     return float(np.sqrt(np.sum(np.var(scores, axis=1, ddof=1)) / k) / n)
+
+
+def _trainer_batch(ro, adv, keep, group_size: int, packing: PackGeometry | None, *, host: bool):
+    """(the batch the trainer computes, its row's train_tokens / train_positions): packed in
+    `packing`'s rows, or padded. Built on the host across processes (each process then places
+    its rows) and for packing; else where the rollout was generated, moved device to device."""
+    if host or packing is not None or not isinstance(ro.lengths, jax.Array):
+        ro = jax.tree.map(distributed.to_host, ro)
+        batch = Batch.from_rollout(ro, adv, keep, xp=np)
+    else:
+        batch = Batch.from_rollout(ro, adv, keep)
+    if packing is None:
+        return batch, padded_layout(ro, group_size)
+    return packing.pack(batch, group_size)
 
 
 # --------------------------------------------------------------------------- checkpointed batches

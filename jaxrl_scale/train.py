@@ -127,7 +127,8 @@ def setup(cfg: ExperimentConfig, out: str | Path, *, resume: bool = True) -> Run
     batch_sharding = sharding.batch_shardings(shapes, mesh)
     compile_step = functools.partial(
         compile_run_step, cfg, graphdef, tx, state_sharding=state_sharding,
-        batch_sharding=batch_sharding, rows_per_micro=worker.packing.rows_per_micro,
+        batch_sharding=batch_sharding,
+        rows_per_micro=worker.packing and worker.packing.rows_per_micro,
     )  # fmt: skip
     if frozen is None:
         train_step = compile_step()
