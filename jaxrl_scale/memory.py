@@ -50,6 +50,7 @@ from jaxrl_scale.engine import abstract_slots, lower_admission
 from jaxrl_scale.generation import wave_prompts
 from jaxrl_scale.hf import config_from_hf, resolve_checkpoint
 from jaxrl_scale.model import Policy, for_generation
+from jaxrl_scale.packing import PackedBatch, PackGeometry, bucket_rows
 from jaxrl_scale.peft import resolve_lora
 from jaxrl_scale.rollout import decodes_with_copy
 from jaxrl_scale.sampler import Interruption, Sampling, decode, prefill
@@ -181,7 +182,11 @@ def train_step_memory(cfg: ExperimentConfig, mesh, prompt_len: int) -> dict[str,
     )
     state_sharding = jax.tree.map(lambda x: x.sharding, state)
     rows = cfg.train.prompts_per_step * cfg.train.group_size
-    batch_shapes = Batch.shapes(rows, prompt_len, cfg.sampler.max_new_tokens)
+    packed = _packed_plan(cfg, mesh, prompt_len) if cfg.train.packing else None
+    if packed is None:
+        batch_shapes = Batch.shapes(rows, prompt_len, cfg.sampler.max_new_tokens)
+    else:
+        batch_shapes = PackedBatch.shapes(packed["rows"], packed["row_len"], rows)
     batch_sharding = sharding.batch_shardings(batch_shapes, mesh)
     batch = jax.tree.map(
         lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
@@ -197,15 +202,50 @@ def train_step_memory(cfg: ExperimentConfig, mesh, prompt_len: int) -> dict[str,
     step = compile_run_step(
         cfg, graphdef, tx, state_sharding=state_sharding, batch_sharding=batch_sharding,
         frozen_sharding=frozen_sharding,
+        rows_per_micro=None if packed is None else packed["rows_per_micro_batch"],
     )  # fmt: skip
     out = _breakdown(step.lower(*args).compile())
     trainable = _state_bytes(state.params)
     out["parameters_bytes"] = trainable + (0 if frozen is None else _state_bytes(frozen))
     out["optimizer_state_bytes"] = _state_bytes(state.opt_state)
-    out["rows_per_micro_batch"] = rows // cfg.train.micro_batches
+    ways = sharding.batch_ways(mesh)
+    if packed is None:
+        out["rows_per_micro_batch"] = rows // cfg.train.micro_batches
+        seq = prompt_len + cfg.sampler.max_new_tokens  # a completion's row, its prompt shared
+        out["positions_per_micro_batch_per_shard"] = out["rows_per_micro_batch"] // ways * seq
+    else:
+        out["rows_per_micro_batch"] = packed["rows_per_micro_batch"]
+        out["positions_per_micro_batch_per_shard"] = (
+            packed["rows_per_micro_batch"] // ways * packed["row_len"]
+        )
+        out["packed"] = packed
     if frozen is not None:
         out["lora"] = _lora_state(cfg, mesh, tx, frozen, trainable, out)
     return out
+
+
+def _packed_plan(cfg: ExperimentConfig, mesh, prompt_len: int) -> dict[str, int]:
+    """The packed step a plan compiles (train.packing): rows of the run's length, as many as a
+    batch needs when every completion runs to the budget (the most it can need; the rows'
+    count changes the batch arguments and the number of micro-steps, not the activations of
+    one micro-step, which `train.tokens_per_micro_batch` sets)."""
+    geometry = PackGeometry.of(cfg, prompt_len, sharding.batch_ways(mesh))
+    n, g = cfg.sampler.max_new_tokens, cfg.train.group_size
+    if prompt_len + n > geometry.row_len:
+        raise ValueError(
+            f"train.pack_length {geometry.row_len} is shorter than a prompt ({prompt_len}) "
+            f"plus a completion at the budget ({n})"
+        )
+    per_row = 1 + (geometry.row_len - prompt_len - n) // n  # of one group, behind its prompt
+    groups_rows = cfg.train.prompts_per_step * -(-g // per_row)
+    rows = bucket_rows(groups_rows, geometry.row_multiple)
+    per_micro = geometry.rows_per_micro or rows // cfg.train.micro_batches
+    return {
+        "row_len": geometry.row_len,
+        "rows": rows,
+        "rows_per_micro_batch": per_micro,
+        "micro_batches": rows // per_micro,
+    }
 
 
 def _lora_state(cfg: ExperimentConfig, mesh, tx, frozen, trainable: int, out) -> dict[str, Any]:
@@ -633,20 +673,21 @@ def _bound_temporaries(part: dict[str, Any], float32_program: int) -> None:
 
 def _advice(name: str, part: dict[str, Any], cfg: ExperimentConfig, report) -> str:
     m = cfg.model
+    micro = "train.tokens_per_micro_batch" if cfg.train.packing else "train.micro_batches"
     if name == "train_and_generate":
         run = "run at once" if part["concurrent"] else "keep the train state while generating"
         return (
             f"the train step and the generator share these devices and {run}: give the "
             "generator its own (pipeline.generator_devices), or shrink either side "
             f"(generator: {_generator_advice(report['generator'], report, cfg)}; train step: "
-            "train.micro_batches, model.remat)"
+            f"{micro}, model.remat)"
         )
     if name == "generator":
         return _generator_advice(part, report, cfg)
     if name == "trainer_host":
         return (
             "the train step and the versions kept for the generators do not fit: more trainer "
-            "devices (mesh.fsdp), train.micro_batches, model.remat"
+            f"devices (mesh.fsdp), {micro}, model.remat"
         )
     state = part["parameters_bytes"] + part["optimizer_state_bytes"]
     if state >= part["temporaries_bytes"]:
@@ -660,7 +701,10 @@ def _advice(name: str, part: dict[str, Any], cfg: ExperimentConfig, report) -> s
             f"parameters + optimizer state ({_gib(state)} per device) are the biggest term: "
             f"shard them over more devices (mesh.fsdp, now {cfg.mesh.fsdp}) {also}"
         )
-    knobs = [f"more train.micro_batches (now {cfg.train.micro_batches})"]
+    if "packed" in part:
+        knobs = [_packed_budget(part, report)]
+    else:
+        knobs = [f"more train.micro_batches (now {cfg.train.micro_batches})"]
     if m.remat != "full" or not m.scan_layers:
         # Measured: remat pays off inside the scanned layers (each layer one checkpoint).
         knobs.append(
@@ -673,6 +717,24 @@ def _advice(name: str, part: dict[str, Any], cfg: ExperimentConfig, report) -> s
         f"temporaries (activations and gradients, {_gib(part['temporaries_bytes'])} per device, "
         f"{part['rows_per_micro_batch']} rows per micro-batch) are the biggest term; what "
         "shrinks them: " + ", ".join(knobs)
+    )
+
+
+def _packed_budget(part: dict[str, Any], report) -> str:
+    """A packed step's token budget that would fit: the temporaries scaled with the positions
+    per micro-step (about linear; the parameters and optimizer state stay)."""
+    now = part["positions_per_micro_batch_per_shard"]
+    room = report["pool_bytes"] - (part["per_device_bytes"] - part["temporaries_bytes"])
+    row = part["packed"]["row_len"]
+    fits = now * room // max(part["temporaries_bytes"], 1) // row * row
+    if fits < row:
+        return (
+            f"not even one packed row of {row:,} per micro-step fits beside the state: a "
+            "shorter train.pack_length or less state per device"
+        )
+    return (
+        f"a smaller train.tokens_per_micro_batch (now {now:,} positions per batch shard per "
+        f"micro-step; about {fits:,} would fit, the temporaries scaled with the positions)"
     )
 
 
@@ -754,6 +816,14 @@ def format_plan(report: dict[str, Any]) -> str:
             ("total", part["per_device_bytes"]),
         ]
         lines += _table(rows)
+        if "packed" in part:
+            pk, per_shard = part["packed"], part["positions_per_micro_batch_per_shard"]
+            lines.append(
+                f"  packed (train.packing): {pk['rows']} rows of {pk['row_len']:,} (every "
+                f"completion at the budget), {pk['micro_batches']} micro-step"
+                f"{'s' if pk['micro_batches'] != 1 else ''} of "
+                f"{pk['rows_per_micro_batch']} rows, {per_shard:,} positions per batch shard each"
+            )
         if "temporaries_bytes_as_compiled" in part:
             lines.append(
                 "  temporaries: the smaller of two upper bounds, bf16 as the CPU compiles it "

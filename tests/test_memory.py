@@ -393,3 +393,28 @@ def test_a_peft_adapter_fixes_the_planned_rank_and_targets(tmp_path):
     per_layer = 2 * (m.hidden_size + m.num_heads * e) + 2 * (m.hidden_size + m.num_kv_heads * e)
     planned = train_step_memory(cfg, mesh, 8)["lora"]
     assert planned["adapter_bytes"] == 4 * m.num_layers * per_layer
+
+
+def test_a_packed_plan_compiles_the_packed_step_and_its_token_budget_sets_the_activations(capsys):
+    packed = [*LONG, "mesh.data=8", "train.packing=true"]
+    cfg = load_config(TINY, packed)
+    mesh, _ = sharding.make_meshes(cfg)
+    part = train_step_memory(cfg, mesh, 8)
+    # Rows of 2 x (8 + 64) = 144 positions hold 2 completions at the budget: 8 prompts x 8
+    # completions need 32 rows, already a multiple of the 8 devices.
+    assert part["packed"] == {
+        "row_len": 144, "rows": 32, "rows_per_micro_batch": 32, "micro_batches": 1,
+    }  # fmt: skip
+    budget = [*packed, "train.tokens_per_micro_batch=144"]  # one row per device per micro-step
+    small = train_step_memory(load_config(TINY, budget), mesh, 8)
+    assert (
+        small["packed"]["micro_batches"] == 4
+        and small["positions_per_micro_batch_per_shard"] == 144
+    )
+    assert small["temporaries_bytes"] < 0.5 * part["temporaries_bytes"]
+    # Too little memory: the advice is a token budget, in whole rows.
+    args = ["memory", "--config", TINY, "--device-memory", "0.0001"]
+    assert main(args + [f"--set={o}" for o in packed]) == 1
+    out = capsys.readouterr().out
+    assert "packed (train.packing): 32 rows of 144" in out
+    assert "train.tokens_per_micro_batch" in out
