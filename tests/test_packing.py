@@ -218,3 +218,18 @@ def test_packed_batches_waiting_in_a_checkpoint_come_back_packed(tmp_path):
     assert run.start.step == 1
     assert isinstance(waiting.batch, PackedBatch) and waiting.batch.num_seqs == 64
     assert int(np.asarray(waiting.batch.valid).sum()) == waiting.stats["train_tokens"]
+
+
+def test_packing_settings_are_checked_and_named():
+    from jaxrl_scale.config import ConfigError, load_config
+
+    for bad, message in (
+        (["train.pack_length=64"], "train.pack_length: applies to packed steps only"),
+        (["train.packing=true", "train.tokens_per_micro_batch=-1"], "must be >= 0"),
+        (
+            ["train.packing=true", "train.pack_length=64", "train.tokens_per_micro_batch=32"],
+            "must hold at least one packed row",
+        ),
+    ):
+        with pytest.raises(ConfigError, match=message):
+            load_config("asset:demo.yaml", bad)
