@@ -496,10 +496,11 @@ class TrainConfig:
     eval_samples: int = 4  # k in mean@k
     eval_temperature: float = 1.0
     # Packed train steps (packing.py): the batch's real tokens in rows of `pack_length`
-    # positions (0: the prompt slots + sampler.max_new_tokens), each prompt once per row
+    # positions (0: twice the padded row, cut to attention blocks), each prompt once per row
     # segment, instead of every completion slot up to the budget. Same loss, gradients and
-    # metrics as the padded step, to float rounding.
-    packing: bool = False
+    # metrics as the padded step, to float rounding. true: every batch packed; auto: a batch
+    # is packed where that computes fewer positions than the padded step; false: padded.
+    packing: bool | Literal["auto"] = "auto"
     pack_length: int = 0
     # With packing: micro-steps of at most this many positions per batch shard (a device, or
     # its fsdp / tensor group), whole rows (0: `micro_batches` slices), so a batch of long
@@ -522,7 +523,7 @@ class TrainConfig:
             _require(
                 self.packing or not getattr(self, name),
                 f"train.{name}",
-                "applies to packed steps only (set train.packing: true)",
+                "applies to packed steps only (set train.packing: true or auto)",
             )
         if self.tokens_per_micro_batch and self.pack_length:
             _require(
@@ -814,8 +815,14 @@ def from_dict(cls: type, data: Mapping[str, Any], prefix: str = ""):
 
 
 def _type_name(tp: Any) -> str:
-    if typing.get_origin(tp) is Literal:  # name the choices, not the type
+    origin = typing.get_origin(tp)
+    if origin is Literal:  # name the choices, not the type
         return "one of " + ", ".join(repr(v) for v in typing.get_args(tp))
+    if origin in (typing.Union, types.UnionType):  # e.g. bool | Literal["auto"]
+        return " or ".join(
+            "true or false" if a is bool else "null" if a is type(None) else _type_name(a)
+            for a in typing.get_args(tp)
+        )
     return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
 
 

@@ -182,7 +182,12 @@ def train_step_memory(cfg: ExperimentConfig, mesh, prompt_len: int) -> dict[str,
     )
     state_sharding = jax.tree.map(lambda x: x.sharding, state)
     rows = cfg.train.prompts_per_step * cfg.train.group_size
-    packed = _packed_plan(cfg, mesh, prompt_len) if cfg.train.packing else None
+    # train.packing: auto plans the padded step where auto may take it (PackGeometry.of): a
+    # batch auto packs computes fewer positions than the padded step, so this is the most
+    # a batch can need (every completion at the budget).
+    ways = sharding.batch_ways(mesh)
+    geometry = PackGeometry.of(cfg, prompt_len, ways) if cfg.train.packing else None
+    packed = _packed_plan(cfg, geometry, prompt_len) if geometry and not geometry.auto else None
     if packed is None:
         batch_shapes = Batch.shapes(rows, prompt_len, cfg.sampler.max_new_tokens)
     else:
@@ -208,8 +213,8 @@ def train_step_memory(cfg: ExperimentConfig, mesh, prompt_len: int) -> dict[str,
     trainable = _state_bytes(state.params)
     out["parameters_bytes"] = trainable + (0 if frozen is None else _state_bytes(frozen))
     out["optimizer_state_bytes"] = _state_bytes(state.opt_state)
-    ways = sharding.batch_ways(mesh)
     if packed is None:
+        out["auto_padded"] = geometry is not None  # train.packing: auto, planned padded
         out["rows_per_micro_batch"] = rows // cfg.train.micro_batches
         seq = prompt_len + cfg.sampler.max_new_tokens  # a completion's row, its prompt shared
         out["positions_per_micro_batch_per_shard"] = out["rows_per_micro_batch"] // ways * seq
@@ -224,12 +229,11 @@ def train_step_memory(cfg: ExperimentConfig, mesh, prompt_len: int) -> dict[str,
     return out
 
 
-def _packed_plan(cfg: ExperimentConfig, mesh, prompt_len: int) -> dict[str, int]:
+def _packed_plan(cfg: ExperimentConfig, geometry: PackGeometry, prompt_len: int) -> dict[str, int]:
     """The packed step a plan compiles (train.packing): rows of the run's length, as many as a
     batch needs when every completion runs to the budget (the most it can need; the rows'
     count changes the batch arguments and the number of micro-steps, not the activations of
     one micro-step, which `train.tokens_per_micro_batch` sets)."""
-    geometry = PackGeometry.of(cfg, prompt_len, sharding.batch_ways(mesh))
     n, g = cfg.sampler.max_new_tokens, cfg.train.group_size
     if prompt_len + n > geometry.row_len:
         raise ValueError(
@@ -673,7 +677,8 @@ def _bound_temporaries(part: dict[str, Any], float32_program: int) -> None:
 
 def _advice(name: str, part: dict[str, Any], cfg: ExperimentConfig, report) -> str:
     m = cfg.model
-    micro = "train.tokens_per_micro_batch" if cfg.train.packing else "train.micro_batches"
+    packed = "packed" in report["train_step"]  # train.packing: true, or auto always packing
+    micro = "train.tokens_per_micro_batch" if packed else "train.micro_batches"
     if name == "train_and_generate":
         run = "run at once" if part["concurrent"] else "keep the train state while generating"
         return (
@@ -705,6 +710,12 @@ def _advice(name: str, part: dict[str, Any], cfg: ExperimentConfig, report) -> s
         knobs = [_packed_budget(part, report)]
     else:
         knobs = [f"more train.micro_batches (now {cfg.train.micro_batches})"]
+        if part.get("auto_padded"):
+            knobs.append(
+                "train.tokens_per_micro_batch below "
+                f"{part['positions_per_micro_batch_per_shard']:,} (packing: auto then always "
+                "packs, in micro-steps of that many positions)"
+            )
     if m.remat != "full" or not m.scan_layers:
         # Measured: remat pays off inside the scanned layers (each layer one checkpoint).
         knobs.append(
@@ -823,6 +834,11 @@ def format_plan(report: dict[str, Any]) -> str:
                 f"completion at the budget), {pk['micro_batches']} micro-step"
                 f"{'s' if pk['micro_batches'] != 1 else ''} of "
                 f"{pk['rows_per_micro_batch']} rows, {per_shard:,} positions per batch shard each"
+            )
+        if part.get("auto_padded"):
+            lines.append(
+                "  train.packing: auto, planned padded: the layout auto takes for a batch whose "
+                "completions all run to the budget"
             )
         if "temporaries_bytes_as_compiled" in part:
             lines.append(

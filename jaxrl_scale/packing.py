@@ -104,24 +104,32 @@ def default_row_len(padded_row: int, block: int) -> int:
 
 @dataclasses.dataclass(frozen=True)
 class PackGeometry:
-    """A run's packed rows: their length, the multiple row counts are rounded to, and the rows
-    per micro-step (None: `train.micro_batches` slices)."""
+    """A run's packed rows: their length, the multiple row counts are rounded to, the rows per
+    micro-step (None: `train.micro_batches` slices), and whether each batch picks the layout
+    that computes fewer positions (`auto`, train.packing: auto) rather than always packing."""
 
     row_len: int
     row_multiple: int
     rows_per_micro: int | None
+    auto: bool = False
 
     @classmethod
     def of(cls, cfg, longest_prompt: int, ways: int) -> PackGeometry:
-        """From `cfg.train` (pack_length, tokens_per_micro_batch, micro_batches), the widest
-        prompt and the trainer's batch shards (rows default to `default_row_len`)."""
+        """From `cfg.train` (packing, pack_length, tokens_per_micro_batch, micro_batches), the
+        widest prompt and the trainer's batch shards (rows default to `default_row_len`).
+        `train.packing: auto` keeps the padded step as a choice only where its micro-steps
+        hold no more positions per shard than `train.tokens_per_micro_batch` allows (the
+        budget bounds every micro-step, whichever the layout); else it always packs."""
         t = cfg.train
-        padded_row = prompt_width(longest_prompt, longest_prompt) + cfg.sampler.max_new_tokens
+        width = prompt_width(longest_prompt, longest_prompt)
+        padded_row = width + cfg.sampler.max_new_tokens
         row_len = t.pack_length or default_row_len(padded_row, cfg.model.attention_block_size)
         rows_per_micro = None
         if t.tokens_per_micro_batch:
             rows_per_micro = max(1, t.tokens_per_micro_batch // row_len) * ways
-        return cls(row_len, rows_per_micro or ways * t.micro_batches, rows_per_micro)
+        padded_micro = t.prompts_per_step * t.group_size // t.micro_batches // ways * padded_row
+        auto = t.packing == "auto" and padded_micro <= (t.tokens_per_micro_batch or padded_micro)
+        return cls(row_len, rows_per_micro or ways * t.micro_batches, rows_per_micro, auto)
 
     def pack(self, batch, group_size: int) -> tuple[PackedBatch, dict[str, int]]:
         """`pack` in these rows, and the metrics row's train_tokens / train_positions."""
@@ -129,7 +137,17 @@ class PackGeometry:
         return packed, {
             "train_tokens": stats.train_tokens,
             "train_positions": stats.train_positions,
+            "train_packed": 1,
         }
+
+    def layout(self, batch, group_size: int, padded: dict[str, int]):
+        """(the batch the step computes, its metrics): packed, or with `auto` the padded
+        `batch` where packing would compute as many positions as its `padded` layout or more
+        (completions that nearly fill their budget)."""
+        packed, stats = self.pack(batch, group_size)
+        if self.auto and stats["train_positions"] >= padded["train_positions"]:
+            return batch, padded
+        return packed, stats
 
 
 def padded_layout(rollout, group_size: int) -> dict[str, int]:
@@ -141,6 +159,7 @@ def padded_layout(rollout, group_size: int) -> dict[str, int]:
     return {
         "train_tokens": int(prompts.sum()) + completions,
         "train_positions": prompts.size + int(np.prod(rollout.completion_tokens.shape)),
+        "train_packed": 0,
     }
 
 

@@ -335,17 +335,17 @@ def sampling_sd(scores) -> float:
 
 
 def _trainer_batch(ro, adv, keep, group_size: int, packing: PackGeometry | None, *, host: bool):
-    """(the batch the trainer computes, its row's train_tokens / train_positions): packed in
-    `packing`'s rows, or padded. Built on the host across processes (each process then places
-    its rows) and for packing; else where the rollout was generated, moved device to device."""
+    """(the batch the trainer computes, its row's train_tokens / train_positions /
+    train_packed): packed in `packing`'s rows (`PackGeometry.layout`), or padded. Built on the
+    host across processes (each process then places its rows) and for packing; else where
+    the rollout was generated, moved device to device."""
     if host or packing is not None or not isinstance(ro.lengths, jax.Array):
         ro = jax.tree.map(distributed.to_host, ro)
         batch = Batch.from_rollout(ro, adv, keep, xp=np)
     else:
         batch = Batch.from_rollout(ro, adv, keep)
-    if packing is None:
-        return batch, padded_layout(ro, group_size)
-    return packing.pack(batch, group_size)
+    padded = padded_layout(ro, group_size)
+    return (batch, padded) if packing is None else packing.layout(batch, group_size, padded)
 
 
 # --------------------------------------------------------------------------- checkpointed batches

@@ -120,23 +120,28 @@ def setup(cfg: ExperimentConfig, out: str | Path, *, resume: bool = True) -> Run
     state_sharding = sharding.train_state_shardings(state, mesh)
     n_new = cfg.sampler.max_new_tokens
     rows = cfg.train.prompts_per_step * cfg.train.group_size
-    if cfg.train.packing:  # rows of pack_length; their count is a shape of each batch's own
-        shapes = PackedBatch.shapes(1, worker.packing.row_len, rows)
-    else:
-        shapes = Batch.shapes(rows, 1, n_new)
-    batch_sharding = sharding.batch_shardings(shapes, mesh)
-    compile_step = functools.partial(
-        compile_run_step, cfg, graphdef, tx, state_sharding=state_sharding,
-        batch_sharding=batch_sharding,
-        rows_per_micro=worker.packing and worker.packing.rows_per_micro,
-    )  # fmt: skip
-    if frozen is None:
-        train_step = compile_step()
-    else:  # the base rides beside the donated state, as an argument of its own
-        step_with_base = compile_step(frozen_sharding=sharding.state_shardings(frozen, mesh))
+    packing = worker.packing  # None: padded; auto: a step for each layout, compiled on first use
+    layouts = {Batch: packing is None or packing.auto, PackedBatch: packing is not None}
+    steps = {}
+    for kind in (k for k, on in layouts.items() if on):
+        # A packed batch's row count is a shape of its own: the step compiles per bucket.
+        if kind is PackedBatch:
+            shapes = PackedBatch.shapes(1, packing.row_len, rows)
+        else:
+            shapes = Batch.shapes(rows, 1, n_new)
+        compile_step = functools.partial(
+            compile_run_step, cfg, graphdef, tx, state_sharding=state_sharding,
+            batch_sharding=sharding.batch_shardings(shapes, mesh),
+            rows_per_micro=packing.rows_per_micro if kind is PackedBatch else None,
+        )  # fmt: skip
+        if frozen is None:
+            steps[kind] = compile_step()
+        else:  # the base rides beside the donated state, as an argument of its own
+            steps[kind] = compile_step(frozen_sharding=sharding.state_shardings(frozen, mesh))
 
-        def train_step(state, batch):
-            return step_with_base(state, batch, frozen)
+    def train_step(state, batch):
+        step = steps[type(batch)]
+        return step(state, batch) if frozen is None else step(state, batch, frozen)
 
     def new_train_state(params):
         return jax.device_put(init_train_state(params, tx, reference=reference), state_sharding)

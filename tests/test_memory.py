@@ -412,6 +412,13 @@ def test_a_packed_plan_compiles_the_packed_step_and_its_token_budget_sets_the_ac
         and small["positions_per_micro_batch_per_shard"] == 144
     )
     assert small["temporaries_bytes"] < 0.5 * part["temporaries_bytes"]
+    # packing: auto (the default) plans the padded step it takes for completions at the
+    # budget; with a budget below the padded micro-step (8 rows x 72) it always packs.
+    auto = train_step_memory(load_config(TINY, [*LONG, "mesh.data=8"]), mesh, 8)
+    assert "packed" not in auto and auto["auto_padded"]
+    assert auto["positions_per_micro_batch_per_shard"] == 8 * 72
+    auto_budget = [*LONG, "mesh.data=8", "train.tokens_per_micro_batch=144"]
+    assert train_step_memory(load_config(TINY, auto_budget), mesh, 8)["packed"] == small["packed"]
     # Too little memory: the advice is a token budget, in whole rows.
     args = ["memory", "--config", TINY, "--device-memory", "0.0001"]
     assert main(args + [f"--set={o}" for o in packed]) == 1

@@ -172,6 +172,24 @@ def test_pipeline_rl_across_processes_splits_generator_and_trainer_devices(tmp_p
         np.testing.assert_allclose(a, b, rtol=0, atol=1e-6)
 
 
+def test_two_processes_train_packed_batches_like_one_process(tmp_path):
+    # Every process packs the whole host batch (the same rows, in the same order) and places
+    # the rows its devices hold: the run equals one 4-device process packing the same batch.
+    codes, outs = _run_two(tmp_path / "two", 2, "train.packing=true")
+    assert codes == [0, 0], outs[0][-3000:] + outs[1][-3000:]
+    cmd = _train_cmd(tmp_path / "one", 2) + ["--set", "train.packing=true"]
+    single = subprocess.run(cmd, env=_env(4), capture_output=True, text=True, timeout=300)
+    assert single.returncode == 0, single.stderr[-3000:]
+    two, one = read_metrics(tmp_path / "two"), read_metrics(tmp_path / "one")
+    assert [r["step"] for r in two] == [0, 1, 2]
+    for a, b in zip(two[1:], one[1:], strict=True):
+        assert a["train_packed"] == 1 and a["train_positions"] == b["train_positions"]
+        for key in ("reward_mean", "loss", "grad_norm", "kept_tokens"):
+            assert a[key] == pytest.approx(b[key], abs=1e-6), key
+    for a, b in zip(_params(tmp_path / "two"), _params(tmp_path / "one"), strict=True):
+        np.testing.assert_allclose(a, b, rtol=0, atol=1e-6)
+
+
 def test_a_generator_split_that_leaves_a_process_without_trainer_devices_is_refused(tmp_path):
     codes, outs = _run_two(tmp_path / "run", 3, *PIPELINE[:1], "pipeline.generator_devices=3")
     assert codes == [2, 2]

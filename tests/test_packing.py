@@ -183,22 +183,47 @@ def test_a_packed_run_trains_like_the_padded_run_and_reports_its_padding(tmp_pat
         small += ["task.num_eval=16", "pipeline.mode=sync", "forecast.every=0"]
         return train(load_config("asset:demo.yaml", [*small, *extra]), tmp_path / name)
 
-    padded = run("padded")
+    padded = run("padded", "train.packing=false")
     packed = run("packed", "train.packing=true")
-    short = ["train.packing=true", "train.pack_length=24", "train.tokens_per_micro_batch=24"]
-    budget = run("budget", *short)  # one 24-token row per device (8) per micro-step
-    for a, b, c in zip(padded[1:], packed[1:], budget[1:], strict=True):
+    auto = run("auto")  # the default
+    # A budget below the padded step's micro-step (64 rows / 8 devices x 14 positions): auto
+    # then always packs, one 24-token row per device per micro-step.
+    short = ["train.packing=auto", "train.pack_length=24", "train.tokens_per_micro_batch=24"]
+    budget = run("budget", *short)
+    for a, b, c, d in zip(padded[1:], packed[1:], budget[1:], auto[1:], strict=True):
         assert abs(a["loss"]) > 1e-4 and a["grad_norm"] > 1e-4  # the shipped policy learns
         for key in ("loss", "grad_norm", "reward_mean", "mismatch", "kept_tokens"):
-            for other in (b, c):
+            for other in (b, c, d):
                 np.testing.assert_allclose(other[key], a[key], rtol=1e-4, atol=1e-6, err_msg=key)
         # Padded: 8 prompts of 8 slots and 64 x 6 completion slots (these completions nearly
         # fill their 6-token budget: little padding to save; bench_packing has the heavy
         # tail). Packed: the real tokens, prompts again where a group spans rows.
-        assert a["train_positions"] == 8 * 8 + 64 * 6
+        assert a["train_positions"] == 8 * 8 + 64 * 6 and a["train_packed"] == 0
         assert b["train_tokens"] >= a["train_tokens"] and c["train_tokens"] > a["train_tokens"]
         assert b["train_positions"] % (8 * 32) == 0  # rows of 2 x 14 -> 32, 8 devices
         assert c["train_positions"] >= 2 * 8 * 24  # two or more micro-steps of 8 rows
+        assert b["train_packed"] == c["train_packed"] == 1
+        # auto: packing these computes no fewer positions than padding, so it pads.
+        assert b["train_positions"] >= a["train_positions"]
+        assert (d["train_packed"], d["train_positions"]) == (0, a["train_positions"])
+
+
+def test_auto_packs_a_batch_only_where_that_computes_fewer_positions():
+    from jaxrl_scale.packing import PackedBatch, PackGeometry
+
+    auto = PackGeometry(row_len=40, row_multiple=1, rows_per_micro=None, auto=True)
+    padded = {"train_tokens": 0, "train_positions": 3 * L + 3 * G * N, "train_packed": 0}
+    short = _batch(seed=3)  # uneven lengths: 2 rows of 40 hold them
+    got, stats = auto.layout(short, G, padded)
+    assert isinstance(got, PackedBatch) and stats["train_positions"] == 80 < 123
+    assert stats["train_packed"] == 1
+    full = dataclasses.replace(short, mask=np.ones_like(short.mask))  # every one at the budget
+    got, stats = auto.layout(full, G, padded)
+    assert got is full and stats is padded
+    always = dataclasses.replace(auto, auto=False)  # train.packing: true
+    got, stats = always.layout(full, G, padded)
+    # 12 x 9 completion tokens behind prompts of 2-5 need 3 rows at best; prompts repeat.
+    assert isinstance(got, PackedBatch) and stats["train_positions"] >= 123
 
 
 def test_packed_batches_waiting_in_a_checkpoint_come_back_packed(tmp_path):
@@ -224,7 +249,11 @@ def test_packing_settings_are_checked_and_named():
     from jaxrl_scale.config import ConfigError, load_config
 
     for bad, message in (
-        (["train.pack_length=64"], "train.pack_length: applies to packed steps only"),
+        (
+            ["train.packing=false", "train.pack_length=64"],
+            "train.pack_length: applies to packed steps only",
+        ),
+        (["train.packing=sometimes"], "train.packing: expected true or false or one of 'auto'"),
         (["train.packing=true", "train.tokens_per_micro_batch=-1"], "must be >= 0"),
         (
             ["train.packing=true", "train.pack_length=64", "train.tokens_per_micro_batch=32"],
