@@ -1,10 +1,11 @@
 """Compute accounting: the x-axis of scaling curves, in analytic FLOPs and in device-seconds.
 
 FLOPs. N counts the weights of every matmul a token passes through in the decoder layers
-(attention and MLP projections), H_v = D * V those of the vocabulary head; the embedding lookup
-is free. With a = 4 * layers * heads * head_dim (a query scoring and mixing one key: 2 * 2 * E
-FLOPs per head and layer), one forward pass over an RL batch of P prompts of real length L_p,
-each continued by G completions of n_b emitted tokens, costs
+(attention and MLP projections; in a mixture-of-experts layer the router and the K experts
+the token is routed to, the active parameters), H_v = D * V those of the vocabulary head; the
+embedding lookup is free. With a = 4 * layers * heads * head_dim (a query scoring and mixing
+one key: 2 * 2 * E FLOPs per head and layer), one forward pass over an RL batch of P prompts
+of real length L_p, each continued by G completions of n_b emitted tokens, costs
 
     F = sum_p [ 2 N L_p + a L_p (L_p + 1) / 2 ]                  each prompt once (shared prefix)
       + sum_b [ 2 N n_b + 2 H_v n_b + a (n_b L_p + n_b (n_b + 1) / 2) ]     each completion
@@ -42,10 +43,13 @@ def matmul_params(cfg: ModelConfig) -> int:
 
 
 def layer_params(cfg: ModelConfig) -> int:
-    """N: weights of the decoder layers' matmuls (attention and MLP projections)."""
+    """N: weights of the decoder layers' matmuls a token passes through (attention and MLP
+    projections). A mixture-of-experts layer counts its active weights: the router [D, E]
+    and the K chosen experts' projections, not all E (a token computes only those)."""
     d, f, e = cfg.hidden_size, cfg.intermediate_size, cfg.resolved_head_dim
     attn = d * cfg.num_heads * e * 2 + d * cfg.num_kv_heads * e * 2  # q, o and k, v
-    return cfg.num_layers * (attn + 3 * d * f)
+    routed = d * cfg.num_experts + 3 * d * cfg.moe_intermediate_size * cfg.num_experts_per_tok
+    return sum(attn + (routed if cfg.routed(i) else 3 * d * f) for i in range(cfg.num_layers))
 
 
 def _attention(cfg: ModelConfig) -> int:

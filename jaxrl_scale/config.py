@@ -135,7 +135,7 @@ class ModelConfig:
     forward's cost, and what removes most of the sampler/trainer log-prob mismatch).
     """
 
-    architecture: Literal["qwen2", "qwen3", "llama"] = "qwen2"
+    architecture: Literal["qwen2", "qwen3", "llama", "qwen3_moe"] = "qwen2"
     vocab_size: int = 64
     hidden_size: int = 64
     intermediate_size: int = 128
@@ -149,6 +149,23 @@ class ModelConfig:
     tie_embeddings: bool = True
     qkv_bias: bool = False
     qk_norm: bool = False
+    # Mixture of experts (qwen3_moe; Hugging Face's field names): a routed layer sends each
+    # token to its `num_experts_per_tok` most probable of `num_experts` SwiGLU experts of
+    # width `moe_intermediate_size`, weighted by their router probabilities (renormalised
+    # over the chosen ones with `norm_topk_prob`). Layers i with (i + 1) % decoder_sparse_step
+    # == 0 that are not in `mlp_only_layers` are routed; the others are dense MLPs.
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = True
+    decoder_sparse_step: int = 1
+    mlp_only_layers: tuple[int, ...] = ()
+    # How the experts' matmuls run (moe.py): "ragged" groups each expert's tokens and
+    # multiplies only those (jax.lax.ragged_dot: a grouped matmul on GPUs and TPUs); "dense"
+    # runs every token through every expert (num_experts / k times the FLOPs: the
+    # reference); "auto" is ragged on GPUs and TPUs and dense on CPUs, where XLA lowers
+    # ragged_dot to a masked dense matmul that costs more than the dense reference.
+    moe_matmul: Literal["auto", "ragged", "dense"] = "auto"
     dtype: DType = "float32"
     lm_head_dtype: DType = "float32"
     matmul_precision: Literal["default", "high", "highest"] = "default"
@@ -203,12 +220,48 @@ class ModelConfig:
         _require(
             self.rms_norm_eps > 0, "model.rms_norm_eps", f"must be > 0, got {self.rms_norm_eps}"
         )
+        self._check_experts()
         _require(
             self.matmul_precision == "default" or self.dtype == "float32",
             "model.matmul_precision",
             f"{self.matmul_precision!r} only changes float32 matmuls; with model.dtype="
             f"{self.dtype} the activations are {self.dtype} whatever the precision (set "
             "model.dtype=float32 for full-precision activations)",
+        )
+
+    def _check_experts(self) -> None:
+        if self.architecture != "qwen3_moe":
+            _require(
+                self.num_experts == 0,
+                "model.num_experts",
+                f"experts need architecture qwen3_moe, not {self.architecture}",
+            )
+            return
+        e, k = self.num_experts, self.num_experts_per_tok
+        _require(e >= 1, "model.num_experts", f"qwen3_moe needs >= 1 expert, got {e}")
+        _require(1 <= k <= e, "model.num_experts_per_tok", f"must be in [1, {e}], got {k}")
+        _require(
+            self.moe_intermediate_size > 0,
+            "model.moe_intermediate_size",
+            f"must be > 0, got {self.moe_intermediate_size}",
+        )
+        _require(self.decoder_sparse_step >= 1, "model.decoder_sparse_step", "must be >= 1")
+        bad = [i for i in self.mlp_only_layers if not 0 <= i < self.num_layers]
+        _require(not bad, "model.mlp_only_layers", f"{bad} are not layers of {self.num_layers}")
+        kinds = {self.routed(i) for i in range(self.num_layers)}
+        _require(
+            not self.scan_layers or len(kinds) == 1,
+            "model.scan_layers",
+            "needs every layer of one kind; these mix routed and dense MLP layers "
+            "(model.mlp_only_layers, model.decoder_sparse_step)",
+        )
+
+    def routed(self, layer: int) -> bool:
+        """Whether decoder layer `layer` is a mixture of experts (Hugging Face's rule)."""
+        return (
+            self.num_experts > 0
+            and layer not in self.mlp_only_layers
+            and (layer + 1) % self.decoder_sparse_step == 0
         )
 
     @property
@@ -226,6 +279,7 @@ class ModelConfig:
             "attention_block_size",
             "remat",
             "scan_layers",
+            "moe_matmul",
             "lora",
         )
         return {name: getattr(self, name) for name in names}

@@ -26,6 +26,7 @@ from safetensors.numpy import save_file
 from jaxrl_scale.config import ModelConfig, RopeScalingConfig, asset_path
 from jaxrl_scale.lora import adapted_modules, init_adapters, merged_module
 from jaxrl_scale.model import Policy
+from jaxrl_scale.moe import MoE
 from jaxrl_scale.sharding import variable_sharding
 from jaxrl_scale.tokenizer import Tokenizer
 
@@ -33,6 +34,7 @@ ARCHITECTURES = {
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
     "LlamaForCausalLM": "llama",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
 }
 _HF_NAMES = {arch: name for name, arch in ARCHITECTURES.items()}
 INDEX_FILE = "model.safetensors.index.json"
@@ -97,8 +99,17 @@ def config_from_hf(hf: dict[str, Any], **overrides: Any) -> ModelConfig:
         rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
         tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
         qkv_bias=arch == "qwen2",
-        qk_norm=arch == "qwen3",
+        qk_norm=arch in ("qwen3", "qwen3_moe"),
     )
+    if arch == "qwen3_moe":  # transformers 5 writes num_local_experts, the hub num_experts
+        fields.update(
+            num_experts=hf.get("num_experts", hf.get("num_local_experts")),
+            num_experts_per_tok=hf["num_experts_per_tok"],
+            moe_intermediate_size=hf["moe_intermediate_size"],
+            norm_topk_prob=bool(hf.get("norm_topk_prob", False)),
+            decoder_sparse_step=hf.get("decoder_sparse_step", 1),
+            mlp_only_layers=tuple(hf.get("mlp_only_layers") or ()),
+        )
     return ModelConfig(**{**fields, **overrides})
 
 
@@ -123,6 +134,15 @@ def config_to_hf(cfg: ModelConfig, tokenizer: Tokenizer | None = None) -> dict[s
     }
     if cfg.head_dim is not None:
         hf["head_dim"] = cfg.head_dim
+    if cfg.architecture == "qwen3_moe":
+        hf.update(
+            num_experts=cfg.num_experts,
+            num_experts_per_tok=cfg.num_experts_per_tok,
+            moe_intermediate_size=cfg.moe_intermediate_size,
+            norm_topk_prob=cfg.norm_topk_prob,
+            decoder_sparse_step=cfg.decoder_sparse_step,
+            mlp_only_layers=list(cfg.mlp_only_layers),
+        )
     if cfg.rope_scaling is not None:
         hf["rope_scaling"] = {"rope_type": "llama3", **dataclasses.asdict(cfg.rope_scaling)}
     if tokenizer is not None:
@@ -137,32 +157,40 @@ def config_to_hf(cfg: ModelConfig, tokenizer: Tokenizer | None = None) -> dict[s
 # --------------------------------------------------------------------------- tensor names
 
 
-def _hf_variables(model: Policy) -> Iterator[tuple[str, nnx.Variable, int]]:
-    """(HF tensor name, variable, n_in) for every parameter of `model`.
+def _hf_variables(model: Policy) -> Iterator[tuple[str, nnx.Variable, int, int | None]]:
+    """(HF tensor name, variable, n_in, expert) for every tensor of `model`.
 
     n_in > 0 marks a matmul kernel: its first n_in axes flatten into HF's input dimension and the
     rest into the output dimension, stored transposed ([out, in]) by HF. n_in = 0: same values,
-    HF's shape is our shape flattened to its own rank (biases [K, E] -> [K * E]).
+    HF's shape is our shape flattened to its own rank (biases [K, E] -> [K * E]). `expert`: the
+    tensor is that slice of an MoE layer's stacked experts (HF keeps one tensor per expert).
     """
-    yield "model.embed_tokens.weight", model.embedding, 0
+    yield "model.embed_tokens.weight", model.embedding, 0, None
     for i, layer in enumerate(model.layers):
         p, attn, mlp = f"model.layers.{i}.", layer.attn, layer.mlp
-        yield p + "input_layernorm.weight", layer.attn_norm, 0
-        yield p + "post_attention_layernorm.weight", layer.mlp_norm, 0
+        yield p + "input_layernorm.weight", layer.attn_norm, 0, None
+        yield p + "post_attention_layernorm.weight", layer.mlp_norm, 0, None
         for proj in "qkv":
-            yield f"{p}self_attn.{proj}_proj.weight", getattr(attn, f"{proj}_kernel"), 1
-        yield f"{p}self_attn.o_proj.weight", attn.o_kernel, 2
+            yield f"{p}self_attn.{proj}_proj.weight", getattr(attn, f"{proj}_kernel"), 1, None
+        yield f"{p}self_attn.o_proj.weight", attn.o_kernel, 2, None
         if model.cfg.qkv_bias:
             for proj in "qkv":
-                yield f"{p}self_attn.{proj}_proj.bias", getattr(attn, f"{proj}_bias"), 0
+                yield f"{p}self_attn.{proj}_proj.bias", getattr(attn, f"{proj}_bias"), 0, None
         if model.cfg.qk_norm:
-            yield p + "self_attn.q_norm.weight", attn.q_norm, 0
-            yield p + "self_attn.k_norm.weight", attn.k_norm, 0
+            yield p + "self_attn.q_norm.weight", attn.q_norm, 0, None
+            yield p + "self_attn.k_norm.weight", attn.k_norm, 0, None
+        if isinstance(mlp, MoE):
+            yield p + "mlp.gate.weight", mlp.router_kernel, 1, None
+            for proj in ("gate", "up", "down"):
+                kernel = getattr(mlp, f"{proj}_kernel")
+                for e in range(kernel.get_value().shape[0]):
+                    yield f"{p}mlp.experts.{e}.{proj}_proj.weight", kernel, 1, e
+            continue
         for proj in ("gate", "up", "down"):
-            yield f"{p}mlp.{proj}_proj.weight", getattr(mlp, f"{proj}_kernel"), 1
-    yield "model.norm.weight", model.final_norm, 0
+            yield f"{p}mlp.{proj}_proj.weight", getattr(mlp, f"{proj}_kernel"), 1, None
+    yield "model.norm.weight", model.final_norm, 0, None
     if not model.cfg.tie_embeddings:
-        yield "lm_head.weight", model.lm_head, 1
+        yield "lm_head.weight", model.lm_head, 1, None
 
 
 def hf_shape(shape: tuple[int, ...], n_in: int, name: str) -> tuple[int, ...]:
@@ -266,7 +294,7 @@ def load_pretrained(
     cfg = config_from_hf(_read_json(path / "config.json"), **config_overrides)
     model = nnx.eval_shape(lambda: Policy(cfg, rngs=nnx.Rngs(0)))
     files = _weight_files(path)
-    expected = {name for name, _, _ in _hf_variables(model)}
+    expected = {name for name, *_ in _hf_variables(model)}
     unexpected = sorted(
         n
         for n in files
@@ -279,8 +307,9 @@ def load_pretrained(
             f"{path}: unexpected tensors for {cfg.architecture}: {unexpected[:5]}"
         )
     handles: dict[Path, Any] = {}
+    stacked: dict[int, np.ndarray] = {}  # id(variable) -> its experts, filled slice by slice
     with contextlib.ExitStack() as stack:
-        for name, variable, n_in in _hf_variables(model):
+        for name, variable, n_in, expert in _hf_variables(model):
             if name not in files:
                 raise CheckpointError(f"{path}: missing tensor {name!r}")
             file = files[name]
@@ -295,13 +324,20 @@ def load_pretrained(
                 array = handles[file].get_tensor(name)
             except (SafetensorError, OSError) as e:
                 raise CheckpointError(f"{file}: cannot read tensor {name!r} ({e})") from None
-            want = tuple(variable.get_value().shape)
+            shape = tuple(variable.get_value().shape)
+            want = shape if expert is None else shape[1:]
             if tuple(array.shape) != hf_shape(want, n_in, name):
                 raise CheckpointError(
                     f"{path}: tensor {name!r} has shape {tuple(array.shape)}, expected "
                     f"{hf_shape(want, n_in, name)}"
                 )
             array = from_hf_layout(np.asarray(array, dtype=np.float32), n_in, want)
+            if expert is not None:
+                full = stacked.setdefault(id(variable), np.empty(shape, np.float32))
+                full[expert] = array
+                if expert < shape[0] - 1:
+                    continue
+                array = stacked.pop(id(variable))  # the last expert: place the whole stack
             target = variable_sharding(variable, mesh) if mesh is not None else None
             variable.set_value(jax.device_put(array, target))
     if cfg.lora.enabled:
@@ -339,8 +375,11 @@ def save_pretrained(
     if model.cfg.lora.enabled:  # adapters folded in: W + s A B (peft.save_adapter keeps them)
         model = merged_module(model)
     tensors = {}
-    for name, variable, n_in in _hf_variables(model):
-        array = np.asarray(jax.device_get(variable.get_value()), dtype=np.float32)
+    host: tuple[Any, np.ndarray] = (None, np.empty(0))  # an MoE stack is fetched once
+    for name, variable, n_in, expert in _hf_variables(model):
+        if host[0] is not variable:
+            host = (variable, np.asarray(jax.device_get(variable.get_value()), np.float32))
+        array = host[1] if expert is None else host[1][expert]
         tensors[name] = np.ascontiguousarray(to_hf_layout(array, n_in, name))
     shards = _split_shards(tensors, max_shard_bytes)
     if len(shards) == 1:

@@ -17,6 +17,7 @@ from flax import nnx
 
 from jaxrl_scale import attention, lora
 from jaxrl_scale.config import ModelConfig, RopeScalingConfig
+from jaxrl_scale.moe import MoE
 from jaxrl_scale.sharding import constrain_rows
 
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
@@ -278,12 +279,15 @@ def _project(module, name: str, x, kernel, n_in: int, precision):
 
 
 class Block(nnx.Module):
-    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, layer: int = 0):
         self.cfg = cfg
         self.attn_norm = _ones((cfg.hidden_size,), ("norm",))
         self.attn = Attention(cfg, rngs=rngs)
         self.mlp_norm = _ones((cfg.hidden_size,), ("norm",))
-        self.mlp = MLP(cfg, rngs=rngs)
+        if cfg.routed(layer):  # a mixture of experts (moe.py), as Hugging Face picks layers
+            self.mlp = MoE(cfg, rngs=rngs, param=_param, precision=PRECISIONS[cfg.matmul_precision])
+        else:
+            self.mlp = MLP(cfg, rngs=rngs)
 
     def __call__(self, x_btd, rope, valid_bs, qslot_bt, kv=None, write_index=None, segments=None):
         eps, dtype = self.cfg.rms_norm_eps, x_btd.dtype
@@ -305,7 +309,7 @@ class Policy(nnx.Module):
         self.cfg = cfg
         d, v = cfg.hidden_size, cfg.vocab_size
         self.embedding = _param(rngs, (v, d), ("vocab", "embed"))
-        self.layers = nnx.List([Block(cfg, rngs=rngs) for _ in range(cfg.num_layers)])
+        self.layers = nnx.List([Block(cfg, rngs=rngs, layer=i) for i in range(cfg.num_layers)])
         self.final_norm = _ones((d,), ("norm",))
         if not cfg.tie_embeddings:
             self.lm_head = _param(rngs, (d, v), ("embed", "vocab"))
@@ -353,7 +357,7 @@ class Policy(nnx.Module):
         rope = rope_tables(positions_bt, inv_freq_e2)
         x_btd = jnp.take(self.embedding[...], tokens_bt, axis=0).astype(self.compute_dtype)
         x_btd = constrain_rows(x_btd)
-        graphdef, _ = nnx.split(self.layers[0])
+        graphdef, _ = nnx.split(self.layers[0])  # a scan's layers are alike (ModelConfig)
         kv = None if cache is None else (cache.k, cache.v)
         if scan:
             # Under a differentiated scan, a custom_vjp (the blockwise attention) called inside
@@ -381,9 +385,9 @@ class Policy(nnx.Module):
             carry = (x_btd, valid_bs, qslot_bt, segments)
             (x_btd, *_), kv = jax.lax.scan(body, carry, (stacked, kv))
         else:
-            layer = _layer_fn(graphdef, cfg.remat, write_index)
             new_k, new_v = [], []
-            for i, blk in enumerate(self.layers):
+            for i, blk in enumerate(self.layers):  # dense and MoE layers may alternate
+                layer = _layer_fn(nnx.graphdef(blk), cfg.remat, write_index)
                 kv_l = None if kv is None else (kv[0][i], kv[1][i])
                 x_btd, kv_l = layer(nnx.state(blk), x_btd, rope, valid_bs, qslot_bt, kv_l, segments)
                 if kv_l is not None:
@@ -473,7 +477,8 @@ def for_generation(params, cfg: ModelConfig, *, copy: bool = True):
     embedding, in the compute dtype, which is what the model casts them to at use, so decoding
     is bit-identical to decoding with the float32 parameters at about half their bytes
     (Qwen3-8B: 30.5 GiB -> 16.4 GiB). Norm weights (scaled in float32) and the head's kernel
-    (the FP32 head; the embedding when tied) keep their dtype, and nothing is widened (a
+    (the FP32 head; the embedding when tied) and MoE routers (float32 logits: moe.py) keep
+    their dtype, and nothing is widened (a
     bfloat16 LoRA base stays bfloat16 under float32 compute). With `copy`, every leaf is a new
     buffer, so the train step may donate `params` while the generator reads the result."""
     dtype = _DTYPES[cfg.dtype]
@@ -481,7 +486,8 @@ def for_generation(params, cfg: ModelConfig, *, copy: bool = True):
 
     def one(path, var):
         x = var.get_value()
-        if _is_norm(var) or path[0].key in head or x.dtype.itemsize <= jnp.dtype(dtype).itemsize:
+        keep = _is_norm(var) or path[0].key in head or path[-1].key == "router_kernel"
+        if keep or x.dtype.itemsize <= jnp.dtype(dtype).itemsize:
             return var.replace(jnp.copy(x)) if copy else var
         return var.replace(x.astype(dtype))
 

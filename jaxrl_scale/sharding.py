@@ -28,6 +28,7 @@ LOGICAL_RULES: dict[str, str | tuple[str, ...] | None] = {
     "kv_heads": "tensor",
     "head_dim": None,
     "mlp": "tensor",
+    "expert": None,  # an MoE layer's experts (moe.py): each expert's matrices split as an MLP's
     "norm": None,
     "lora": None,  # an adapter's rank axis (lora.py): small, replicated
 }

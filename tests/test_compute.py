@@ -38,6 +38,27 @@ def test_matmul_params_equals_model_weights_without_embedding_and_norms():
     assert matmul_params(cfg) == sum(kernels)
 
 
+def test_moe_layers_count_their_active_parameters_by_hand():
+    # Layer 0 dense (mlp_only_layers), layer 1 routed: router 64 x 8, and 2 of 8 experts of
+    # 3 * 64 * 32 each (the 6 others are not a token's FLOPs). Attention as above: 12,288.
+    cfg = ModelConfig(
+        architecture="qwen3_moe", num_experts=8, num_experts_per_tok=2,
+        moe_intermediate_size=32, mlp_only_layers=(0,),
+    )  # fmt: skip
+    attn = 2 * 64 * 64 + 2 * 64 * 32
+    dense = attn + 3 * 64 * 128
+    routed = attn + 64 * 8 + 2 * 3 * 64 * 32
+    assert matmul_params(cfg) == dense + routed + 64 * 64 == 36_864 + 25_088 + 4_096
+    # The model holds all 8 experts: 6 x 3 x 64 x 32 more weights than a token uses.
+    model = init_policy(cfg)
+    kernels = sum(
+        np.size(v)
+        for path, v in nnx.to_flat_state(nnx.state(model, nnx.Param))
+        if "kernel" in path[-1]
+    )
+    assert kernels + 64 * 64 == matmul_params(cfg) + 6 * 3 * 64 * 32
+
+
 def test_flops_by_hand():
     cfg = ModelConfig()  # N = 77,824; attention 4 * L * H * E = 4 * 2 * 4 * 16 = 512
     # T = 10: 2 * N * 10 + 512 * 10 * 11 / 2 = 1,556,480 + 28,160 = 1,584,640

@@ -18,7 +18,7 @@ from jaxrl_scale.model import (
     token_logprobs,
 )
 
-ARCHES = ["qwen2", "qwen3", "llama"]
+ARCHES = ["qwen2", "qwen3", "llama", "qwen3_moe"]
 
 
 def _naive_logprobs(model, tokens, temperature=1.0, mask=None):

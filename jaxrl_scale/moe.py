@@ -1,0 +1,125 @@
+"""Mixture-of-experts layers (Qwen3-MoE): top-k softmax routing and grouped expert matmuls.
+
+Shape key: N tokens (the batch's rows x positions, flattened), D model, E experts, K experts
+per token (`num_experts_per_tok`), F expert width (`moe_intermediate_size`).
+
+Routing follows Hugging Face's Qwen3-MoE: the router's logits [N, E] (here always float32,
+whatever the compute dtype: near-ties between experts are where low precision flips a
+token's choice), softmax over all E experts, the K most probable kept, and with
+`norm_topk_prob` their probabilities renormalised to sum to one. A token's output is the
+weighted sum of its K experts' SwiGLU outputs; no shared expert, no capacity limit (no token
+is ever dropped).
+
+Expert matmuls (`model.moe_matmul`):
+- "ragged": the N x K (token, expert) pairs sorted by expert, each expert's rows multiplied
+  by its weights alone (`jax.lax.ragged_dot` with the group sizes): K / E of the dense FLOPs.
+  On GPUs and TPUs XLA runs it as a grouped matmul; on CPUs it lowers to a masked dense
+  matmul (benchmarks/bench_moe.py measures both).
+- "dense": every token through every expert, the outputs combined with the sparse [N, E]
+  weights: the reference the ragged path is tested against, and the faster of the two on CPU.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxrl_scale.config import ModelConfig
+
+
+def route(logits_ne, k: int, *, normalize: bool, experts_nk=None):
+    """(weights [N, K] float32, experts [N, K] int32) from router logits: the softmax's K
+    largest (ties to the lower expert id, as torch.topk and lax.top_k both break them), or
+    the given `experts_nk` (router replay: the probabilities of those experts, so gradients
+    still reach the router through them), renormalised over the K with `normalize`."""
+    probs_ne = jax.nn.softmax(logits_ne.astype(jnp.float32), axis=-1)
+    if experts_nk is None:
+        weights_nk, experts_nk = jax.lax.top_k(probs_ne, k)
+    else:
+        experts_nk = experts_nk.astype(jnp.int32)
+        weights_nk = jnp.take_along_axis(probs_ne, experts_nk, axis=-1)
+    if normalize:
+        weights_nk = weights_nk / jnp.sum(weights_nk, axis=-1, keepdims=True)
+    return weights_nk, experts_nk.astype(jnp.int32)
+
+
+def experts_dense(x_nd, weights_nk, experts_nk, gate_edf, up_edf, down_efd, precision=None):
+    """Every token through every expert, combined with the routing weights (zero for the
+    experts a token did not choose): num_experts / K times the routed FLOPs."""
+    n, e = x_nd.shape[0], gate_edf.shape[0]
+    combine_ne = jnp.zeros((n, e), jnp.float32)
+    combine_ne = combine_ne.at[jnp.arange(n)[:, None], experts_nk].add(weights_nk)
+    gate = jnp.einsum("nd,edf->nef", x_nd, gate_edf, precision=precision)
+    up = jnp.einsum("nd,edf->nef", x_nd, up_edf, precision=precision)
+    y_ned = jnp.einsum("nef,efd->ned", jax.nn.silu(gate) * up, down_efd, precision=precision)
+    y_nd = jnp.einsum("ned,ne->nd", y_ned.astype(jnp.float32), combine_ne)
+    return y_nd.astype(x_nd.dtype)
+
+
+def experts_ragged(x_nd, weights_nk, experts_nk, gate_edf, up_edf, down_efd, precision=None):
+    """The (token, expert) pairs sorted by expert and each expert's rows multiplied by its own
+    weights (`jax.lax.ragged_dot`), then scattered back and summed with the routing weights."""
+    n, k = experts_nk.shape
+    e = gate_edf.shape[0]
+    flat = experts_nk.reshape(-1)
+    order = jnp.argsort(flat, stable=True)  # pairs grouped by expert
+    token = order // k
+    sizes = jnp.bincount(flat, length=e).astype(jnp.int32)
+    xs = jnp.take(x_nd, token, axis=0)
+    gate = jax.lax.ragged_dot(xs, gate_edf, sizes, precision=precision)
+    up = jax.lax.ragged_dot(xs, up_edf, sizes, precision=precision)
+    ys = jax.lax.ragged_dot(jax.nn.silu(gate) * up, down_efd, sizes, precision=precision)
+    weights = jnp.take(weights_nk.reshape(-1), order)
+    y_nd = jnp.zeros((n, x_nd.shape[1]), jnp.float32)
+    y_nd = y_nd.at[token].add(ys.astype(jnp.float32) * weights[:, None])
+    return y_nd.astype(x_nd.dtype)
+
+
+def resolve_matmul(name: str) -> str:
+    """`model.moe_matmul` for the backend jax runs on ("auto": ragged off CPU)."""
+    if name != "auto":
+        return name
+    return "dense" if jax.default_backend() == "cpu" else "ragged"
+
+
+class MoE(nnx.Module):
+    """A routed SwiGLU layer: router [D, E], experts' gate/up [E, D, F] and down [E, F, D]."""
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, param, precision=None):
+        d, f, e = cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts
+        self.k, self.normalize = cfg.num_experts_per_tok, cfg.norm_topk_prob
+        self.matmul = cfg.moe_matmul
+        self.precision = precision
+        self.router_kernel = param(rngs, (d, e), ("embed", None))
+        self.gate_kernel = param(rngs, (e, d, f), ("expert", "embed", "mlp"))
+        self.up_kernel = param(rngs, (e, d, f), ("expert", "embed", "mlp"))
+        self.down_kernel = param(rngs, (e, f, d), ("expert", "mlp", "embed"))
+
+    def router_logits(self, x_nd):
+        """[N, E] float32 at full precision (the router decides discretely: see the module)."""
+        return jnp.dot(
+            x_nd.astype(jnp.float32),
+            self.router_kernel[...],
+            precision=jax.lax.Precision.HIGHEST,
+            preferred_element_type=jnp.float32,
+        )
+
+    def __call__(self, x_btd):
+        return self.forward(x_btd)[0]
+
+    def forward(self, x_btd, experts_btk=None):
+        """(output [B, T, D], the chosen experts [B, T, K] int32); `experts_btk`: route every
+        token to these experts instead (router replay)."""
+        b, t, d = x_btd.shape
+        x_nd = x_btd.reshape(b * t, d)
+        replay = None if experts_btk is None else experts_btk.reshape(b * t, -1)
+        weights_nk, experts_nk = route(
+            self.router_logits(x_nd), self.k, normalize=self.normalize, experts_nk=replay
+        )
+        kernels = (
+            getattr(self, f"{p}_kernel")[...].astype(x_btd.dtype) for p in ("gate", "up", "down")
+        )  # noqa: E501
+        run = experts_ragged if resolve_matmul(self.matmul) == "ragged" else experts_dense
+        y_nd = run(x_nd, weights_nk, experts_nk, *kernels, precision=self.precision)
+        return y_nd.reshape(b, t, d), experts_nk.reshape(b, t, -1)
