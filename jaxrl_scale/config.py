@@ -474,6 +474,11 @@ class LossConfig:
     eps_low: float | None = None  # dapo, gspo, grpo
     eps_high: float | None = None
     kl_coef: float | None = None  # grpo: k3 KL to the policy at the start of RL
+    # Drop the objective of tokens ("token") or whole sequences ("sequence", by their
+    # geometric-mean ratio) whose ratio pi_trainer / pi_sampler lies outside
+    # [1 / mismatch_threshold, mismatch_threshold], with every loss kind (losses.py).
+    mismatch_mask: Literal["none", "token", "sequence"] = "none"
+    mismatch_threshold: float = 2.0
 
     def hyper(self) -> dict[str, float]:
         """The hyper-parameters set here, checked against what the loss kind takes."""
@@ -496,6 +501,11 @@ class LossConfig:
     def __post_init__(self):
         self.hyper()
         _require(self.kl_coef is None or self.kl_coef >= 0, "loss.kl_coef", "must be >= 0")
+        _require(
+            self.mismatch_threshold > 1,
+            "loss.mismatch_threshold",
+            f"must be > 1 (the band is [1/t, t]), got {self.mismatch_threshold}",
+        )
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -26,6 +26,7 @@ import jax
 import jax.numpy as jnp
 
 Aggregation = Literal["prompt", "sample", "token"]
+MismatchMask = Literal["none", "token", "sequence"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -149,6 +150,8 @@ def loss_sums(
     ref_logp_bt=None,
     seq_ids=None,
     num_seqs: int | None = None,
+    mismatch_mask: MismatchMask = "none",
+    mismatch_threshold: float = 2.0,
     **hyper: float,
 ):
     """The loss of (a slice of) a batch under given aggregation weights, and additive sums.
@@ -161,6 +164,10 @@ def loss_sums(
     Layouts: rows are sequences ([B, T], `adv_b` [B]), or, with `seq_ids` (packing.py), any
     token layout whose tokens name their sequence (0..num_seqs-1, num_seqs for none), with
     `adv_b` given per token and `weights_bt` from `packed_loss_weights`.
+
+    `mismatch_mask` (`mismatch_keep`): "token" or "sequence" drops the objective of tokens
+    (of whole sequences) whose ratio lies outside [1 / mismatch_threshold, mismatch_threshold];
+    they keep their aggregation weight, so the whole-batch weights stay exact.
     """
     h = _hyper(kind, hyper)
     surrogate = KINDS[kind]
@@ -193,8 +200,9 @@ def loss_sums(
         objective_bt = jnp.minimum(ratio_bt * adv_b1, jnp.clip(ratio_bt, low, high) * adv_b1)
         clipped_bt = ((adv_b1 > 0) & (ratio_bt > high)) | ((adv_b1 < 0) & (ratio_bt < low))
 
+    keep_bt = mismatch_keep(log_rho_bt, mean_log_rho_b1, mismatch_mask, mismatch_threshold)
     weighted = lambda x: jnp.sum(jnp.where(weights_bt > 0, x * weights_bt, 0.0))  # noqa: E731
-    loss = -weighted(objective_bt)
+    loss = -weighted(jnp.where(keep_bt, objective_bt, 0.0))
     kl_ref = jnp.zeros(())
     if h.get("kl_coef", 0.0):
         if ref_logp_bt is None:
@@ -211,6 +219,7 @@ def loss_sums(
     sums = {
         "count": jnp.sum(mask_bt),
         "clipped": total(clipped_bt.astype(jnp.float32)),
+        "masked": total((~keep_bt).astype(jnp.float32)),
         "rho": total(rho_bt),
         "rho_sq": total(rho_bt * rho_bt),
         "abs_log_rho": total(abs_log_rho_bt),
@@ -222,6 +231,22 @@ def loss_sums(
         "seq_ratio_min": jnp.min(jnp.where(has_tokens_b, seq_ratio_b, jnp.inf)),
     }
     return loss, sums
+
+
+def mismatch_keep(log_rho_bt, mean_log_rho_b1, mask: MismatchMask, threshold: float):
+    """Which tokens' objective counts under `loss.mismatch_mask`: all ("none"); those whose
+    ratio rho = pi_trainer / pi_sampler lies in [1 / threshold, threshold] ("token", IcePop's
+    mask); every token of the sequences whose geometric-mean ratio exp(mean_t log rho_t) does
+    ("sequence"). Decided on the ratios' values, never differentiated."""
+    if mask == "none":
+        return jnp.ones(log_rho_bt.shape, jnp.bool_)
+    bound = jnp.log(jnp.float32(threshold))
+    if mask == "token":
+        return jnp.abs(jax.lax.stop_gradient(log_rho_bt)) <= bound
+    if mask == "sequence":
+        keep = jnp.abs(jax.lax.stop_gradient(mean_log_rho_b1)) <= bound
+        return jnp.broadcast_to(keep, log_rho_bt.shape)
+    raise ValueError(f"mismatch_mask must be 'none', 'token' or 'sequence', got {mask!r}")
 
 
 def combine_sums(a: dict, b: dict) -> dict:
@@ -246,11 +271,13 @@ def metrics_from_sums(sums: dict) -> dict:
       (sum rho)^2 / (n sum rho^2), 1 when every ratio is equal;
     seq_ratio_min, seq_ratio_max: range of the per-sequence geometric-mean ratios
       exp(mean_t log rho_t) (GSPO's sequence ratio);
-    approx_kl: k3 estimate of KL(behaviour || current); kept_tokens; kl_ref (GRPO's penalty)."""
+    approx_kl: k3 estimate of KL(behaviour || current); kept_tokens; kl_ref (GRPO's penalty);
+    mismatch_masked: the fraction of tokens `loss.mismatch_mask` dropped."""
     count = sums["count"]
     has_rows = jnp.isfinite(sums["seq_ratio_min"])
     return {
         "clip_fraction": _safe_div(sums["clipped"], count),
+        "mismatch_masked": _safe_div(sums["masked"], count),
         "rho_mean": _safe_div(sums["rho"], count),
         "rho_max": sums["rho_max"],
         "mismatch": _safe_div(sums["abs_log_rho"], count),
@@ -273,6 +300,8 @@ def policy_loss(
     kind: str = "cispo",
     aggregation: Aggregation = "prompt",
     ref_logp_bt=None,
+    mismatch_mask: MismatchMask = "none",
+    mismatch_threshold: float = 2.0,
     **hyper: float,
 ):
     """The policy-gradient loss to minimise, and diagnostics.
@@ -288,6 +317,8 @@ def policy_loss(
       aggregation: "prompt", "sample" or "token" (see `aggregation_weights`; GSPO weighs a
         prompt's sequences equally).
       ref_logp_bt: reference-policy log-probs for GRPO's k3 KL penalty (needs kl_coef > 0).
+      mismatch_mask, mismatch_threshold: tokens or sequences whose sampler/trainer ratio
+        falls outside [1 / threshold, threshold] add nothing (`mismatch_keep`).
 
     Returns:
       (loss, metrics): scalar loss; metrics as `metrics_from_sums` describes.
@@ -298,6 +329,7 @@ def policy_loss(
         )
     weights_bt = loss_weights(mask_bt, group_size, kind, aggregation)
     loss, sums = loss_sums(
-        logp_bt, behavior_logp_bt, adv_b, mask_bt, weights_bt, kind, ref_logp_bt, **hyper
-    )
+        logp_bt, behavior_logp_bt, adv_b, mask_bt, weights_bt, kind, ref_logp_bt,
+        mismatch_mask=mismatch_mask, mismatch_threshold=mismatch_threshold, **hyper,
+    )  # fmt: skip
     return loss, metrics_from_sums(sums)

@@ -158,6 +158,8 @@ def _rl_loss(
         ref_logp,
         seq_ids=batch.seq if packed else None,
         num_seqs=batch.num_seqs if packed else None,
+        mismatch_mask=loss_cfg.mismatch_mask,
+        mismatch_threshold=loss_cfg.mismatch_threshold,
         **loss_cfg.hyper(),
     )
 

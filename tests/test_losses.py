@@ -273,3 +273,74 @@ def test_bad_arguments_are_named():
         _loss("cispo", "group")
     with pytest.raises(ValueError, match="needs ref_logp_bt"):
         _loss("grpo", kl_coef=0.1)
+
+
+# --------------------------------------------------------------------------- mismatch masks
+# One prompt x two samples, T = 3, behaviour log-probs 0, so rho = exp(logp):
+#   row 0: rho = [1, 2.5, 0.4], A = +1   (geometric mean (1 x 2.5 x 0.4)^(1/3) = 1)
+#   row 1: rho = [1.5, 1.2, -], A = -1   (third token not counted; geometric mean 1.8^(1/2))
+MM_LOGP = np.log(np.array([[1.0, 2.5, 0.4], [1.5, 1.2, 3.0]], np.float32))
+MM_MASK = np.array([[1, 1, 1], [1, 1, 0]], np.float32)
+MM_ADV = np.array([1.0, -1.0], np.float32)
+
+
+def _mm(kind="cispo", **mask):
+    def loss(logp):
+        return policy_loss(logp, jnp.zeros_like(logp), MM_ADV, MM_MASK, 2, kind, "token", **mask)
+
+    (value, metrics), grad = jax.value_and_grad(loss, has_aux=True)(jnp.asarray(MM_LOGP))
+    return float(value), metrics, np.asarray(grad)
+
+
+def test_token_mismatch_mask_by_hand():
+    # c = 2 keeps |log rho| <= log 2: 2.5 and 0.4 (1 / 0.4 = 2.5) go, 1, 1.5, 1.2 stay.
+    # CISPO, token aggregation over the 5 counted tokens (weights stay 1/5 each):
+    # J = 1 x 1 x ln 1 + 1.5 x (-1) x ln 1.5 + 1.2 x (-1) x ln 1.2; loss = -J / 5.
+    loss, metrics, grad = _mm(mismatch_mask="token", mismatch_threshold=2.0)
+    assert loss == pytest.approx((1.5 * math.log(1.5) + 1.2 * math.log(1.2)) / 5, rel=1e-5)
+    assert float(metrics["mismatch_masked"]) == pytest.approx(2 / 5)
+    # d loss / d logp = -w sg(rho) A on kept tokens, 0 on dropped ones.
+    want = np.array([[-1.0 / 5, 0.0, 0.0], [1.5 / 5, 1.2 / 5, 0.0]])
+    np.testing.assert_allclose(grad, want, rtol=1e-5, atol=1e-7)
+    none_loss, none_metrics, _ = _mm()
+    assert float(none_metrics["mismatch_masked"]) == 0.0
+    j = 2.5 * math.log(2.5) + 0.4 * math.log(0.4) - 1.5 * math.log(1.5) - 1.2 * math.log(1.2)
+    assert none_loss == pytest.approx(-j / 5, rel=1e-5)
+
+
+def test_sequence_mismatch_mask_by_hand():
+    # Geometric means: row 0 exactly 1, row 1 sqrt(1.8) = 1.342. c = 1.3 drops row 1 whole;
+    # c = 2 keeps both (row 0's 2.5 and 0.4 cancel: a token mask would drop them).
+    loss, metrics, grad = _mm(mismatch_mask="sequence", mismatch_threshold=1.3)
+    assert loss == pytest.approx(-(2.5 * math.log(2.5) + 0.4 * math.log(0.4)) / 5, rel=1e-5)
+    assert float(metrics["mismatch_masked"]) == pytest.approx(2 / 5)
+    np.testing.assert_allclose(grad[1], 0.0)
+    np.testing.assert_allclose(grad[0], [-1.0 / 5, -2.5 / 5, -0.4 / 5], rtol=1e-5)
+    _, metrics, _ = _mm(mismatch_mask="sequence", mismatch_threshold=2.0)
+    assert float(metrics["mismatch_masked"]) == 0.0
+
+
+@pytest.mark.parametrize("kind", ["cispo", "dapo", "grpo", "gspo"])
+def test_mismatch_masks_drop_the_same_tokens_with_every_loss_kind(kind):
+    _, _, full = _mm(kind)
+    if kind != "gspo":  # per-token ratios: the kept tokens' gradients are untouched
+        _, metrics, grad = _mm(kind, mismatch_mask="token")
+        assert float(metrics["mismatch_masked"]) == pytest.approx(2 / 5)
+        np.testing.assert_array_equal(grad[0, 1:], 0.0)
+        np.testing.assert_allclose(grad[1], full[1], rtol=1e-6)
+        np.testing.assert_allclose(grad[0, 0], full[0, 0], rtol=1e-6)
+    _, metrics, grad = _mm(kind, mismatch_mask="sequence", mismatch_threshold=1.3)
+    assert float(metrics["mismatch_masked"]) == pytest.approx(2 / 5)
+    np.testing.assert_array_equal(grad[1], 0.0)
+    assert np.abs(full[1]).max() > 0
+
+
+def test_mismatch_mask_settings_are_checked_and_named():
+    from jaxrl_scale.config import ConfigError, load_config
+
+    for bad, message in (
+        (["loss.mismatch_threshold=1.0"], "loss.mismatch_threshold: must be > 1"),
+        (["loss.mismatch_mask=always"], "loss.mismatch_mask: expected one of 'none', 'token'"),
+    ):
+        with pytest.raises(ConfigError, match=message):
+            load_config("asset:demo.yaml", bad)

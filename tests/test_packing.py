@@ -130,16 +130,22 @@ def test_packed_weights_and_loss_sums_equal_the_padded_ones(kind, aggregation):
     want_w = loss_weights(batch.loss_mask, G, kind, aggregation)
     got_w = packed_loss_weights(packed.loss_mask, packed.seq, packed.num_seqs, G, kind, aggregation)
     np.testing.assert_allclose(unpack(got_w, packed, N), want_w, rtol=1e-6)
-    want = loss_sums(
-        logp, batch.behavior_logp, batch.adv, batch.loss_mask, want_w, kind, ref, **hyper
-    )
-    got = loss_sums(
-        logp_rs, packed.behavior_logp, packed.adv, packed.loss_mask, got_w, kind, ref_rs,
-        seq_ids=packed.seq, num_seqs=packed.num_seqs, **hyper,
-    )  # fmt: skip
-    np.testing.assert_allclose(got[0], want[0], rtol=1e-5)
-    for key, value in metrics_from_sums(want[1]).items():
-        np.testing.assert_allclose(metrics_from_sums(got[1])[key], value, rtol=1e-5, err_msg=key)
+    for mismatch in ("none", "token", "sequence"):  # loss.mismatch_mask drops alike
+        hyper.update(mismatch_mask=mismatch, mismatch_threshold=1.1)
+        want = loss_sums(
+            logp, batch.behavior_logp, batch.adv, batch.loss_mask, want_w, kind, ref, **hyper
+        )
+        got = loss_sums(
+            logp_rs, packed.behavior_logp, packed.adv, packed.loss_mask, got_w, kind, ref_rs,
+            seq_ids=packed.seq, num_seqs=packed.num_seqs, **hyper,
+        )  # fmt: skip
+        np.testing.assert_allclose(got[0], want[0], rtol=1e-5)
+        metrics = metrics_from_sums(want[1])
+        assert (metrics["mismatch_masked"] > 0) == (mismatch != "none")
+        for key, value in metrics.items():
+            np.testing.assert_allclose(
+                metrics_from_sums(got[1])[key], value, rtol=1e-5, err_msg=key
+            )
 
 
 @pytest.mark.parametrize(
