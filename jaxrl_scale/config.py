@@ -160,12 +160,12 @@ class ModelConfig:
     norm_topk_prob: bool = True
     decoder_sparse_step: int = 1
     mlp_only_layers: tuple[int, ...] = ()
-    # How the experts' matmuls run (moe.py): "ragged" groups each expert's tokens and
-    # multiplies only those (jax.lax.ragged_dot: a grouped matmul on GPUs and TPUs); "dense"
-    # runs every token through every expert (num_experts / k times the FLOPs: the
-    # reference); "auto" is ragged on GPUs and TPUs and dense on CPUs, where XLA lowers
-    # ragged_dot to a masked dense matmul that costs more than the dense reference.
-    moe_matmul: Literal["auto", "ragged", "dense"] = "auto"
+    # How the experts' matmuls run (moe.py): "ragged" (jax.lax.ragged_dot, a grouped matmul
+    # on GPUs and TPUs), "tiled" (batched matmuls over whole tiles of each expert's tokens),
+    # "dense" (every token through every expert: E / K times the FLOPs, the reference);
+    # "auto" is ragged on GPUs and TPUs and tiled on CPUs, where XLA lowers ragged_dot to a
+    # masked dense matmul.
+    moe_matmul: Literal["auto", "ragged", "tiled", "dense"] = "auto"
     dtype: DType = "float32"
     lm_head_dtype: DType = "float32"
     matmul_precision: Literal["default", "high", "highest"] = "default"

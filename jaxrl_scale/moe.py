@@ -10,13 +10,16 @@ token's choice), softmax over all E experts, the K most probable kept, and with
 weighted sum of its K experts' SwiGLU outputs; no shared expert, no capacity limit (no token
 is ever dropped).
 
-Expert matmuls (`model.moe_matmul`):
+Expert matmuls (`model.moe_matmul`), all exact (no capacity, nothing dropped):
 - "ragged": the N x K (token, expert) pairs sorted by expert, each expert's rows multiplied
-  by its weights alone (`jax.lax.ragged_dot` with the group sizes): K / E of the dense FLOPs.
-  On GPUs and TPUs XLA runs it as a grouped matmul; on CPUs it lowers to a masked dense
-  matmul (benchmarks/bench_moe.py measures both).
+  by its weights alone (`jax.lax.ragged_dot` with the group sizes). On GPUs and TPUs XLA runs
+  it as a grouped matmul, K / E of the dense FLOPs; on CPUs it lowers to a dense matmul over
+  masked copies of the pairs, dearer than "dense" (benchmarks/bench_moe.py).
+- "tiled": the sorted pairs padded to whole tiles per expert, each tile one batched matmul
+  with its expert's matrices: about K / E of the dense FLOPs on any backend, at the cost of a
+  copy of an expert's matrices per tile (fine at CPU shapes; "auto" uses it on CPUs).
 - "dense": every token through every expert, the outputs combined with the sparse [N, E]
-  weights: the reference the ragged path is tested against, and the faster of the two on CPU.
+  weights: E / K times the FLOPs, the reference the others are tested against.
 """
 
 from __future__ import annotations
@@ -76,11 +79,46 @@ def experts_ragged(x_nd, weights_nk, experts_nk, gate_edf, up_edf, down_efd, pre
     return y_nd.astype(x_nd.dtype)
 
 
+def experts_tiled(
+    x_nd, weights_nk, experts_nk, gate_edf, up_edf, down_efd, precision=None, tile: int = 64
+):
+    """Grouped matmuls as batched ones: the (token, expert) pairs sorted by expert, each
+    expert's rows padded to whole tiles of `tile` rows, and every tile multiplied by its own
+    expert's matrices (gathered per tile). (N K / tile + E) tiles at most: about K / E of the
+    dense FLOPs, for tile x E extra rows and one copy of an expert's matrices per tile. For
+    CPUs, where ragged_dot costs more than the dense reference (module docstring)."""
+    n, k = experts_nk.shape
+    e, d = gate_edf.shape[0], x_nd.shape[1]
+    tiles = -(-n * k // tile) + e  # each expert wastes under one tile
+    flat = experts_nk.reshape(-1)
+    order = jnp.argsort(flat, stable=True)
+    sorted_e = flat[order]
+    sizes = jnp.bincount(flat, length=e)
+    padded = -(-sizes // tile) * tile
+    starts = jnp.cumsum(padded) - padded  # where each expert's tiles begin
+    rank = jnp.arange(n * k) - (jnp.cumsum(sizes) - sizes)[sorted_e]
+    dest = starts[sorted_e] + rank  # each pair's row in the tiled buffer
+    xs = jnp.zeros((tiles * tile, d), x_nd.dtype).at[dest].set(x_nd[order // k])
+    tile_e = jnp.searchsorted(jnp.cumsum(padded), jnp.arange(tiles) * tile, side="right")
+    tile_e = jnp.minimum(tile_e, e - 1)  # tiles past the last expert's hold zeros
+    xt = xs.reshape(tiles, tile, d)
+    gate = jnp.einsum("tcd,tdf->tcf", xt, gate_edf[tile_e], precision=precision)
+    up = jnp.einsum("tcd,tdf->tcf", xt, up_edf[tile_e], precision=precision)
+    ys = jnp.einsum("tcf,tfd->tcd", jax.nn.silu(gate) * up, down_efd[tile_e], precision=precision)
+    ys = ys.reshape(tiles * tile, d)[dest].astype(jnp.float32)
+    weights = jnp.take(weights_nk.reshape(-1), order)
+    y_nd = jnp.zeros((n, d), jnp.float32).at[order // k].add(ys * weights[:, None])
+    return y_nd.astype(x_nd.dtype)
+
+
 def resolve_matmul(name: str) -> str:
-    """`model.moe_matmul` for the backend jax runs on ("auto": ragged off CPU)."""
+    """`model.moe_matmul` for the backend jax runs on ("auto": tiled on CPUs, else ragged)."""
     if name != "auto":
         return name
-    return "dense" if jax.default_backend() == "cpu" else "ragged"
+    return "tiled" if jax.default_backend() == "cpu" else "ragged"
+
+
+MATMULS = {"ragged": experts_ragged, "tiled": experts_tiled, "dense": experts_dense}
 
 
 class MoE(nnx.Module):
@@ -120,6 +158,6 @@ class MoE(nnx.Module):
         kernels = (
             getattr(self, f"{p}_kernel")[...].astype(x_btd.dtype) for p in ("gate", "up", "down")
         )  # noqa: E501
-        run = experts_ragged if resolve_matmul(self.matmul) == "ragged" else experts_dense
+        run = MATMULS[resolve_matmul(self.matmul)]
         y_nd = run(x_nd, weights_nk, experts_nk, *kernels, precision=self.precision)
         return y_nd.reshape(b, t, d), experts_nk.reshape(b, t, -1)

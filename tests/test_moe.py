@@ -13,7 +13,7 @@ from safetensors.numpy import load_file
 
 from jaxrl_scale.config import ConfigError, ModelConfig
 from jaxrl_scale.hf import load_pretrained
-from jaxrl_scale.moe import experts_dense, experts_ragged, route
+from jaxrl_scale.moe import experts_dense, experts_ragged, experts_tiled, route
 
 N, D, E, K, F = 13, 8, 6, 2, 5
 
@@ -73,8 +73,11 @@ def test_grouped_and_dense_experts_equal_a_per_token_loop_with_their_gradients()
     weights, experts = route(jnp.asarray(logits), K, normalize=True)
     want = _np_experts(x, np.asarray(weights), np.asarray(experts), *kernels)
     args = (jnp.asarray(x), weights, experts, *map(jnp.asarray, kernels))
-    for fn in (experts_dense, experts_ragged):
+    for fn in (experts_dense, experts_ragged, experts_tiled):
         np.testing.assert_allclose(np.asarray(fn(*args)), want, rtol=1e-4, atol=1e-5)
+    # Tiles of 4 rows: experts' groups span several tiles, and some tiles are padding.
+    tiny = experts_tiled(*args, tile=4)
+    np.testing.assert_allclose(np.asarray(tiny), want, rtol=1e-4, atol=1e-5)
     # Gradients (inputs, routing weights, every expert's matrices) agree too.
     probe = jnp.asarray(np.random.default_rng(2).normal(size=(N, D)), jnp.float32)
 
@@ -84,13 +87,14 @@ def test_grouped_and_dense_experts_equal_a_per_token_loop_with_their_gradients()
     diff = (0, 1, 2, 3, 4)
     flat = (args[0], args[1], *args[3:])
     dense = jax.grad(loss(experts_dense), argnums=diff)(*flat)
-    ragged = jax.grad(loss(experts_ragged), argnums=diff)(*flat)
-    for a, b in zip(dense, ragged, strict=True):
-        assert float(jnp.abs(a).max()) > 0
-        np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-4, atol=1e-5)
+    for fn in (experts_ragged, experts_tiled):
+        grouped = jax.grad(loss(fn), argnums=diff)(*flat)
+        for a, b in zip(dense, grouped, strict=True):
+            assert float(jnp.abs(a).max()) > 0
+            np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-4, atol=1e-5)
 
 
-@pytest.mark.parametrize("matmul", ["dense", "ragged"])
+@pytest.mark.parametrize("matmul", ["dense", "ragged", "tiled"])
 def test_qwen3_moe_logits_match_transformers_reference(matmul):
     model, _ = load_pretrained(HF_FIXTURES / "qwen3_moe", moe_matmul=matmul)
     cfg = model.cfg
@@ -149,10 +153,12 @@ def test_policy_gradients_reach_the_router_and_agree_between_matmuls():
     )  # fmt: skip
     tokens = jax.random.randint(jax.random.key(0), (2, 9), 0, 32)
     grads = {}
-    for matmul in ("dense", "ragged"):
+    for matmul in ("dense", "ragged", "tiled"):
         model = init_policy(dataclasses.replace(cfg, moe_matmul=matmul), seed=3)
         grads[matmul] = nnx.grad(lambda m: jnp.sum(token_logprobs(m, tokens)))(model)
     router = grads["dense"]["layers"][1]["mlp"]["router_kernel"].get_value()
     assert float(jnp.abs(router).max()) > 1e-6
-    for a, b in zip(jax.tree.leaves(grads["dense"]), jax.tree.leaves(grads["ragged"]), strict=True):
-        np.testing.assert_allclose(b, a, rtol=1e-4, atol=1e-6)
+    for other in ("ragged", "tiled"):
+        pairs = zip(jax.tree.leaves(grads["dense"]), jax.tree.leaves(grads[other]), strict=True)
+        for a, b in pairs:
+            np.testing.assert_allclose(b, a, rtol=1e-4, atol=1e-6)
