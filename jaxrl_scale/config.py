@@ -13,6 +13,7 @@ import dataclasses
 import difflib
 import types
 import typing
+import warnings
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Literal
@@ -248,6 +249,13 @@ class ModelConfig:
         _require(self.decoder_sparse_step >= 1, "model.decoder_sparse_step", "must be >= 1")
         bad = [i for i in self.mlp_only_layers if not 0 <= i < self.num_layers]
         _require(not bad, "model.mlp_only_layers", f"{bad} are not layers of {self.num_layers}")
+        mlp = {"gate_proj", "up_proj", "down_proj"} & set(self.lora.projections)
+        if self.lora.enabled and mlp:
+            warnings.warn(
+                f"model.lora: {', '.join(sorted(mlp))} get adapters in dense MLP layers only; "
+                "the routed layers' experts stay frozen (attention projections are adapted)",
+                stacklevel=2,
+            )
         kinds = {self.routed(i) for i in range(self.num_layers)}
         _require(
             not self.scan_layers or len(kinds) == 1,

@@ -102,8 +102,13 @@ def config_from_hf(hf: dict[str, Any], **overrides: Any) -> ModelConfig:
         qk_norm=arch in ("qwen3", "qwen3_moe"),
     )
     if arch == "qwen3_moe":  # transformers 5 writes num_local_experts, the hub num_experts
+        experts = hf.get("num_experts", hf.get("num_local_experts"))
+        missing = [k for k in ("num_experts_per_tok", "moe_intermediate_size") if k not in hf]
+        if experts is None or missing:
+            missing = ["num_experts"] * (experts is None) + missing
+            raise CheckpointError(f"config.json: Qwen3-MoE without {', '.join(missing)}")
         fields.update(
-            num_experts=hf.get("num_experts", hf.get("num_local_experts")),
+            num_experts=experts,
             num_experts_per_tok=hf["num_experts_per_tok"],
             moe_intermediate_size=hf["moe_intermediate_size"],
             norm_topk_prob=bool(hf.get("norm_topk_prob", False)),

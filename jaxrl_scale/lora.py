@@ -94,12 +94,14 @@ def init_adapters(model, key) -> None:
 
 def is_base_matrix(path, var) -> bool:
     """A decoder layer's projection kernel (what `base_dtype` narrows): not a norm, a bias,
-    an adapter, the embedding or the head (the FP32 head keeps its float32 kernel)."""
+    an adapter, the embedding, the head (the FP32 head keeps its float32 kernel) or an MoE
+    router (float32 logits: moe.py)."""
     names = [getattr(p, "key", p) for p in path]
     return (
         names[0] == "layers"
         and not isinstance(var, LoRAParam)
         and str(names[-1]).endswith("_kernel")
+        and names[-1] != "router_kernel"
     )
 
 

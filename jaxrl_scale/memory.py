@@ -182,48 +182,57 @@ def train_step_memory(cfg: ExperimentConfig, mesh, prompt_len: int) -> dict[str,
     )
     state_sharding = jax.tree.map(lambda x: x.sharding, state)
     rows = cfg.train.prompts_per_step * cfg.train.group_size
-    # train.packing: auto plans the padded step where auto may take it (PackGeometry.of): a
-    # batch auto packs computes fewer positions than the padded step, so this is the most
-    # a batch can need (every completion at the budget).
+    # train.packing: auto may take either step (PackGeometry.of). A batch auto packs has
+    # fewer positions than the padded step, so without a token budget the padded plan (every
+    # completion at the budget) is the most a batch can need; with one, a packed micro-step
+    # may hold up to the budget, more than a padded one: then the larger plan.
     ways = sharding.batch_ways(mesh)
     geometry = PackGeometry.of(cfg, prompt_len, ways) if cfg.train.packing else None
-    packed = _packed_plan(cfg, geometry, prompt_len) if geometry and not geometry.auto else None
-    if packed is None:
-        batch_shapes = Batch.shapes(rows, prompt_len, cfg.sampler.max_new_tokens)
-    else:
-        batch_shapes = PackedBatch.shapes(packed["rows"], packed["row_len"], rows)
-    batch_sharding = sharding.batch_shardings(batch_shapes, mesh)
-    batch = jax.tree.map(
-        lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
-        batch_shapes,
-        batch_sharding,
-    )
-    args = (state, batch)
     frozen_sharding = None
     if frozen is not None:
         frozen = _placed(frozen, mesh)
         frozen_sharding = jax.tree.map(lambda x: x.sharding, frozen)
-        args = (state, batch, frozen)
-    step = compile_run_step(
-        cfg, graphdef, tx, state_sharding=state_sharding, batch_sharding=batch_sharding,
-        frozen_sharding=frozen_sharding,
-        rows_per_micro=None if packed is None else packed["rows_per_micro_batch"],
-    )  # fmt: skip
-    out = _breakdown(step.lower(*args).compile())
+
+    def plan(packed: dict[str, int] | None) -> dict[str, Any]:
+        if packed is None:
+            batch_shapes = Batch.shapes(rows, prompt_len, cfg.sampler.max_new_tokens)
+        else:
+            batch_shapes = PackedBatch.shapes(packed["rows"], packed["row_len"], rows)
+        batch_sharding = sharding.batch_shardings(batch_shapes, mesh)
+        batch = jax.tree.map(
+            lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+            batch_shapes,
+            batch_sharding,
+        )
+        args = (state, batch) if frozen is None else (state, batch, frozen)
+        step = compile_run_step(
+            cfg, graphdef, tx, state_sharding=state_sharding, batch_sharding=batch_sharding,
+            frozen_sharding=frozen_sharding,
+            rows_per_micro=None if packed is None else packed["rows_per_micro_batch"],
+        )  # fmt: skip
+        out = _breakdown(step.lower(*args).compile())
+        if packed is None:
+            out["auto_padded"] = geometry is not None  # train.packing: auto, planned padded
+            out["rows_per_micro_batch"] = rows // cfg.train.micro_batches
+            seq = prompt_len + cfg.sampler.max_new_tokens  # a completion's row, prompt shared
+            out["positions_per_micro_batch_per_shard"] = out["rows_per_micro_batch"] // ways * seq
+        else:
+            out["rows_per_micro_batch"] = packed["rows_per_micro_batch"]
+            out["positions_per_micro_batch_per_shard"] = (
+                packed["rows_per_micro_batch"] // ways * packed["row_len"]
+            )
+            out["packed"] = packed
+        return out
+
+    candidates = []
+    if geometry is None or geometry.auto:
+        candidates.append(plan(None))
+    if geometry is not None and (not geometry.auto or cfg.train.tokens_per_micro_batch):
+        candidates.append(plan(_packed_plan(cfg, geometry, prompt_len)))
+    out = max(candidates, key=lambda part: part["per_device_bytes"])
     trainable = _state_bytes(state.params)
     out["parameters_bytes"] = trainable + (0 if frozen is None else _state_bytes(frozen))
     out["optimizer_state_bytes"] = _state_bytes(state.opt_state)
-    if packed is None:
-        out["auto_padded"] = geometry is not None  # train.packing: auto, planned padded
-        out["rows_per_micro_batch"] = rows // cfg.train.micro_batches
-        seq = prompt_len + cfg.sampler.max_new_tokens  # a completion's row, its prompt shared
-        out["positions_per_micro_batch_per_shard"] = out["rows_per_micro_batch"] // ways * seq
-    else:
-        out["rows_per_micro_batch"] = packed["rows_per_micro_batch"]
-        out["positions_per_micro_batch_per_shard"] = (
-            packed["rows_per_micro_batch"] // ways * packed["row_len"]
-        )
-        out["packed"] = packed
     if frozen is not None:
         out["lora"] = _lora_state(cfg, mesh, tx, frozen, trainable, out)
     return out

@@ -24,24 +24,32 @@ Expert matmuls (`model.moe_matmul`), all exact (no capacity, nothing dropped):
 
 from __future__ import annotations
 
+import functools
+import math
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import PartitionSpec
 
 from jaxrl_scale.config import ModelConfig
+from jaxrl_scale.sharding import constrain_rows, row_axes
+
+PROJECTIONS = ("gate", "up", "down")
 
 
 def route(logits_ne, k: int, *, normalize: bool, experts_nk=None):
     """(weights [N, K] float32, experts [N, K] int32) from router logits: the softmax's K
-    largest (ties to the lower expert id, as torch.topk and lax.top_k both break them), or
+    largest (ties to the lower expert id, as torch.topk breaks them), or
     the given `experts_nk` (router replay: the probabilities of those experts, so gradients
     still reach the router through them), renormalised over the K with `normalize`."""
     probs_ne = jax.nn.softmax(logits_ne.astype(jnp.float32), axis=-1)
     if experts_nk is None:
-        weights_nk, experts_nk = jax.lax.top_k(probs_ne, k)
-    else:
-        experts_nk = experts_nk.astype(jnp.int32)
-        weights_nk = jnp.take_along_axis(probs_ne, experts_nk, axis=-1)
+        # A stable sort, not lax.top_k: the partitioner splits a sort along its other axes,
+        # where it gathers a TopK's whole batch onto every device.
+        experts_nk = jnp.argsort(-probs_ne, axis=-1, stable=True)[..., :k]
+    experts_nk = experts_nk.astype(jnp.int32)
+    weights_nk = jnp.take_along_axis(probs_ne, experts_nk, axis=-1)
     if normalize:
         weights_nk = weights_nk / jnp.sum(weights_nk, axis=-1, keepdims=True)
     return weights_nk, experts_nk.astype(jnp.int32)
@@ -83,12 +91,15 @@ def experts_tiled(
     x_nd, weights_nk, experts_nk, gate_edf, up_edf, down_efd, precision=None, tile: int = 64
 ):
     """Grouped matmuls as batched ones: the (token, expert) pairs sorted by expert, each
-    expert's rows padded to whole tiles of `tile` rows, and every tile multiplied by its own
-    expert's matrices (gathered per tile). (N K / tile + E) tiles at most: about K / E of the
+    expert's rows padded to whole tiles of at most `tile` rows, and every tile multiplied by its
+    own expert's matrices (gathered per tile). (N K / tile + E) tiles at most: about K / E of the
     dense FLOPs, for tile x E extra rows and one copy of an expert's matrices per tile. For
     CPUs, where ragged_dot costs more than the dense reference (module docstring)."""
     n, k = experts_nk.shape
     e, d = gate_edf.shape[0], x_nd.shape[1]
+    # Tiles no taller than an expert's average share (a power of two, 8 at least), so a few
+    # decoded tokens do not each fill a whole tile per expert.
+    tile = min(tile, max(8, 1 << max(n * k // e - 1, 0).bit_length()))
     tiles = -(-n * k // tile) + e  # each expert wastes under one tile
     flat = experts_nk.reshape(-1)
     order = jnp.argsort(flat, stable=True)
@@ -135,7 +146,7 @@ class MoE(nnx.Module):
         self.down_kernel = param(rngs, (e, f, d), ("expert", "mlp", "embed"))
 
     def router_logits(self, x_nd):
-        """[N, E] float32 at full precision (the router decides discretely: see the module)."""
+        """[..., E] float32 at full precision (the router decides discretely: see the module)."""
         return jnp.dot(
             x_nd.astype(jnp.float32),
             self.router_kernel[...],
@@ -148,16 +159,30 @@ class MoE(nnx.Module):
 
     def forward(self, x_btd, experts_btk=None):
         """(output [B, T, D], the chosen experts [B, T, K] int32); `experts_btk`: route every
-        token to these experts instead (router replay)."""
+        token to these experts instead (router replay).
+
+        Tokens are grouped per batch shard of the mesh being traced under (one group without
+        one): each shard sorts and multiplies its own rows' pairs, so the layer stays
+        data-parallel (a sort over the whole batch would gather every row onto every device)."""
         b, t, d = x_btd.shape
-        x_nd = x_btd.reshape(b * t, d)
-        replay = None if experts_btk is None else experts_btk.reshape(b * t, -1)
-        weights_nk, experts_nk = route(
-            self.router_logits(x_nd), self.k, normalize=self.normalize, experts_nk=replay
+        mesh = jax.sharding.get_abstract_mesh()
+        axes = None if mesh.empty else row_axes(mesh, b)
+        groups = 1 if axes is None else math.prod(mesh.shape[a] for a in axes)
+        x_gnd = constrain_rows(x_btd.reshape(groups, b // groups * t, d))
+        replay = None if experts_btk is None else experts_btk.reshape(groups, -1, self.k)
+        weights_gnk, experts_gnk = route(
+            self.router_logits(x_gnd), self.k, normalize=self.normalize, experts_nk=replay
         )
-        kernels = (
-            getattr(self, f"{p}_kernel")[...].astype(x_btd.dtype) for p in ("gate", "up", "down")
-        )  # noqa: E501
-        run = MATMULS[resolve_matmul(self.matmul)]
-        y_nd = run(x_nd, weights_nk, experts_nk, *kernels, precision=self.precision)
-        return y_nd.reshape(b, t, d), experts_nk.reshape(b, t, -1)
+        kernels = [getattr(self, f"{p}_kernel")[...].astype(x_btd.dtype) for p in PROJECTIONS]
+        matmul = functools.partial(MATMULS[resolve_matmul(self.matmul)], precision=self.precision)
+
+        def run(x_1nd, weights_1nk, experts_1nk, *kernels):  # one group
+            return matmul(x_1nd[0], weights_1nk[0], experts_1nk[0], *kernels)[None]
+
+        if axes is not None:  # each shard its own group (the experts' matrices whole)
+            rows, whole = PartitionSpec(axes), PartitionSpec()
+            run = jax.shard_map(
+                run, in_specs=(rows, rows, rows, whole, whole, whole), out_specs=rows
+            )
+        y_gnd = run(x_gnd, weights_gnk, experts_gnk, *kernels)
+        return constrain_rows(y_gnd).reshape(b, t, d), experts_gnk.reshape(b, t, self.k)

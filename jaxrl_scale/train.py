@@ -120,19 +120,19 @@ def setup(cfg: ExperimentConfig, out: str | Path, *, resume: bool = True) -> Run
     state_sharding = sharding.train_state_shardings(state, mesh)
     n_new = cfg.sampler.max_new_tokens
     rows = cfg.train.prompts_per_step * cfg.train.group_size
-    packing = worker.packing  # None: padded; auto: a step for each layout, compiled on first use
-    layouts = {Batch: packing is None or packing.auto, PackedBatch: packing is not None}
+    # A step for each layout, compiled on first use (jit): the one train.packing picks, and
+    # the other for batches of the other layout waiting in a checkpoint of another setting.
+    # A packed batch's row count is a shape of its own: its step compiles per bucket.
+    packing = worker.packing
     steps = {}
-    for kind in (k for k, on in layouts.items() if on):
-        # A packed batch's row count is a shape of its own: the step compiles per bucket.
-        if kind is PackedBatch:
-            shapes = PackedBatch.shapes(1, packing.row_len, rows)
-        else:
-            shapes = Batch.shapes(rows, 1, n_new)
+    for kind, shapes in (  # (shapes for the shardings, which follow each leaf's rank)
+        (Batch, Batch.shapes(rows, 1, n_new)),
+        (PackedBatch, PackedBatch.shapes(1, 1, rows)),
+    ):
         compile_step = functools.partial(
             compile_run_step, cfg, graphdef, tx, state_sharding=state_sharding,
             batch_sharding=sharding.batch_shardings(shapes, mesh),
-            rows_per_micro=packing.rows_per_micro if kind is PackedBatch else None,
+            rows_per_micro=packing.rows_per_micro if kind is PackedBatch and packing else None,
         )  # fmt: skip
         if frozen is None:
             steps[kind] = compile_step()

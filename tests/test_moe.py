@@ -162,3 +162,70 @@ def test_policy_gradients_reach_the_router_and_agree_between_matmuls():
         pairs = zip(jax.tree.leaves(grads["dense"]), jax.tree.leaves(grads[other]), strict=True)
         for a, b in pairs:
             np.testing.assert_allclose(b, a, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("matmul", ["tiled", "ragged"])
+def test_a_data_parallel_moe_forward_keeps_each_shard_on_its_rows(matmul):
+    """Traced under a mesh (as the train step is), each batch shard routes and multiplies its
+    own rows: the compiled program moves no activations between devices (a sort over the
+    whole batch would gather every row everywhere) and equals one device's forward."""
+    from flax import nnx
+
+    from jaxrl_scale import sharding
+    from jaxrl_scale.config import MeshConfig
+    from jaxrl_scale.model import init_policy
+
+    cfg = ModelConfig(
+        architecture="qwen3_moe", qk_norm=True, vocab_size=32, hidden_size=16,
+        intermediate_size=32, num_heads=2, num_kv_heads=1, num_experts=4,
+        num_experts_per_tok=2, moe_intermediate_size=8, moe_matmul=matmul,
+    )  # fmt: skip
+    graphdef, state = nnx.split(init_policy(cfg, seed=1))
+    tokens = jax.random.randint(jax.random.key(0), (8, 6), 0, 32)
+    mesh = sharding.make_mesh(MeshConfig(data=4), jax.devices()[:4])
+
+    def forward(state, tokens):
+        with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+            return nnx.merge(graphdef, state)(tokens)
+
+    rows = sharding.batch_sharding(mesh)
+    run = jax.jit(forward, in_shardings=(sharding.replicated(mesh), rows), out_shardings=rows)
+    placed = (jax.device_put(state, sharding.replicated(mesh)), jax.device_put(tokens, rows))
+    hlo = run.lower(*placed).compile().as_text()
+    for collective in ("all-gather", "all-to-all", "all-reduce", "collective-permute"):
+        assert collective not in hlo, collective
+    want = nnx.merge(graphdef, state)(tokens)
+    np.testing.assert_allclose(np.asarray(run(*placed)), np.asarray(want), atol=1e-5)
+
+
+def test_a_qwen3_moe_config_without_its_expert_fields_is_named(tmp_path):
+    import json
+    import shutil
+
+    from jaxrl_scale.hf import CheckpointError
+
+    path = shutil.copytree(HF_FIXTURES / "qwen3_moe", tmp_path / "m")
+    hf = json.loads((path / "config.json").read_text())
+    del hf["num_local_experts"], hf["moe_intermediate_size"]
+    (path / "config.json").write_text(json.dumps(hf))
+    with pytest.raises(CheckpointError, match="without num_experts, moe_intermediate_size"):
+        load_pretrained(path)
+
+
+def test_lora_on_an_moe_keeps_the_router_float32_and_says_what_it_adapts():
+    from flax import nnx
+
+    from jaxrl_scale.config import LoRAConfig
+    from jaxrl_scale.lora import split_policy
+    from jaxrl_scale.model import Policy
+
+    lora = LoRAConfig(rank=2, targets=("all",), base_dtype="bfloat16")
+    with pytest.warns(UserWarning, match="routed layers' experts stay frozen"):
+        cfg = ModelConfig(
+            architecture="qwen3_moe", qk_norm=True, num_experts=4, num_experts_per_tok=2,
+            moe_intermediate_size=8, mlp_only_layers=(0,), lora=lora,
+        )  # fmt: skip
+    _, frozen, _ = split_policy(Policy(cfg, rngs=nnx.Rngs(0)), cfg)
+    moe = frozen["layers"][1]["mlp"]
+    assert moe["router_kernel"].get_value().dtype == jnp.float32
+    assert moe["gate_kernel"].get_value().dtype == jnp.bfloat16

@@ -235,7 +235,7 @@ def test_auto_packs_a_batch_only_where_that_computes_fewer_positions():
 def test_packed_batches_waiting_in_a_checkpoint_come_back_packed(tmp_path):
     from jaxrl_scale.config import load_config
     from jaxrl_scale.packing import PackedBatch
-    from jaxrl_scale.train import setup, train
+    from jaxrl_scale.train import setup, train, train_run
 
     overrides = ["train.prompts_per_step=8", "train.group_size=8", "train.steps=2"]
     overrides += ["task.num_eval=16", "forecast.every=0", "train.packing=true"]
@@ -249,6 +249,10 @@ def test_packed_batches_waiting_in_a_checkpoint_come_back_packed(tmp_path):
     assert run.start.step == 1
     assert isinstance(waiting.batch, PackedBatch) and waiting.batch.num_seqs == 64
     assert int(np.asarray(waiting.batch.valid).sum()) == waiting.stats["train_tokens"]
+    # Resumed with padded steps, the packed batch waiting still trains (its own step).
+    padded = load_config("asset:demo.yaml", [*overrides, "train.packing=false"])
+    rows = train_run(setup(padded, tmp_path))
+    assert [r["step"] for r in rows] == [2] and rows[0]["train_packed"] == 1
 
 
 def test_packing_settings_are_checked_and_named():
