@@ -52,7 +52,7 @@ def route(logits_ne, k: int, *, normalize: bool, experts_nk=None):
     weights_nk = jnp.take_along_axis(probs_ne, experts_nk, axis=-1)
     if normalize:
         weights_nk = weights_nk / jnp.sum(weights_nk, axis=-1, keepdims=True)
-    return weights_nk, experts_nk.astype(jnp.int32)
+    return weights_nk, experts_nk
 
 
 def experts_dense(x_nd, weights_nk, experts_nk, gate_edf, up_edf, down_efd, precision=None):
@@ -68,23 +68,31 @@ def experts_dense(x_nd, weights_nk, experts_nk, gate_edf, up_edf, down_efd, prec
     return y_nd.astype(x_nd.dtype)
 
 
+def _sorted_pairs(experts_nk, e: int):
+    """The N x K (token, expert) pairs grouped by expert: (order [N K] into the flattened
+    pairs, each sorted pair's token, expert, and the experts' group sizes [E])."""
+    flat = experts_nk.reshape(-1)
+    order = jnp.argsort(flat, stable=True)
+    return order, order // experts_nk.shape[1], flat[order], jnp.bincount(flat, length=e)
+
+
+def _combine(ys, weights_nk, order, token, n: int, dtype):
+    """Sorted pairs' outputs [N K, D] back to tokens [N, D], weighted by their routes."""
+    weights = jnp.take(weights_nk.reshape(-1), order)
+    y_nd = jnp.zeros((n, ys.shape[-1]), jnp.float32)
+    return y_nd.at[token].add(ys.astype(jnp.float32) * weights[:, None]).astype(dtype)
+
+
 def experts_ragged(x_nd, weights_nk, experts_nk, gate_edf, up_edf, down_efd, precision=None):
     """The (token, expert) pairs sorted by expert and each expert's rows multiplied by its own
     weights (`jax.lax.ragged_dot`), then scattered back and summed with the routing weights."""
-    n, k = experts_nk.shape
-    e = gate_edf.shape[0]
-    flat = experts_nk.reshape(-1)
-    order = jnp.argsort(flat, stable=True)  # pairs grouped by expert
-    token = order // k
-    sizes = jnp.bincount(flat, length=e).astype(jnp.int32)
+    order, token, _, sizes = _sorted_pairs(experts_nk, gate_edf.shape[0])
+    sizes = sizes.astype(jnp.int32)
     xs = jnp.take(x_nd, token, axis=0)
     gate = jax.lax.ragged_dot(xs, gate_edf, sizes, precision=precision)
     up = jax.lax.ragged_dot(xs, up_edf, sizes, precision=precision)
     ys = jax.lax.ragged_dot(jax.nn.silu(gate) * up, down_efd, sizes, precision=precision)
-    weights = jnp.take(weights_nk.reshape(-1), order)
-    y_nd = jnp.zeros((n, x_nd.shape[1]), jnp.float32)
-    y_nd = y_nd.at[token].add(ys.astype(jnp.float32) * weights[:, None])
-    return y_nd.astype(x_nd.dtype)
+    return _combine(ys, weights_nk, order, token, x_nd.shape[0], x_nd.dtype)
 
 
 def experts_tiled(
@@ -101,25 +109,20 @@ def experts_tiled(
     # decoded tokens do not each fill a whole tile per expert.
     tile = min(tile, max(8, 1 << max(n * k // e - 1, 0).bit_length()))
     tiles = -(-n * k // tile) + e  # each expert wastes under one tile
-    flat = experts_nk.reshape(-1)
-    order = jnp.argsort(flat, stable=True)
-    sorted_e = flat[order]
-    sizes = jnp.bincount(flat, length=e)
+    order, token, sorted_e, sizes = _sorted_pairs(experts_nk, e)
     padded = -(-sizes // tile) * tile
     starts = jnp.cumsum(padded) - padded  # where each expert's tiles begin
     rank = jnp.arange(n * k) - (jnp.cumsum(sizes) - sizes)[sorted_e]
     dest = starts[sorted_e] + rank  # each pair's row in the tiled buffer
-    xs = jnp.zeros((tiles * tile, d), x_nd.dtype).at[dest].set(x_nd[order // k])
+    xs = jnp.zeros((tiles * tile, d), x_nd.dtype).at[dest].set(x_nd[token])
     tile_e = jnp.searchsorted(jnp.cumsum(padded), jnp.arange(tiles) * tile, side="right")
     tile_e = jnp.minimum(tile_e, e - 1)  # tiles past the last expert's hold zeros
     xt = xs.reshape(tiles, tile, d)
     gate = jnp.einsum("tcd,tdf->tcf", xt, gate_edf[tile_e], precision=precision)
     up = jnp.einsum("tcd,tdf->tcf", xt, up_edf[tile_e], precision=precision)
     ys = jnp.einsum("tcf,tfd->tcd", jax.nn.silu(gate) * up, down_efd[tile_e], precision=precision)
-    ys = ys.reshape(tiles * tile, d)[dest].astype(jnp.float32)
-    weights = jnp.take(weights_nk.reshape(-1), order)
-    y_nd = jnp.zeros((n, d), jnp.float32).at[order // k].add(ys * weights[:, None])
-    return y_nd.astype(x_nd.dtype)
+    ys = ys.reshape(tiles * tile, d)[dest]
+    return _combine(ys, weights_nk, order, token, n, x_nd.dtype)
 
 
 def resolve_matmul(name: str) -> str:

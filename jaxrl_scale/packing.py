@@ -121,8 +121,7 @@ class PackGeometry:
         hold no more positions per shard than `train.tokens_per_micro_batch` allows (the
         budget bounds every micro-step, whichever the layout); else it always packs."""
         t = cfg.train
-        width = prompt_width(longest_prompt, longest_prompt)
-        padded_row = width + cfg.sampler.max_new_tokens
+        padded_row = prompt_width(longest_prompt, longest_prompt) + cfg.sampler.max_new_tokens
         row_len = t.pack_length or default_row_len(padded_row, cfg.model.attention_block_size)
         rows_per_micro = None
         if t.tokens_per_micro_batch:
