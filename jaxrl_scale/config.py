@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import dacite
+import numpy as np
 import yaml
 
 DType = Literal["float32", "bfloat16"]
@@ -167,6 +168,11 @@ class ModelConfig:
     # "auto" is ragged on GPUs and TPUs and tiled on CPUs, where XLA lowers ragged_dot to a
     # masked dense matmul.
     moe_matmul: Literal["auto", "ragged", "tiled", "dense"] = "auto"
+    # Router replay: the sampler records every token's experts in every routed layer (top-k
+    # ids, `route_dtype`) with the rollout, and the trainer's forward routes each token to
+    # those experts (their routing weights still from the trainer's router, so it learns), so
+    # a near-tie that the sampler's numerics broke one way cannot flip the trainer's choice.
+    router_replay: bool = False
     dtype: DType = "float32"
     lm_head_dtype: DType = "float32"
     matmul_precision: Literal["default", "high", "highest"] = "default"
@@ -231,6 +237,11 @@ class ModelConfig:
         )
 
     def _check_experts(self) -> None:
+        _require(
+            not self.router_replay or self.architecture == "qwen3_moe",
+            "model.router_replay",
+            f"replays the experts of routed layers; {self.architecture} has none",
+        )
         if self.architecture != "qwen3_moe":
             _require(
                 self.num_experts == 0,
@@ -273,6 +284,16 @@ class ModelConfig:
         )
 
     @property
+    def routed_layers(self) -> int:
+        return sum(self.routed(i) for i in range(self.num_layers))
+
+    @property
+    def route_dtype(self):
+        """The dtype recorded expert ids travel in (router replay): one byte for up to 256
+        experts (Qwen3-30B-A3B: 48 layers x 8 ids = 384 bytes a token), two above."""
+        return np.uint8 if self.num_experts <= 256 else np.uint16
+
+    @property
     def resolved_head_dim(self) -> int:
         return self.head_dim if self.head_dim is not None else self.hidden_size // self.num_heads
 
@@ -288,6 +309,7 @@ class ModelConfig:
             "remat",
             "scan_layers",
             "moe_matmul",
+            "router_replay",
             "lora",
         )
         return {name: getattr(self, name) for name in names}
@@ -299,10 +321,13 @@ class MeshConfig:
 
     data: int = -1
     fsdp: int = 1
+    # Expert parallelism: an MoE layer's experts split over this axis (num_experts a multiple
+    # of it); outside MoE layers it splits rows like `data`.
+    expert: int = 1
     tensor: int = 1
 
     def __post_init__(self):
-        sizes = {"data": self.data, "fsdp": self.fsdp, "tensor": self.tensor}
+        sizes = {"data": self.data, "fsdp": self.fsdp, "expert": self.expert, "tensor": self.tensor}
         for name, size in sizes.items():
             _require(size == -1 or size >= 1, f"mesh.{name}", f"must be -1 or >= 1, got {size}")
         _require(list(sizes.values()).count(-1) <= 1, "mesh", "at most one axis may be -1")
@@ -774,6 +799,13 @@ class ExperimentConfig:
                 "pipeline.max_staleness",
                 "must be >= 1 in pipeline_rl across hosts",
             )
+        x, e = self.mesh.expert, self.model.num_experts
+        _require(
+            x in (-1, 1) or self.model.init_from is not None or (e and e % x == 0),
+            "mesh.expert",
+            f"{x} expert shards need an MoE policy whose model.num_experts is a multiple of "
+            f"{x}, got {e}",
+        )
         slots, g = self.sampler.slots, self.train.group_size
         _require(
             not slots or slots >= g,

@@ -37,7 +37,7 @@ import numpy as np
 from flax import nnx
 
 from jaxrl_scale import distributed
-from jaxrl_scale.model import KVCache
+from jaxrl_scale.model import KVCache, no_routes
 from jaxrl_scale.sampler import (
     LENGTH,
     THINKING,
@@ -45,6 +45,7 @@ from jaxrl_scale.sampler import (
     Interruption,
     Sampling,
     decode,
+    prompt_routes,
 )
 from jaxrl_scale.sharding import LOGICAL_RULES, batch_sharding, batch_ways, replicated
 
@@ -63,6 +64,7 @@ class Finished:
     versions: np.ndarray  # [N] int32 version per sampled token, -1 elsewhere
     finish_reason: int  # index into sampler.FINISH_REASONS
     length: int  # completion tokens emitted (interruption text included)
+    routes: np.ndarray | None = None  # [L + N, routed layers, K]: router replay's experts
 
 
 def check_slots(slots: int, repeat: int, mesh) -> None:
@@ -127,15 +129,20 @@ def _empty_state(model_cfg, b: int, prompt_len: int, n_new: int, pad_id: int, ke
         think_budget=jnp.zeros((b,), jnp.int32),
         budget=jnp.zeros((b,), jnp.int32),
         key=key,
-    )
+        routes=prompt_routes(model_cfg, no_routes((b, prompt_len, model_cfg.routed_layers),
+                                                  model_cfg), n_new),
+    )  # fmt: skip
 
 
-def _admit_local(state: DecodeState, k_new, v_new, valid_new, h_new, source, budget, think):
+def _admit_local(
+    state: DecodeState, k_new, v_new, valid_new, h_new, source, budget, think, routes_new=None
+):
     """One batch shard's slots take their prompts: slot i (source[i] >= 0) gets prompt
     source[i] of this shard's prefilled prompts, a fresh row starting at column 0. A prompt's
-    keys and values fill the first L cache columns; the columns after them keep whatever a
-    previous occupant wrote, invisible behind `valid` (False there). Slots with source -1
-    are left as they are."""
+    keys and values (and with router replay its tokens' experts, `routes_new`) fill the first
+    L cache columns; the columns after them keep whatever a previous occupant wrote, invisible
+    behind `valid` (False there) and overwritten as the row decodes. Slots with source -1 are
+    left as they are."""
     admit = source >= 0
     src = jnp.maximum(source, 0)
     prompt_len = valid_new.shape[1]
@@ -171,6 +178,9 @@ def _admit_local(state: DecodeState, k_new, v_new, valid_new, h_new, source, bud
         think_budget=think,
         budget=budget,
     )
+    if routes_new is not None:
+        old_routes = state.routes[:, :prompt_len]
+        fresh["routes"] = state.routes.at[:, :prompt_len].set(keep_or(routes_new[src], old_routes))
     rows = {name: keep_or(value, getattr(state, name)) for name, value in fresh.items()}
     return dataclasses.replace(state, cache=cache, **rows)
 
@@ -198,7 +208,7 @@ def _prefill_into(state, graphdef, params, tokens, mask, key, source, budget, *,
     tokens, mask, source, budget = map(rows, (tokens, mask, source, budget))
     cache = jax.tree.map(rows, KVCache.empty(model.cfg, *tokens.shape))
     positions = jnp.maximum(jnp.cumsum(mask, axis=1) - 1, 0)
-    h_btd, cache = model.extend(cache, tokens, positions, mask, 0)
+    h_btd, cache, chosen = model.extend(cache, tokens, positions, mask, 0, return_routes=True)
     slots = source.shape[0]
     if interruption is None:
         think = jnp.full((slots,), n_new + 1, jnp.int32)  # never reached
@@ -208,6 +218,8 @@ def _prefill_into(state, graphdef, params, tokens, mask, key, source, budget, *,
         )
     think = rows(think)
     args = (state, cache.k, cache.v, mask, rows(h_btd[:, -1]), source, budget, think)
+    if state.routes is not None:
+        args += (rows(chosen.astype(state.routes.dtype)),)
     if mesh is None:
         return _admit_local(*args)
     spec = jax.sharding.PartitionSpec
@@ -256,6 +268,7 @@ def _take_rows(state: DecodeState, idx):
         state.versions[idx],
         state.finish[idx],
         jnp.sum(state.counts[idx], axis=1),
+        None if state.routes is None else state.routes[idx],
     )
 
 
@@ -429,7 +442,9 @@ class SlotEngine:
         if collected is None:
             return []
         owners, rows = collected
-        tokens, mask, logp, versions, finish, lengths = map(distributed.to_host, rows)
+        tokens, mask, logp, versions, finish, lengths, routes = (
+            None if x is None else distributed.to_host(x) for x in rows
+        )
         out = []
         for j, (request, row) in enumerate(owners):
             n = int(lengths[j])
@@ -438,7 +453,7 @@ class SlotEngine:
             entry = self.prompts[request]
             out.append(
                 Finished(request, row, entry[0], entry[1], t, mask[j], logp[j], versions[j],
-                         int(finish[j]), n)
+                         int(finish[j]), n, None if routes is None else routes[j])
             )  # fmt: skip
             entry[2] -= 1
             if not entry[2]:  # forgotten once every row was handed back

@@ -320,5 +320,6 @@ class EngineBatches(_OnGenerator):
             versions=stack("versions"),
             finish_reason=jnp.asarray([f.finish_reason for f in rows], jnp.int32),
             lengths=jnp.asarray([f.length for f in rows], jnp.int32),
+            routes=None if rows[0].routes is None else stack("routes"),
         )
         return indices, ro

@@ -320,7 +320,11 @@ def _make_batch(
         with_fill=True,
     )
     scored = score_rollout(cfg, task, ro, examples, reference=bool(cfg.loss.kl_coef))
-    arrays = {f: np.asarray(getattr(scored.ro, f)) for f in ROLLOUT_FIELDS}
+    arrays = {
+        f: np.asarray(getattr(scored.ro, f))
+        for f in ROLLOUT_FIELDS
+        if getattr(scored.ro, f) is not None  # routes: router replay only
+    }
     arrays.update(rewards=scored.rewards, pass_rates=scored.pass_rates,
                   indices=np.asarray(work["indices"]))  # fmt: skip
     header = {"batch": work["batch"], "stats": scored.stats,

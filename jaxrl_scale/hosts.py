@@ -376,7 +376,7 @@ class RemoteFeeder:
         header = json.loads(frames[0])["header"]
         arrays = decode_arrays(frames[1])
         curriculum = {k.split(".", 1)[1]: v for k, v in arrays.items() if k.startswith("curr")}
-        ro = Rollout(**{f: arrays[f] for f in ROLLOUT_FIELDS})
+        ro = Rollout(**{f: arrays.get(f) for f in ROLLOUT_FIELDS})  # routes: if replayed
         scored = Scored(ro, arrays["rewards"], arrays["versions"], arrays["pass_rates"],
                         dict(header["stats"]))  # fmt: skip
         self.taken += 1

@@ -195,9 +195,9 @@ def train_step_memory(cfg: ExperimentConfig, mesh, prompt_len: int) -> dict[str,
 
     def plan(packed: dict[str, int] | None) -> dict[str, Any]:
         if packed is None:
-            batch_shapes = Batch.shapes(rows, prompt_len, cfg.sampler.max_new_tokens)
+            batch_shapes = Batch.shapes(rows, prompt_len, cfg.sampler.max_new_tokens, cfg.model)
         else:
-            batch_shapes = PackedBatch.shapes(packed["rows"], packed["row_len"], rows)
+            batch_shapes = PackedBatch.shapes(packed["rows"], packed["row_len"], rows, cfg.model)
         batch_sharding = sharding.batch_shardings(batch_shapes, mesh)
         batch = jax.tree.map(
             lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),

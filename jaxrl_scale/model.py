@@ -289,13 +289,21 @@ class Block(nnx.Module):
         else:
             self.mlp = MLP(cfg, rngs=rngs)
 
-    def __call__(self, x_btd, rope, valid_bs, qslot_bt, kv=None, write_index=None, segments=None):
+    def __call__(
+        self, x_btd, rope, valid_bs, qslot_bt, kv=None, write_index=None, segments=None,
+        experts_btk=None,
+    ):  # fmt: skip
+        """(x, kv, the experts a routed layer's router chose [B, T, K] or None); a routed
+        layer sends its tokens to `experts_btk` where given (router replay: moe.py)."""
         eps, dtype = self.cfg.rms_norm_eps, x_btd.dtype
         h = rms_norm(x_btd, self.attn_norm[...], eps, dtype)
         attn, kv = self.attn(h, rope, valid_bs, qslot_bt, kv, write_index, segments)
         x_btd = x_btd + attn
         h = rms_norm(x_btd, self.mlp_norm[...], eps, dtype)
-        return x_btd + self.mlp(h), kv
+        if isinstance(self.mlp, MoE):
+            y, chosen = self.mlp.forward(h, experts_btk)
+            return x_btd + y, kv, chosen
+        return x_btd + self.mlp(h), kv, None
 
 
 class Policy(nnx.Module):
@@ -320,9 +328,14 @@ class Policy(nnx.Module):
     def compute_dtype(self):
         return _DTYPES[self.cfg.dtype]
 
-    def hidden_states(self, tokens_bt, *, mask_bt=None, positions_bt=None, segments=None):
+    def hidden_states(
+        self, tokens_bt, *, mask_bt=None, positions_bt=None, segments=None, routes=None,
+        return_routes=False,
+    ):  # fmt: skip
         """Final-normed hidden states [B, T, D], in float32 when the head is float32.
-        `segments`: (seg, sub) [B, T] of packed rows (attention.py, packing.py)."""
+        `segments`: (seg, sub) [B, T] of packed rows (attention.py, packing.py). `routes`
+        [B, T, routed layers, K]: the experts each token is sent to in each routed layer
+        (router replay); with `return_routes`, (hidden, the routers' own choices)."""
         if mask_bt is None:
             mask_bt = jnp.ones(tokens_bt.shape, jnp.bool_)
         mask_bt = mask_bt.astype(jnp.bool_)
@@ -330,10 +343,11 @@ class Policy(nnx.Module):
             positions_bt = default_positions(mask_bt)
         b, t = tokens_bt.shape
         qslot_bt = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
-        h_btd, _ = self._run(
-            tokens_bt, positions_bt, mask_bt, qslot_bt, scan=self.cfg.scan_layers, segments=segments
-        )
-        return h_btd
+        h_btd, _, chosen = self._run(
+            tokens_bt, positions_bt, mask_bt, qslot_bt, scan=self.cfg.scan_layers,
+            segments=segments, routes=routes,
+        )  # fmt: skip
+        return (h_btd, chosen) if return_routes else h_btd
 
     def _run(
         self,
@@ -346,12 +360,15 @@ class Policy(nnx.Module):
         scan=False,
         return_cache=True,
         segments=None,
+        routes=None,
     ):
         """Embedding, blocks (reading/writing `cache` if given), final norm. Returns (hidden,
-        None) or (hidden, (keys, values)): per-layer tuples from the loop, [layers, ...] arrays
-        from the scan (`scan`: one lax.scan over the layers' stacked weights; without
-        `return_cache` its updated cache is not kept, which a scan cannot leave to XLA).
-        `segments`: a packed self-attention call's (seg, sub) (attention.py)."""
+        None or (keys, values), chosen): the cache as per-layer tuples from the loop,
+        [layers, ...] arrays from the scan (`scan`: one lax.scan over the layers' stacked
+        weights; without `return_cache` its updated cache is not kept, which a scan cannot
+        leave to XLA). `segments`: a packed self-attention call's (seg, sub) (attention.py).
+        `routes` [B, T, routed layers, K]: experts to replay; `chosen` (same shape, int32,
+        None without routed layers): the experts the routers chose."""
         cfg = self.cfg
         inv_freq_e2 = rope_inv_freq(cfg.resolved_head_dim, cfg.rope_theta, cfg.rope_scaling)
         rope = rope_tables(positions_bt, inv_freq_e2)
@@ -378,24 +395,37 @@ class Policy(nnx.Module):
             @functools.partial(jax.checkpoint, policy=REMAT_POLICIES[cfg.remat])
             def body(carry, xs):
                 x_btd, valid_bs, qslot_bt, segments = carry
-                state, kv_l = xs
-                x_btd, kv_l = apply(state, x_btd, rope, valid_bs, qslot_bt, kv_l, segments)
-                return (x_btd, valid_bs, qslot_bt, segments), kv_l if return_cache else None
+                state, kv_l, routes_l = xs
+                x_btd, kv_l, chosen_l = apply(
+                    state, x_btd, rope, valid_bs, qslot_bt, kv_l, segments, routes_l
+                )
+                kv_l = kv_l if return_cache else None
+                return (x_btd, valid_bs, qslot_bt, segments), (kv_l, chosen_l)
 
             carry = (x_btd, valid_bs, qslot_bt, segments)
-            (x_btd, *_), kv = jax.lax.scan(body, carry, (stacked, kv))
+            # Every layer is routed or none is (ModelConfig): routes scan with the layers.
+            routes_l = None if routes is None else jnp.moveaxis(routes, 2, 0)
+            (x_btd, *_), (kv, chosen) = jax.lax.scan(body, carry, (stacked, kv, routes_l))
+            chosen = None if chosen is None else jnp.moveaxis(chosen, 0, 2)
         else:
-            new_k, new_v = [], []
+            new_k, new_v, chosen = [], [], []
             for i, blk in enumerate(self.layers):  # dense and MoE layers may alternate
                 layer = _layer_fn(nnx.graphdef(blk), cfg.remat, write_index)
                 kv_l = None if kv is None else (kv[0][i], kv[1][i])
-                x_btd, kv_l = layer(nnx.state(blk), x_btd, rope, valid_bs, qslot_bt, kv_l, segments)
+                routed = cfg.routed(i)
+                replay = routes[:, :, len(chosen)] if routed and routes is not None else None
+                x_btd, kv_l, chosen_l = layer(
+                    nnx.state(blk), x_btd, rope, valid_bs, qslot_bt, kv_l, segments, replay
+                )
+                if routed:
+                    chosen.append(chosen_l)
                 if kv_l is not None:
                     new_k.append(kv_l[0])
                     new_v.append(kv_l[1])
             kv = None if kv is None or not return_cache else (tuple(new_k), tuple(new_v))
+            chosen = jnp.stack(chosen, axis=2) if chosen else None
         h_btd = rms_norm(x_btd, self.final_norm[...], cfg.rms_norm_eps, _DTYPES[cfg.lm_head_dtype])
-        return h_btd, kv
+        return h_btd, kv, chosen
 
     def extend(
         self,
@@ -407,12 +437,16 @@ class Policy(nnx.Module):
         *,
         scan=False,
         return_cache=True,
+        routes=None,
+        return_routes=False,
     ):
         """Run T new tokens against a KV cache: write them at slots write_index..+T (one index
         for every row, or one per row [B]; the Python int len(cache) appends, growing the
         cache) and attend over every valid slot up to each query's own. Returns (hidden [B, T,
-        D], new cache, or None without `return_cache`). `scan` runs the layers as one lax.scan
-        (the cache's keys and values then come back stacked, [layers, B, K, S, E])."""
+        D], new cache, or None without `return_cache`), and with `return_routes` the routers'
+        choices [B, T, routed layers, K] third (`routes`: experts to replay instead). `scan`
+        runs the layers as one lax.scan (the cache's keys and values then come back stacked,
+        [layers, B, K, S, E])."""
         b, t = tokens_bt.shape
         valid_bt = valid_bt.astype(jnp.bool_)
         query_slots_bt = jnp.broadcast_to(
@@ -425,7 +459,7 @@ class Policy(nnx.Module):
         else:
             rows_b1 = jnp.arange(b)[:, None]
             valid_bs = cache.valid.at[rows_b1, query_slots_bt].set(valid_bt, mode="drop")
-        h_btd, kv = self._run(
+        h_btd, kv, chosen = self._run(
             tokens_bt,
             positions_bt,
             valid_bs,
@@ -434,10 +468,10 @@ class Policy(nnx.Module):
             write_index,
             scan=scan,
             return_cache=return_cache,
+            routes=routes,
         )
-        if not return_cache:
-            return h_btd, None
-        return h_btd, KVCache(k=kv[0], v=kv[1], valid=valid_bs)
+        cache = KVCache(k=kv[0], v=kv[1], valid=valid_bs) if return_cache else None
+        return (h_btd, cache, chosen) if return_routes else (h_btd, cache)
 
     def head_kernel(self):
         """Vocabulary projection [D, V] (the transposed embedding when tied)."""
@@ -453,15 +487,16 @@ class Policy(nnx.Module):
 
 
 def _layer_fn(graphdef, remat: str, write_index):
-    """(layer state, x, rope, valid, qslot, kv, segments) -> (x, kv): one decoder layer as a pure
+    """(layer state, x, rope, valid, qslot, kv, segments, experts) -> (x, kv, chosen experts):
+    one decoder layer (`Block`) as a pure
     function of its weights, rematerialised under `model.remat`'s policy. `write_index` is
     closed over, so a Python int (an append) stays one."""
 
-    def apply(state, x_btd, rope, valid_bs, qslot_bt, kv, segments=None):
-        x_btd, kv = nnx.merge(graphdef, state)(
-            x_btd, rope, valid_bs, qslot_bt, kv, write_index, segments
+    def apply(state, x_btd, rope, valid_bs, qslot_bt, kv, segments=None, experts_btk=None):
+        x_btd, kv, chosen = nnx.merge(graphdef, state)(
+            x_btd, rope, valid_bs, qslot_bt, kv, write_index, segments, experts_btk
         )
-        return constrain_rows(x_btd), kv
+        return constrain_rows(x_btd), kv, chosen
 
     if remat == "none":
         return apply
@@ -494,6 +529,24 @@ def for_generation(params, cfg: ModelConfig, *, copy: bool = True):
     return jax.tree_util.tree_map_with_path(
         one, params, is_leaf=lambda x: isinstance(x, nnx.Variable)
     )
+
+
+def route_shapes(model, rows: int, positions: int):
+    """The shape of `rows` x `positions` tokens' recorded experts under `model` (a
+    ModelConfig; None, or one without router replay: None)."""
+    if model is None or not model.router_replay:
+        return None
+    shape = (rows, positions, model.routed_layers, model.num_experts_per_tok)
+    return jax.ShapeDtypeStruct(shape, model.route_dtype)
+
+
+def no_routes(shape, model_cfg, xp=jnp):
+    """Recorded experts [*shape, K] for positions no token was routed at: experts 0..K-1,
+    distinct, so a replay there (masked out of every loss) still divides by a sum of K
+    probabilities. `xp=numpy` builds them on the host."""
+    k = model_cfg.num_experts_per_tok
+    ids = xp.arange(k, dtype=model_cfg.route_dtype)
+    return xp.array(xp.broadcast_to(ids, (*shape, k)))
 
 
 def _stack(states):
@@ -621,6 +674,8 @@ def completion_logprobs(
     *,
     temperature: float = 1.0,
     chunk_size: int | None = None,
+    routes=None,
+    return_routes=False,
 ):
     """log pi(completion token n | prompt, completion tokens before n) as float32 [B, N], for
     B = P x G completions of P left-padded prompts (rows g*G .. g*G + G - 1 continue prompt g).
@@ -629,6 +684,10 @@ def completion_logprobs(
     completions, which then run against them as the sampler's cache does. The same numbers as
     `token_logprobs` on the concatenated rows, for a 1/G share of the prompt work (the
     gradient of the shared prompt sums over its completions).
+
+    `routes` [B, L + N, routed layers, K] (router replay): the experts the sampler sent each
+    prompt and completion token to, which the forward reuses; with `return_routes`, (log-probs,
+    the routers' own choices for the completion tokens [B, N, routed layers, K]).
     """
     p, length = prompt_tokens_pl.shape
     b, n = tokens_bn.shape
@@ -652,19 +711,26 @@ def completion_logprobs(
         # long completions), then score as below.
         tokens_bt = jnp.concatenate([jnp.repeat(prompt_tokens_pl, g, axis=0), tokens_bn], 1)
         mask_bt = jnp.concatenate([jnp.repeat(prompt_mask_pl, g, axis=0), mask_bn], 1)
-        h_btd = model.hidden_states(tokens_bt, mask_bt=mask_bt)
+        h_btd, chosen = model.hidden_states(
+            tokens_bt, mask_bt=mask_bt, routes=routes, return_routes=True
+        )
         hidden_bnd = h_btd[:, length - 1 : length + n - 1]
+        chosen = None if chosen is None else chosen[:, length:]
     else:
         # The prompt's cache holds its L slots only; the completions append to it (their own
         # keys live one layer at a time, not in an L + N cache per layer).
         scan = cfg.scan_layers
         cache = KVCache.empty(cfg, p, length, stacked=scan)
+        prompt_routes, routes = (None, None) if routes is None else (
+            routes[::g, :length], routes[:, length:]
+        )  # fmt: skip
         h_pld, cache = model.extend(
-            cache, prompt_tokens_pl, default_positions(prompt_mask_pl), prompt_mask_pl, 0, scan=scan
-        )
+            cache, prompt_tokens_pl, default_positions(prompt_mask_pl), prompt_mask_pl, 0,
+            scan=scan, routes=prompt_routes,
+        )  # fmt: skip
         start_b = jnp.repeat(jnp.sum(prompt_mask_pl, axis=1, dtype=jnp.int32), g)
         positions_bn = start_b[:, None] + jnp.arange(n, dtype=jnp.int32)[None, :]
-        h_bnd, _ = model.extend(
+        h_bnd, _, chosen = model.extend(
             cache.repeat_rows(g),
             tokens_bn,
             positions_bn,
@@ -672,12 +738,14 @@ def completion_logprobs(
             length,
             scan=scan,
             return_cache=False,
+            routes=routes,
+            return_routes=True,
         )
         # The prompt's last slot (a real token: prompts are left-padded) predicts completion
         # token 0; completion token n - 1 predicts token n.
         first_b1d = jnp.repeat(h_pld[:, -1:], g, axis=0)
         hidden_bnd = jnp.concatenate([first_b1d, h_bnd[:, :-1]], axis=1)
-    return score_targets(
+    logp_bn = score_targets(
         hidden_bnd,
         tokens_bn,
         model.head_kernel(),
@@ -685,3 +753,4 @@ def completion_logprobs(
         temperature=temperature,
         chunk_size=chunk_size or cfg.logits_chunk_size,
     )
+    return (logp_bn, chosen) if return_routes else logp_bn

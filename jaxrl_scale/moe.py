@@ -38,16 +38,23 @@ from jaxrl_scale.sharding import constrain_rows, row_axes
 PROJECTIONS = ("gate", "up", "down")
 
 
+def top_experts(logits_ne, k: int):
+    """The K most probable experts [N, K] int32, most probable first (ranked by float32
+    probability, as Hugging Face ranks them; ties to the lower expert id, as torch.topk breaks
+    them). A stable sort, not lax.top_k: the partitioner splits a sort along its other axes,
+    where it gathers a TopK's whole batch onto every device."""
+    probs_ne = jax.nn.softmax(logits_ne.astype(jnp.float32), axis=-1)
+    return jnp.argsort(-probs_ne, axis=-1, stable=True)[..., :k].astype(jnp.int32)
+
+
 def route(logits_ne, k: int, *, normalize: bool, experts_nk=None):
     """(weights [N, K] float32, experts [N, K] int32) from router logits: the softmax's K
-    largest (ties to the lower expert id, as torch.topk breaks them), or
-    the given `experts_nk` (router replay: the probabilities of those experts, so gradients
-    still reach the router through them), renormalised over the K with `normalize`."""
+    largest (`top_experts`), or the given `experts_nk` (router replay: the probabilities of
+    those experts, so gradients still reach the router through them), renormalised over the K
+    with `normalize`."""
     probs_ne = jax.nn.softmax(logits_ne.astype(jnp.float32), axis=-1)
     if experts_nk is None:
-        # A stable sort, not lax.top_k: the partitioner splits a sort along its other axes,
-        # where it gathers a TopK's whole batch onto every device.
-        experts_nk = jnp.argsort(-probs_ne, axis=-1, stable=True)[..., :k]
+        experts_nk = top_experts(logits_ne, k)
     experts_nk = experts_nk.astype(jnp.int32)
     weights_nk = jnp.take_along_axis(probs_ne, experts_nk, axis=-1)
     if normalize:
@@ -55,12 +62,18 @@ def route(logits_ne, k: int, *, normalize: bool, experts_nk=None):
     return weights_nk, experts_nk
 
 
+def rerouted(chosen_nk, replayed_nk):
+    """[N] bool: the router's own choice `chosen_nk` is not the replayed set (order aside)."""
+    same = jnp.sort(chosen_nk.astype(jnp.int32), -1) == jnp.sort(replayed_nk.astype(jnp.int32), -1)
+    return ~jnp.all(same, axis=-1)
+
+
 def experts_dense(x_nd, weights_nk, experts_nk, gate_edf, up_edf, down_efd, precision=None):
     """Every token through every expert, combined with the routing weights (zero for the
     experts a token did not choose): num_experts / K times the routed FLOPs."""
     n, e = x_nd.shape[0], gate_edf.shape[0]
     combine_ne = jnp.zeros((n, e), jnp.float32)
-    combine_ne = combine_ne.at[jnp.arange(n)[:, None], experts_nk].add(weights_nk)
+    combine_ne = combine_ne.at[jnp.arange(n)[:, None], experts_nk].add(weights_nk, mode="drop")
     gate = jnp.einsum("nd,edf->nef", x_nd, gate_edf, precision=precision)
     up = jnp.einsum("nd,edf->nef", x_nd, up_edf, precision=precision)
     y_ned = jnp.einsum("nef,efd->ned", jax.nn.silu(gate) * up, down_efd, precision=precision)
@@ -70,7 +83,9 @@ def experts_dense(x_nd, weights_nk, experts_nk, gate_edf, up_edf, down_efd, prec
 
 def _sorted_pairs(experts_nk, e: int):
     """The N x K (token, expert) pairs grouped by expert: (order [N K] into the flattened
-    pairs, each sorted pair's token, expert, and the experts' group sizes [E])."""
+    pairs, each sorted pair's token, expert, and the experts' group sizes [E]). An expert id
+    of E or more names an expert held elsewhere (expert parallelism): such pairs sort last,
+    count in no group and come back as zeros from every matmul here."""
     flat = experts_nk.reshape(-1)
     order = jnp.argsort(flat, stable=True)
     return order, order // experts_nk.shape[1], flat[order], jnp.bincount(flat, length=e)
@@ -112,16 +127,18 @@ def experts_tiled(
     order, token, sorted_e, sizes = _sorted_pairs(experts_nk, e)
     padded = -(-sizes // tile) * tile
     starts = jnp.cumsum(padded) - padded  # where each expert's tiles begin
-    rank = jnp.arange(n * k) - (jnp.cumsum(sizes) - sizes)[sorted_e]
-    dest = starts[sorted_e] + rank  # each pair's row in the tiled buffer
-    xs = jnp.zeros((tiles * tile, d), x_nd.dtype).at[dest].set(x_nd[token])
+    held = sorted_e < e  # pairs of experts held elsewhere get no row (expert parallelism)
+    here = jnp.minimum(sorted_e, e - 1)
+    rank = jnp.arange(n * k) - (jnp.cumsum(sizes) - sizes)[here]
+    dest = jnp.where(held, starts[here] + rank, tiles * tile)  # each pair's row, if any
+    xs = jnp.zeros((tiles * tile, d), x_nd.dtype).at[dest].set(x_nd[token], mode="drop")
     tile_e = jnp.searchsorted(jnp.cumsum(padded), jnp.arange(tiles) * tile, side="right")
     tile_e = jnp.minimum(tile_e, e - 1)  # tiles past the last expert's hold zeros
     xt = xs.reshape(tiles, tile, d)
     gate = jnp.einsum("tcd,tdf->tcf", xt, gate_edf[tile_e], precision=precision)
     up = jnp.einsum("tcd,tdf->tcf", xt, up_edf[tile_e], precision=precision)
     ys = jnp.einsum("tcf,tfd->tcd", jax.nn.silu(gate) * up, down_efd[tile_e], precision=precision)
-    ys = ys.reshape(tiles * tile, d)[dest]
+    ys = ys.reshape(tiles * tile, d).at[dest].get(mode="fill", fill_value=0)
     return _combine(ys, weights_nk, order, token, n, x_nd.dtype)
 
 
@@ -141,6 +158,7 @@ class MoE(nnx.Module):
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, param, precision=None):
         d, f, e = cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts
         self.k, self.normalize = cfg.num_experts_per_tok, cfg.norm_topk_prob
+        self.num_experts = e
         self.matmul = cfg.moe_matmul
         self.precision = precision
         self.router_kernel = param(rngs, (d, e), ("embed", None))
@@ -161,8 +179,9 @@ class MoE(nnx.Module):
         return self.forward(x_btd)[0]
 
     def forward(self, x_btd, experts_btk=None):
-        """(output [B, T, D], the chosen experts [B, T, K] int32); `experts_btk`: route every
-        token to these experts instead (router replay).
+        """(output [B, T, D], the experts the router chooses [B, T, K] int32); `experts_btk`:
+        route every token to these experts instead (router replay; the router's own choice is
+        still returned, to count where the two differ).
 
         Tokens are grouped per batch shard of the mesh being traced under (one group without
         one): each shard sorts and multiplies its own rows' pairs, so the layer stays
@@ -171,10 +190,16 @@ class MoE(nnx.Module):
         mesh = jax.sharding.get_abstract_mesh()
         axes = None if mesh.empty else row_axes(mesh, b)
         groups = 1 if axes is None else math.prod(mesh.shape[a] for a in axes)
+        ways = 1 if mesh.empty else dict(mesh.shape).get("expert", 1)
         x_gnd = constrain_rows(x_btd.reshape(groups, b // groups * t, d))
         replay = None if experts_btk is None else experts_btk.reshape(groups, -1, self.k)
+        logits_gne = self.router_logits(x_gnd)
+        chosen_gnk = top_experts(logits_gne, self.k)
         weights_gnk, experts_gnk = route(
-            self.router_logits(x_gnd), self.k, normalize=self.normalize, experts_nk=replay
+            logits_gne,
+            self.k,
+            normalize=self.normalize,
+            experts_nk=chosen_gnk if replay is None else replay,
         )
         kernels = [getattr(self, f"{p}_kernel")[...].astype(x_btd.dtype) for p in PROJECTIONS]
         matmul = functools.partial(MATMULS[resolve_matmul(self.matmul)], precision=self.precision)
@@ -182,10 +207,44 @@ class MoE(nnx.Module):
         def run(x_1nd, weights_1nk, experts_1nk, *kernels):  # one group
             return matmul(x_1nd[0], weights_1nk[0], experts_1nk[0], *kernels)[None]
 
-        if axes is not None:  # each shard its own group (the experts' matrices whole)
-            rows, whole = PartitionSpec(axes), PartitionSpec()
+        if ways > 1:
+            if self.num_experts % ways:
+                raise ValueError(
+                    f"mesh.expert: {ways} expert shards do not split model.num_experts = "
+                    f"{self.num_experts}"
+                )
+            rows_split = axes is not None and "expert" in axes
+            run = functools.partial(
+                _expert_parallel, run, held=self.num_experts // ways, rows_split=rows_split
+            )
+        if axes is not None or ways > 1:  # each shard its own group
+            rows = PartitionSpec(axes)
+            experts = PartitionSpec("expert" if ways > 1 else None)  # else whole on each
             run = jax.shard_map(
-                run, in_specs=(rows, rows, rows, whole, whole, whole), out_specs=rows
+                run, in_specs=(rows, rows, rows, experts, experts, experts), out_specs=rows
             )
         y_gnd = run(x_gnd, weights_gnk, experts_gnk, *kernels)
-        return constrain_rows(y_gnd).reshape(b, t, d), experts_gnk.reshape(b, t, self.k)
+        return constrain_rows(y_gnd).reshape(b, t, d), chosen_gnk.reshape(b, t, self.k)
+
+
+def _expert_parallel(run, x_1nd, weights_1nk, experts_1nk, *kernels, held: int, rows_split: bool):
+    """One device's share of an expert-parallel layer, inside the shard_map: it holds experts
+    [i H, (i + 1) H) of its expert shard i (`held` = H = E / |expert|). The rows of the expert
+    shards beside it are gathered (`rows_split`: the batch is split over "expert" too; else
+    every shard holds the same rows), each pair routed to a held expert runs here (the others
+    name an expert past H: zeros), and the partial outputs are summed back onto the rows'
+    own shards (a reduce-scatter; a sum where the rows were not split). Exact and dropless:
+    the gather and the reduce-scatter together move what an all-to-all dispatch and its
+    return would, with room for every row to pick this shard's experts."""
+    if rows_split:
+        x_1nd, weights_1nk, experts_1nk = (
+            jax.lax.all_gather(a, "expert", axis=1, tiled=True)
+            for a in (x_1nd, weights_1nk, experts_1nk)
+        )
+    first = jax.lax.axis_index("expert") * held
+    local = experts_1nk - first
+    here = (local >= 0) & (local < held)
+    y_1nd = run(x_1nd, jnp.where(here, weights_1nk, 0.0), jnp.where(here, local, held), *kernels)
+    if rows_split:
+        return jax.lax.psum_scatter(y_1nd, "expert", scatter_dimension=1, tiled=True)
+    return jax.lax.psum(y_1nd, "expert")

@@ -57,19 +57,21 @@ class PackedBatch:
     behavior_logp: jax.Array  # float32
     adv: jax.Array  # float32: the token's completion's advantage
     num_seqs: int = dataclasses.field(metadata=dict(static=True))  # B
+    routes: jax.Array | None = None  # [R, S, routed layers, K]: router replay (step.Batch)
 
     @property
     def shape(self) -> tuple[int, int]:
         return self.tokens.shape
 
     @classmethod
-    def shapes(cls, rows: int, row_len: int, num_seqs: int) -> PackedBatch:
-        """Shapes and dtypes of a packed batch (e.g. to derive its shardings before one exists)."""
+    def shapes(cls, rows: int, row_len: int, num_seqs: int, model=None) -> PackedBatch:
+        """Shapes and dtypes of a packed batch (e.g. to derive its shardings before one
+        exists); `model` as in `step.Batch.shapes`."""
         s = lambda dtype: jax.ShapeDtypeStruct((rows, row_len), dtype)  # noqa: E731
         i32, f32 = jnp.int32, jnp.float32
         return cls(
             s(i32), s(i32), s(jnp.bool_), s(i32), s(i32), s(i32), s(i32), s(f32), s(f32),
-            s(f32), num_seqs=num_seqs,
+            s(f32), num_seqs=num_seqs, routes=model_lib.route_shapes(model, rows, row_len),
         )  # fmt: skip
 
 
@@ -247,6 +249,11 @@ def pack(
         "behavior_logp": np.zeros(shape, np.float32),
         "adv": np.zeros(shape, np.float32),
     }
+    routes = None if batch.routes is None else np.asarray(batch.routes)
+    if routes is not None:  # padding positions: distinct experts (model.no_routes)
+        out["routes"] = np.empty((*shape, *routes.shape[2:]), routes.dtype)
+        out["routes"][...] = np.arange(routes.shape[-1], dtype=routes.dtype)
+    length = prompt_tokens.shape[1]
     loss_mask = np.asarray(batch.loss_mask, np.float32)
     behavior = np.asarray(batch.behavior_logp, np.float32)
     adv = np.asarray(batch.adv, np.float32)
@@ -261,6 +268,8 @@ def pack(
             out["tokens"][r, span] = prompt
             out["positions"][r, span] = np.arange(l_p)
             out["seg"][r, span] = k
+            if routes is not None:
+                out["routes"][r, span] = routes[first, :length][prompt_mask[first]]
             last_prompt = pos + l_p - 1
             pos += l_p
             for j, b in enumerate(completions, start=1):
@@ -275,6 +284,8 @@ def pack(
                 out["loss_mask"][r, span] = loss_mask[b, :n]
                 out["behavior_logp"][r, span] = behavior[b, :n]
                 out["adv"][r, span] = adv[b]
+                if routes is not None:
+                    out["routes"][r, span] = routes[b, length : length + n]
                 pos += n
         out["valid"][r, :pos] = True
         out["seg"][r, pos:] = len(row_segments)  # padding: a segment of its own, after the last
@@ -291,16 +302,22 @@ def pack(
     return PackedBatch(**out, num_seqs=b_total), stats
 
 
-def packed_logprobs(model, batch: PackedBatch, *, temperature: float = 1.0, chunk_size=None):
+def packed_logprobs(
+    model, batch: PackedBatch, *, temperature: float = 1.0, chunk_size=None, return_routes=False
+):
     """log pi(token | its sequence's context) [R, S] for every completion token of a packed
     batch (0 at prompt and padding positions): the padded step's `completion_logprobs`, laid
-    out in the packed rows. Each token is scored from the hidden state at `prev` in its row."""
+    out in the packed rows. Each token is scored from the hidden state at `prev` in its row.
+    A batch with `routes` replays them; with `return_routes`, (log-probs, the routers' own
+    choices [R, S, routed layers, K])."""
     cfg = model.cfg
-    h_rsd = model.hidden_states(
+    h_rsd, chosen = model.hidden_states(
         batch.tokens,
         mask_bt=batch.valid,
         positions_bt=batch.positions,
         segments=(batch.seg, batch.sub),
+        routes=batch.routes,
+        return_routes=True,
     )
     h_prev_rsd = jnp.take_along_axis(h_rsd, batch.prev[..., None], axis=1)
     logp_rs = model_lib.score_targets(
@@ -311,7 +328,8 @@ def packed_logprobs(model, batch: PackedBatch, *, temperature: float = 1.0, chun
         temperature=temperature,
         chunk_size=chunk_size or cfg.logits_chunk_size,
     )
-    return jnp.where(batch.seq < batch.num_seqs, logp_rs, 0.0)
+    logp_rs = jnp.where(batch.seq < batch.num_seqs, logp_rs, 0.0)
+    return (logp_rs, chosen) if return_routes else logp_rs
 
 
 def unpack(values_rs, batch: PackedBatch, new_tokens: int) -> np.ndarray:

@@ -359,7 +359,7 @@ def rollouts_to_host(batches: list[Rollouts]) -> dict[str, Any]:
         batch = {
             f.name: distributed.to_host(getattr(ro.batch, f.name))
             for f in dataclasses.fields(ro.batch)
-            if f.name != "num_seqs"
+            if f.name != "num_seqs" and getattr(ro.batch, f.name) is not None
         }
         if isinstance(ro.batch, PackedBatch):
             batch["num_seqs"] = np.asarray(ro.batch.num_seqs)
@@ -374,14 +374,27 @@ def rollouts_to_host(batches: list[Rollouts]) -> dict[str, Any]:
     return {str(i): one(ro) for i, ro in enumerate(batches)}
 
 
-def rollouts_from_host(tree: dict[str, Any], worker: RolloutWorker) -> list[Rollouts]:
-    """The inverse of `rollouts_to_host`, each batch placed on the trainer's devices."""
+def rollouts_from_host(
+    tree: dict[str, Any], worker: RolloutWorker, *, router_replay: bool = False
+) -> list[Rollouts]:
+    """The inverse of `rollouts_to_host`, each batch placed on the trainer's devices, with its
+    recorded experts where the run replays them (`router_replay`: model.router_replay)."""
     out = []
+    replay = router_replay
     for i in range(len(tree)):
         t = tree[str(i)]
+        fields = dict(t["batch"])
+        if not replay:  # experts recorded by a replaying run: this one routes afresh
+            fields.pop("routes", None)
+        elif "routes" not in fields:
+            raise ConfigError(
+                "model.router_replay: the checkpoint's waiting batches were sampled without "
+                "recording their experts; resume with model.router_replay=false (until they "
+                "are trained) or from a checkpoint of a replaying run"
+            )
         out.append(
             Rollouts(
-                worker.to_trainer(_batch_from_host(t["batch"])),
+                worker.to_trainer(_batch_from_host(fields)),
                 t["indices"],
                 t["versions"],
                 {k: np.asarray(v).item() for k, v in t["stats"].items()},

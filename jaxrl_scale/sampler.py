@@ -25,7 +25,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxrl_scale.config import ConfigError, SamplerConfig, check_sampling, check_thinking_budget
-from jaxrl_scale.model import KVCache, Policy
+from jaxrl_scale.model import KVCache, Policy, no_routes
 from jaxrl_scale.sharding import LOGICAL_RULES, state_shardings
 
 FINISH_REASONS = ("eos", "length", "interrupted")
@@ -115,6 +115,9 @@ class Rollout:
     versions: jax.Array  # [B, N] int32 policy version per sampled token, -1 elsewhere
     finish_reason: jax.Array  # [B] int32 index into FINISH_REASONS
     lengths: jax.Array  # [B] int32 completion tokens emitted (interruption text included)
+    # Router replay (model.router_replay): [B, L + N, routed layers, K] the experts each prompt
+    # and completion token was sent to (ModelConfig.route_dtype); None without.
+    routes: jax.Array | None = None
 
     @property
     def interrupted_rate(self) -> float:
@@ -146,6 +149,7 @@ class DecodeState:
     think_budget: jax.Array  # [B]
     budget: jax.Array  # [B] the most completion tokens each row may emit (N unless set)
     key: jax.Array
+    routes: jax.Array | None = None  # [B, L + N, routed layers, K] with router replay
 
 
 # --------------------------------------------------------------------------- sampling
@@ -207,11 +211,14 @@ def prefill(
     if repeat == 1:  # the rows are the batch: split them over the mesh from the start
         cache = jax.tree.map(lambda x: _constrain_batch(x, mesh, 0), cache)
     positions = jnp.maximum(jnp.cumsum(prompt_mask, axis=1) - 1, 0)
-    h_btd, cache = model.extend(cache, prompt_tokens, positions, prompt_mask, 0)
+    h_btd, cache, chosen = model.extend(
+        cache, prompt_tokens, positions, prompt_mask, 0, return_routes=True
+    )
+    routes = prompt_routes(model.cfg, chosen, n_new)
     if repeat > 1:
-        cache, h_btd, prompt_mask = jax.tree.map(
+        cache, h_btd, prompt_mask, routes = jax.tree.map(
             lambda x: _constrain_batch(jnp.repeat(x, repeat, axis=0), mesh, 0),
-            (cache, h_btd, prompt_mask),
+            (cache, h_btd, prompt_mask, routes),
         )
     key, budget_key = jax.random.split(key)
     if interruption is None:
@@ -239,6 +246,18 @@ def prefill(
         think_budget=think_budget,
         budget=jnp.full((b,), n_new, jnp.int32),
         key=key,
+        routes=routes,
+    )
+
+
+def prompt_routes(cfg, chosen_pltk, n_new: int):
+    """A decode state's routes from the prompts' [P, L, routed layers, K]: theirs, then the N
+    completion columns', which decoding fills (None without router replay)."""
+    if not cfg.router_replay:
+        return None
+    p = chosen_pltk.shape[0]
+    return jnp.concatenate(
+        [chosen_pltk.astype(cfg.route_dtype), no_routes((p, n_new, cfg.routed_layers), cfg)], 1
     )
 
 
@@ -296,9 +315,21 @@ def _decode_step(
     reason = jnp.where(forced, INTERRUPTED, jnp.where(is_eos, EOS, LENGTH))
     finish = jnp.where(finishing, reason, s.finish)
 
-    h_btd, cache = model.extend(
-        s.cache, token_b[:, None], s.position[:, None], active[:, None], prompt_len + col
+    h_btd, cache, chosen = model.extend(
+        s.cache,
+        token_b[:, None],
+        s.position[:, None],
+        active[:, None],
+        prompt_len + col,
+        return_routes=True,
     )
+    routes = s.routes
+    if routes is not None:  # the experts the token just fed went to, at its column
+        chosen = chosen[:, 0].astype(routes.dtype)
+        if col.ndim:
+            routes = routes.at[jnp.arange(col.shape[0]), prompt_len + col].set(chosen, mode="drop")
+        else:
+            routes = routes.at[:, prompt_len + col].set(chosen)
     return DecodeState(
         cache=cache,
         h_bd=h_btd[:, 0],
@@ -317,6 +348,7 @@ def _decode_step(
         think_budget=s.think_budget,
         budget=s.budget,
         key=s.key,
+        routes=routes,
     )
 
 
@@ -370,6 +402,7 @@ def to_rollout(prompt_tokens, prompt_mask, state: DecodeState) -> Rollout:
         versions=state.versions,
         finish_reason=state.finish,
         lengths=jnp.sum(state.counts, axis=1),
+        routes=state.routes,
     )
 
 

@@ -1,9 +1,9 @@
 """Device meshes from config, logical-axis -> mesh-axis rules, and sharded placement.
 
-Model code names logical axes only (`logical_axes` metadata on each parameter); this table is the
-one place that says where they live on the ("data", "fsdp", "tensor") mesh. The run's meshes
-(trainer, and generator when it has devices of its own), the train state's and the batch's
-layouts and the checks that batches split evenly over them are here too.
+Model code names logical axes only (`logical_axes` metadata on each parameter); this table is
+the one place that says where they live on the ("data", "fsdp", "expert", "tensor") mesh. The
+run's meshes (trainer, and generator when it has devices of its own), the train state's and
+the batch's layouts and the checks that batches split evenly over them are here too.
 """
 
 from __future__ import annotations
@@ -18,28 +18,30 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 from jaxrl_scale.config import ConfigError, ExperimentConfig, MeshConfig
 
-MESH_AXES = ("data", "fsdp", "tensor")
+MESH_AXES = ("data", "fsdp", "expert", "tensor")
 
 LOGICAL_RULES: dict[str, str | tuple[str, ...] | None] = {
-    "batch": ("data", "fsdp"),
+    # Rows split over "expert" too: outside MoE layers an expert shard is one more data shard
+    # (moe.py gathers its rows to the experts it holds and scatters the outputs back).
+    "batch": ("data", "fsdp", "expert"),
     "vocab": "tensor",
     "embed": "fsdp",
     "heads": "tensor",
     "kv_heads": "tensor",
     "head_dim": None,
     "mlp": "tensor",
-    "expert": None,  # an MoE layer's experts (moe.py): each expert's matrices split as an MLP's
+    "expert": "expert",  # an MoE layer's experts (moe.py): E / |expert| on each expert shard
     "norm": None,
     "lora": None,  # an adapter's rank axis (lora.py): small, replicated
 }
 
 
 def make_mesh(cfg: MeshConfig, devices: Sequence[jax.Device] | None = None) -> Mesh:
-    """A (data, fsdp, tensor) mesh with Auto axis types over `devices` (default: all). With -1
-    on an axis the mesh spans every device; a fully specified shape that asks for fewer devices
-    than there are takes the first ones (e.g. one device for a small run)."""
+    """A (data, fsdp, expert, tensor) mesh with Auto axis types over `devices` (default: all).
+    With -1 on an axis the mesh spans every device; a fully specified shape that asks for fewer
+    devices than there are takes the first ones (e.g. one device for a small run)."""
     devices = list(jax.devices() if devices is None else devices)
-    shape = [cfg.data, cfg.fsdp, cfg.tensor]
+    shape = [cfg.data, cfg.fsdp, cfg.expert, cfg.tensor]
     if -1 in shape:
         known = math.prod(s for s in shape if s != -1)
         if len(devices) % known:
@@ -49,8 +51,8 @@ def make_mesh(cfg: MeshConfig, devices: Sequence[jax.Device] | None = None) -> M
         devices = devices[: math.prod(shape)]
     if math.prod(shape) != len(devices):
         raise ConfigError(
-            f"mesh: shape data={shape[0]} fsdp={shape[1]} tensor={shape[2]} needs "
-            f"{math.prod(shape)} devices, have {len(devices)}"
+            f"mesh: shape data={shape[0]} fsdp={shape[1]} expert={shape[2]} "
+            f"tensor={shape[3]} needs {math.prod(shape)} devices, have {len(devices)}"
         )
     device_grid = np.asarray(devices, dtype=object).reshape(shape)
     return Mesh(device_grid, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES))

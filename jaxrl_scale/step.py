@@ -23,7 +23,8 @@ from jaxrl_scale.losses import (
     metrics_from_sums,
     packed_loss_weights,
 )
-from jaxrl_scale.model import completion_logprobs, token_logprobs
+from jaxrl_scale.model import completion_logprobs, route_shapes, token_logprobs
+from jaxrl_scale.moe import rerouted
 from jaxrl_scale.packing import PackedBatch, packed_logprobs
 from jaxrl_scale.sharding import LOGICAL_RULES, replicated
 
@@ -56,10 +57,14 @@ class Batch:
     loss_mask: jax.Array  # [B, N] float32: sampled tokens of kept rows
     behavior_logp: jax.Array  # [B, N] float32
     adv: jax.Array  # [B] float32
+    # Router replay (model.router_replay): [B, L + N, routed layers, K] the experts the sampler
+    # sent each prompt and completion token to (ModelConfig.route_dtype); None without.
+    routes: jax.Array | None = None
 
     @classmethod
-    def shapes(cls, rows: int, prompt_len: int, new_tokens: int) -> Batch:
-        """Shapes and dtypes of a batch (e.g. to derive its shardings before one exists)."""
+    def shapes(cls, rows: int, prompt_len: int, new_tokens: int, model=None) -> Batch:
+        """Shapes and dtypes of a batch (e.g. to derive its shardings before one exists);
+        `model` (a ModelConfig) adds the routes a router-replay run's batches carry."""
         s = jax.ShapeDtypeStruct
         return cls(
             prompt_tokens=s((rows, prompt_len), jnp.int32),
@@ -69,6 +74,7 @@ class Batch:
             loss_mask=s((rows, new_tokens), jnp.float32),
             behavior_logp=s((rows, new_tokens), jnp.float32),
             adv=s((rows,), jnp.float32),
+            routes=route_shapes(model, rows, prompt_len + new_tokens),
         )
 
     @classmethod
@@ -84,6 +90,7 @@ class Batch:
             loss_mask=ro.completion_mask * xp.asarray(keep_b, xp.float32)[:, None],
             behavior_logp=ro.behavior_logp,
             adv=xp.asarray(adv_b, xp.float32),
+            routes=ro.routes,
         )
 
 
@@ -134,22 +141,25 @@ def _rl_loss(
     token weights, and its additive sums (losses.loss_sums)."""
     packed = isinstance(batch, PackedBatch)
 
-    def logprobs(p):
+    def logprobs(p):  # (log-probs, the routers' own choices or None)
+        model = merge_policy(graphdef, p, frozen)
         if packed:
-            model = merge_policy(graphdef, p, frozen)
-            return packed_logprobs(model, batch, temperature=temperature)
+            return packed_logprobs(model, batch, temperature=temperature, return_routes=True)
         return completion_logprobs(
-            merge_policy(graphdef, p, frozen),
+            model,
             batch.prompt_tokens[::group_size],
             batch.prompt_mask[::group_size],
             batch.tokens,
             batch.mask,
             temperature=temperature,
+            routes=batch.routes,
+            return_routes=True,
         )
 
-    ref_logp = None if ref_params is None else jax.lax.stop_gradient(logprobs(ref_params))
-    return loss_sums(
-        logprobs(params),
+    ref_logp = None if ref_params is None else jax.lax.stop_gradient(logprobs(ref_params)[0])
+    logp, chosen = logprobs(params)
+    loss, sums = loss_sums(
+        logp,
         batch.behavior_logp,
         batch.adv,
         batch.loss_mask,
@@ -162,6 +172,26 @@ def _rl_loss(
         mismatch_threshold=loss_cfg.mismatch_threshold,
         **loss_cfg.hyper(),
     )
+    if batch.routes is not None:
+        sums = {**sums, **_reroute_sums(chosen, batch, batch.loss_mask)}
+    return loss, sums
+
+
+def _reroute_sums(chosen, batch: Batch | PackedBatch, mask):
+    """Router replay's telemetry over the loss's tokens: routing decisions (token x routed
+    layer) and tokens where the trainer's router would have chosen other experts than the
+    replayed ones (`moe.rerouted`)."""
+    replayed = batch.routes
+    if not isinstance(batch, PackedBatch):  # the completions' columns
+        replayed = replayed[:, batch.prompt_tokens.shape[1] :]
+    differs = rerouted(chosen, replayed).astype(jnp.float32)  # [..., routed layers]
+    counted = (jnp.asarray(mask) > 0).astype(jnp.float32)
+    return {
+        "routed": jnp.sum(counted) * differs.shape[-1],
+        "routed_tokens": jnp.sum(counted),
+        "rerouted": jnp.sum(differs * counted[..., None]),
+        "rerouted_tokens": jnp.sum(jnp.max(differs, axis=-1) * counted),
+    }
 
 
 def _micro(tree, m: int, mesh=None):
@@ -273,12 +303,26 @@ def train_step(
     )
     metrics = {
         **metrics_from_sums(sums),
+        **_reroute_metrics(sums),
         "loss": loss,
         "grad_norm": grad_norm,
         "skipped": 1 - finite.astype(jnp.int32),
         "nonfinite_in_a_row": new_state.nonfinite,  # read by the loop (one step late)
     }
     return new_state, metrics
+
+
+def _reroute_metrics(sums) -> dict:
+    """router_differs: the fraction of the loss tokens' routing decisions (token x routed
+    layer) where the trainer's router would have chosen other experts than the sampler's it
+    replays; router_differs_tokens: the fraction of those tokens with such a layer. Only with
+    router replay."""
+    if "routed" not in sums:
+        return {}
+    return {
+        "router_differs": sums["rerouted"] / jnp.maximum(sums["routed"], 1.0),
+        "router_differs_tokens": sums["rerouted_tokens"] / jnp.maximum(sums["routed_tokens"], 1.0),
+    }
 
 
 def compile_train_step(

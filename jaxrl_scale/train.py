@@ -126,8 +126,8 @@ def setup(cfg: ExperimentConfig, out: str | Path, *, resume: bool = True) -> Run
     packing = worker.packing
     steps = {}
     for kind, shapes in (  # (shapes for the shardings, which follow each leaf's rank)
-        (Batch, Batch.shapes(rows, 1, n_new)),
-        (PackedBatch, PackedBatch.shapes(1, 1, rows)),
+        (Batch, Batch.shapes(rows, 1, n_new, cfg.model)),
+        (PackedBatch, PackedBatch.shapes(1, 1, rows, cfg.model)),
     ):
         compile_step = functools.partial(
             compile_run_step, cfg, graphdef, tx, state_sharding=state_sharding,
@@ -161,7 +161,7 @@ def setup(cfg: ExperimentConfig, out: str | Path, *, resume: bool = True) -> Run
     if resume:
         restored = checkpointer.restore_latest(
             abstract_like(jax.device_put(state, state_sharding)),
-            lambda tree: rollouts_from_host(tree, worker),
+            lambda tree: rollouts_from_host(tree, worker, router_replay=cfg.model.router_replay),
             base=base_fingerprint,
         )
     if restored is not None:

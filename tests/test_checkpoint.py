@@ -45,6 +45,7 @@ def _rollouts(rows: int, prompt_len: int, seed: int) -> Rollouts:
     batch = Batch(**{
         name: rng.normal(size=s.shape).astype(s.dtype)
         for name, s in vars(shapes).items()
+        if s is not None  # routes: router replay only
     })  # fmt: skip
     curriculum = Curriculum(5, seed=seed)
     curriculum.update(curriculum.next_batch(2), [1.0, 0.0])
@@ -144,3 +145,21 @@ def test_a_checkpoint_of_another_model_is_refused_by_name_not_skipped(tmp_path):
     other = init_train_state({"w": jnp.zeros((3, 3))}, optax.adam(1e-3))
     with pytest.raises(CheckpointMismatch, match=r"params/w: \(8, 4\) in the checkpoint, \(3, 3\)"):
         _restore(tmp_path, abstract_like(other), lambda t: [])
+
+
+def test_waiting_batches_keep_their_recorded_experts_for_a_replaying_run():
+    import dataclasses
+
+    from jaxrl_scale.config import ConfigError
+
+    ro = _rollouts(4, 5, seed=1)
+    routes = np.random.default_rng(0).integers(0, 8, (4, 5 + 3, 2, 2)).astype(np.uint8)
+    replayed = dataclasses.replace(ro, batch=dataclasses.replace(ro.batch, routes=routes))
+    tree = rollouts_to_host([replayed])
+    back = rollouts_from_host(tree, KEEP_HOST, router_replay=True)[0].batch
+    np.testing.assert_array_equal(back.routes, routes)
+    assert rollouts_from_host(tree, KEEP_HOST)[0].batch.routes is None  # this run routes afresh
+    plain = rollouts_to_host([ro])
+    assert "routes" not in plain["0"]["batch"]
+    with pytest.raises(ConfigError, match="model.router_replay: .* without recording"):
+        rollouts_from_host(plain, KEEP_HOST, router_replay=True)

@@ -127,7 +127,8 @@ def test_moe_settings_are_checked_and_named(fields, message):
         ModelConfig(**{**base, **fields})
 
 
-def test_an_moe_policy_trains_with_rl(tmp_path):
+@pytest.mark.parametrize("replay", [False, True])
+def test_an_moe_policy_trains_with_rl(tmp_path, replay):
     from conftest import FAST, TINY_CONFIG
 
     from jaxrl_scale.config import load_config
@@ -136,9 +137,16 @@ def test_an_moe_policy_trains_with_rl(tmp_path):
     moe = ["model.architecture=qwen3_moe", "model.qk_norm=true", "model.num_experts=4"]
     moe += ["model.num_experts_per_tok=2", "model.moe_intermediate_size=16"]
     moe += ["model.mlp_only_layers=[0]", "model.num_layers=2", "train.steps=2"]
+    if replay:  # the experts ride from the slot engine through the packed batch
+        moe += ["model.router_replay=true", "train.packing=true"]
     rows = train(load_config(TINY_CONFIG, [*FAST, *moe]), tmp_path)
     assert [r["step"] for r in rows] == [0, 1, 2]  # the slot engine decoded, the step trained
     assert all(np.isfinite(r["loss"]) and r["gen_tokens"] > 0 for r in rows[1:])
+    if replay:  # float32 sampler and trainer agree on nearly every route
+        assert all(0 <= r["router_differs"] < 0.05 and r["train_packed"] for r in rows[1:])
+        assert all(r["mismatch"] < 1e-3 for r in rows[1:])
+    else:
+        assert "router_differs" not in rows[1]
 
 
 def test_policy_gradients_reach_the_router_and_agree_between_matmuls():
@@ -229,3 +237,179 @@ def test_lora_on_an_moe_keeps_the_router_float32_and_says_what_it_adapts():
     moe = frozen["layers"][1]["mlp"]
     assert moe["router_kernel"].get_value().dtype == jnp.float32
     assert moe["gate_kernel"].get_value().dtype == jnp.bfloat16
+
+
+# --------------------------------------------------------------------------- router replay
+
+REPLAY_CFG = ModelConfig(
+    architecture="qwen3_moe", qk_norm=True, vocab_size=32, hidden_size=16,
+    intermediate_size=32, num_heads=2, num_kv_heads=1, num_layers=2, num_experts=4,
+    num_experts_per_tok=1, moe_intermediate_size=8, router_replay=True,
+)  # fmt: skip
+REPLAY_PROMPTS = [[3, 4, 5], [7, 8, 9, 10, 11, 12], [20], [1, 2]]
+
+
+def _near_tie(model, sign: float, eps: float = 1e-3):
+    """Every routed layer's router ties experts 0 and 1 but for +-eps along one direction (the
+    others at logit 0): `sign` decides which of the two each token goes to, as a sampler's
+    and a trainer's numerics may break a near-tie differently."""
+    v = np.asarray(jax.random.normal(jax.random.key(9), (REPLAY_CFG.hidden_size,)))
+    kernel = np.zeros((REPLAY_CFG.hidden_size, REPLAY_CFG.num_experts), np.float32)
+    kernel[:, 0], kernel[:, 1] = sign * eps * v, -sign * eps * v
+    for layer in model.layers:
+        layer.mlp.router_kernel.set_value(jnp.asarray(kernel))
+        down = layer.mlp.down_kernel  # experts that matter: a flipped route moves log-probs
+        down.set_value(down.get_value() * 30)
+    return model
+
+
+def _replay_rollout():
+    from jaxrl_scale.model import init_policy
+    from jaxrl_scale.sampler import generate
+
+    sampler = _near_tie(init_policy(REPLAY_CFG, seed=4), +1.0)
+    trainer = _near_tie(init_policy(REPLAY_CFG, seed=4), -1.0)
+    ro = generate(sampler, REPLAY_PROMPTS, max_new_tokens=6, key=jax.random.key(2))
+    return sampler, trainer, ro
+
+
+def _real(ro):
+    """[B, L + N] bool: the prompt and completion positions that hold tokens."""
+    n = ro.completion_tokens.shape[1]
+    completion = np.arange(n)[None, :] < np.asarray(ro.lengths)[:, None]
+    return np.concatenate([np.asarray(ro.prompt_mask), completion], axis=1)
+
+
+def test_the_sampler_records_the_experts_its_forward_chose():
+    sampler, _, ro = _replay_rollout()
+    assert ro.routes.dtype == np.uint8
+    assert ro.routes.shape == (4, 8 + 6, 2, 1)  # [B, L + N, routed layers, K]
+    tokens = jnp.concatenate([ro.prompt_tokens, ro.completion_tokens], axis=1)
+    real = _real(ro)
+    _, chosen = sampler.hidden_states(tokens, mask_bt=jnp.asarray(real), return_routes=True)
+    recorded, chosen = np.asarray(ro.routes)[real], np.asarray(chosen)[real]
+    np.testing.assert_array_equal(recorded, chosen)
+    assert 0 < np.mean(recorded == 0) < 1  # the near-tie sends tokens both ways
+
+
+def test_router_replay_makes_trainer_logprobs_equal_the_samplers():
+    """The trainer's router breaks the near-tie the other way: without replay every token
+    goes to the other expert and its log-prob moves; with the sampler's experts replayed the
+    trainer scores exactly what the sampler sampled, padded and packed alike."""
+    from jaxrl_scale.model import completion_logprobs
+    from jaxrl_scale.moe import rerouted
+    from jaxrl_scale.packing import pack, packed_logprobs, unpack
+    from jaxrl_scale.step import Batch
+
+    _, trainer, ro = _replay_rollout()
+    sampled = np.asarray(ro.completion_mask) > 0
+    behavior = np.asarray(ro.behavior_logp)
+    args = (trainer, ro.prompt_tokens, ro.prompt_mask, ro.completion_tokens)
+    mask_bn = jnp.arange(6)[None, :] < ro.lengths[:, None]
+    fresh = np.asarray(completion_logprobs(*args, mask_bn))
+    assert np.abs(fresh - behavior)[sampled].max() > 1e-2  # routing flipped: a real mismatch
+
+    replayed, chosen = completion_logprobs(*args, mask_bn, routes=ro.routes, return_routes=True)
+    np.testing.assert_allclose(np.asarray(replayed)[sampled], behavior[sampled], atol=2e-5)
+    flipped = np.asarray(rerouted(chosen, ro.routes[:, 8:]))  # [B, N, routed layers]
+    assert flipped[sampled].mean() > 0.9  # the trainer alone would route them elsewhere
+
+    host = jax.tree.map(np.asarray, ro)
+    batch = Batch.from_rollout(host, np.ones(4), np.ones(4, bool), xp=np)
+    packed, _ = pack(batch, 1, row_len=32)
+    logp_rs = packed_logprobs(trainer, jax.tree.map(jnp.asarray, packed))
+    np.testing.assert_allclose(unpack(logp_rs, packed, 6)[sampled], behavior[sampled], atol=2e-5)
+
+
+def test_the_train_step_reports_how_often_replay_overrode_the_trainers_router():
+    import optax
+    from flax import nnx
+
+    from jaxrl_scale.config import LossConfig
+    from jaxrl_scale.step import Batch, init_train_state, train_step
+
+    _, trainer, ro = _replay_rollout()
+    graphdef, params = nnx.split(trainer)
+    tx = optax.sgd(0.0)
+    adv = jnp.asarray([1.0, -1.0, 0.5, -0.5])
+    metrics = {}
+    for replay in (True, False):
+        batch = Batch.from_rollout(ro if replay else dataclasses.replace(ro, routes=None),
+                                   adv, jnp.ones(4, bool))  # fmt: skip
+        _, metrics[replay] = train_step(
+            init_train_state(params, tx), batch, graphdef=graphdef, tx=tx, group_size=1,
+            loss_cfg=LossConfig(), temperature=1.0,
+        )  # fmt: skip
+    assert float(metrics[True]["router_differs"]) > 0.9
+    assert float(metrics[True]["router_differs_tokens"]) >= float(metrics[True]["router_differs"])
+    assert float(metrics[True]["mismatch"]) < 2e-5  # the trainer's log-probs are the sampler's
+    assert float(metrics[False]["mismatch"]) > 1e-2
+    assert "router_differs" not in metrics[False]  # nothing replayed, nothing to report
+
+
+def test_the_slot_engine_records_the_same_experts_as_static_decoding():
+    from flax import nnx
+
+    from jaxrl_scale.engine import SlotEngine
+    from jaxrl_scale.sampler import Sampling, generate
+
+    sampler, _, _ = _replay_rollout()
+    static = generate(sampler, REPLAY_PROMPTS, max_new_tokens=6, temperature=0.0)
+    engine = SlotEngine(nnx.graphdef(sampler), slots=2, prompt_len=8, n_new=6, repeat=1,
+                        sampling=Sampling(0.0), eos_ids=(), pad_id=0, model_cfg=sampler.cfg,
+                        key=jax.random.key(1))  # fmt: skip
+    for i, p in enumerate(REPLAY_PROMPTS):
+        engine.submit(i, p)
+    done = []
+    while engine.busy or engine.pending:  # 2 slots for 4 prompts: slots are reused
+        done += engine.run(nnx.state(sampler), 0, 2)
+    real = _real(static)
+    for f in done:
+        want = np.asarray(static.routes[f.request])[real[f.request]]
+        np.testing.assert_array_equal(f.routes[real[f.request]], want)
+
+
+@pytest.mark.parametrize("matmul", ["tiled", "ragged"])
+def test_expert_parallel_layers_equal_one_device_with_each_shard_holding_its_experts(matmul):
+    """An `expert` mesh axis: each shard holds E / 4 experts' matrices (never gathered), the
+    rows come to them and go back inside the compiled step, and loss and gradients equal one
+    device's; with fsdp and tensor beside it too."""
+    from flax import nnx
+
+    from jaxrl_scale import sharding
+    from jaxrl_scale.config import MeshConfig
+    from jaxrl_scale.model import init_policy, token_logprobs
+
+    cfg = ModelConfig(
+        architecture="qwen3_moe", qk_norm=True, vocab_size=32, hidden_size=16,
+        intermediate_size=32, num_heads=2, num_kv_heads=1, num_experts=8,
+        num_experts_per_tok=2, moe_intermediate_size=8, moe_matmul=matmul,
+    )  # fmt: skip
+    graphdef, state = nnx.split(init_policy(cfg, seed=1))
+    tokens = jax.random.randint(jax.random.key(0), (8, 6), 0, 32)
+
+    def loss(state, tokens):
+        return jnp.sum(token_logprobs(nnx.merge(graphdef, state), tokens))
+
+    want, want_grads = jax.value_and_grad(loss)(state, tokens)
+    for shape in (dict(data=2, expert=4), dict(data=1, fsdp=2, expert=2, tensor=2)):
+        mesh = sharding.make_mesh(MeshConfig(**shape))
+
+        def on_mesh(state, tokens, mesh=mesh):
+            with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+                return jax.value_and_grad(loss)(state, tokens)
+
+        layout = sharding.state_shardings(state, mesh)
+        rows = sharding.batch_sharding(mesh)
+        run = jax.jit(on_mesh, in_shardings=(layout, rows))
+        placed = (jax.device_put(state, layout), jax.device_put(tokens, rows))
+        gate = placed[0]["layers"][0]["mlp"]["gate_kernel"].get_value()
+        assert gate.addressable_shards[0].data.shape[0] == 8 // shape["expert"]
+        if shape["expert"] == 4:  # the experts' matrices are never gathered whole
+            hlo = run.lower(*placed).compile().as_text()
+            gathered = [ln for ln in hlo.splitlines() if "all-gather" in ln and "[8,16,8]" in ln]
+            assert not gathered, gathered[:2]
+        got, grads = run(*placed)
+        np.testing.assert_allclose(float(got), float(want), rtol=1e-6)
+        for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(want_grads), strict=True):
+            np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-5)

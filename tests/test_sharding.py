@@ -20,7 +20,8 @@ def test_eight_fake_devices():
 
 
 def test_make_mesh_shapes_and_errors():
-    assert dict(sharding.make_mesh(MeshConfig()).shape) == {"data": 8, "fsdp": 1, "tensor": 1}
+    want = {"data": 8, "fsdp": 1, "expert": 1, "tensor": 1}
+    assert dict(sharding.make_mesh(MeshConfig()).shape) == want
     assert dict(sharding.make_mesh(MeshConfig(data=-1, tensor=2)).shape)["data"] == 4
     with pytest.raises(ConfigError, match="needs 12 devices, have 8"):
         sharding.make_mesh(MeshConfig(data=3, fsdp=2, tensor=2))
