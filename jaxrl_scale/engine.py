@@ -45,7 +45,6 @@ from jaxrl_scale.sampler import (
     Interruption,
     Sampling,
     decode,
-    prompt_routes,
 )
 from jaxrl_scale.sharding import LOGICAL_RULES, batch_sharding, batch_ways, replicated
 
@@ -129,8 +128,8 @@ def _empty_state(model_cfg, b: int, prompt_len: int, n_new: int, pad_id: int, ke
         think_budget=jnp.zeros((b,), jnp.int32),
         budget=jnp.zeros((b,), jnp.int32),
         key=key,
-        routes=prompt_routes(model_cfg, no_routes((b, prompt_len, model_cfg.routed_layers),
-                                                  model_cfg), n_new),
+        routes=no_routes((b, prompt_len + n_new, model_cfg.routed_layers), model_cfg)
+        if model_cfg.router_replay else None,
     )  # fmt: skip
 
 
@@ -178,9 +177,8 @@ def _admit_local(
         think_budget=think,
         budget=budget,
     )
-    if routes_new is not None:
-        old_routes = state.routes[:, :prompt_len]
-        fresh["routes"] = state.routes.at[:, :prompt_len].set(keep_or(routes_new[src], old_routes))
+    if routes_new is not None:  # the prompt's columns; kept for admitted slots only, below
+        fresh["routes"] = state.routes.at[:, :prompt_len].set(routes_new[src])
     rows = {name: keep_or(value, getattr(state, name)) for name, value in fresh.items()}
     return dataclasses.replace(state, cache=cache, **rows)
 

@@ -298,7 +298,7 @@ def test_memory_plans_the_trainer_and_a_generator_group_apart():
     )
     assert gen["evaluation_bytes"] == 0
     assert gen["parameters_bytes"] == 2 * report["generate"]["parameters_bytes"]
-    assert report["generate_mesh"] == {"data": 2, "fsdp": 1, "tensor": 1}
+    assert report["generate_mesh"] == {"data": 2, "fsdp": 1, "expert": 1, "tensor": 1}
     assert report["fits"] is True
 
 

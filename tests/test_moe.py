@@ -18,6 +18,16 @@ from jaxrl_scale.moe import experts_dense, experts_ragged, experts_tiled, route
 N, D, E, K, F = 13, 8, 6, 2, 5
 
 
+def _tiny_moe(**fields) -> ModelConfig:
+    """A small Qwen3-MoE policy: 4 experts, top-2 (`fields` override)."""
+    base = dict(
+        architecture="qwen3_moe", qk_norm=True, vocab_size=32, hidden_size=16,
+        intermediate_size=32, num_heads=2, num_kv_heads=1, num_experts=4,
+        num_experts_per_tok=2, moe_intermediate_size=8,
+    )  # fmt: skip
+    return ModelConfig(**{**base, **fields})
+
+
 def _np_route(logits, k, normalize):
     """softmax, the k largest (ties to the lower index), optionally renormalised."""
     z = np.exp(logits - logits.max(-1, keepdims=True))
@@ -154,11 +164,7 @@ def test_policy_gradients_reach_the_router_and_agree_between_matmuls():
 
     from jaxrl_scale.model import init_policy, token_logprobs
 
-    cfg = ModelConfig(
-        architecture="qwen3_moe", qk_norm=True, vocab_size=32, hidden_size=16,
-        intermediate_size=32, num_heads=2, num_kv_heads=1, num_experts=4,
-        num_experts_per_tok=2, moe_intermediate_size=8,
-    )  # fmt: skip
+    cfg = _tiny_moe()
     tokens = jax.random.randint(jax.random.key(0), (2, 9), 0, 32)
     grads = {}
     for matmul in ("dense", "ragged", "tiled"):
@@ -183,11 +189,7 @@ def test_a_data_parallel_moe_forward_keeps_each_shard_on_its_rows(matmul):
     from jaxrl_scale.config import MeshConfig
     from jaxrl_scale.model import init_policy
 
-    cfg = ModelConfig(
-        architecture="qwen3_moe", qk_norm=True, vocab_size=32, hidden_size=16,
-        intermediate_size=32, num_heads=2, num_kv_heads=1, num_experts=4,
-        num_experts_per_tok=2, moe_intermediate_size=8, moe_matmul=matmul,
-    )  # fmt: skip
+    cfg = _tiny_moe(moe_matmul=matmul)
     graphdef, state = nnx.split(init_policy(cfg, seed=1))
     tokens = jax.random.randint(jax.random.key(0), (8, 6), 0, 32)
     mesh = sharding.make_mesh(MeshConfig(data=4), jax.devices()[:4])
@@ -241,11 +243,7 @@ def test_lora_on_an_moe_keeps_the_router_float32_and_says_what_it_adapts():
 
 # --------------------------------------------------------------------------- router replay
 
-REPLAY_CFG = ModelConfig(
-    architecture="qwen3_moe", qk_norm=True, vocab_size=32, hidden_size=16,
-    intermediate_size=32, num_heads=2, num_kv_heads=1, num_layers=2, num_experts=4,
-    num_experts_per_tok=1, moe_intermediate_size=8, router_replay=True,
-)  # fmt: skip
+REPLAY_CFG = _tiny_moe(num_layers=2, num_experts_per_tok=1, router_replay=True)
 REPLAY_PROMPTS = [[3, 4, 5], [7, 8, 9, 10, 11, 12], [20], [1, 2]]
 
 
@@ -380,11 +378,7 @@ def test_expert_parallel_layers_equal_one_device_with_each_shard_holding_its_exp
     from jaxrl_scale.config import MeshConfig
     from jaxrl_scale.model import init_policy, token_logprobs
 
-    cfg = ModelConfig(
-        architecture="qwen3_moe", qk_norm=True, vocab_size=32, hidden_size=16,
-        intermediate_size=32, num_heads=2, num_kv_heads=1, num_experts=8,
-        num_experts_per_tok=2, moe_intermediate_size=8, moe_matmul=matmul,
-    )  # fmt: skip
+    cfg = _tiny_moe(num_experts=8, moe_matmul=matmul)
     graphdef, state = nnx.split(init_policy(cfg, seed=1))
     tokens = jax.random.randint(jax.random.key(0), (8, 6), 0, 32)
 
