@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+import warnings
 from typing import Any
 
 import jax
@@ -379,13 +380,12 @@ def rollouts_from_host(
 ) -> list[Rollouts]:
     """The inverse of `rollouts_to_host`, each batch placed on the trainer's devices, with its
     recorded experts where the run replays them (`router_replay`: model.router_replay)."""
-    out = []
-    replay = router_replay
+    out, unreplayed = [], 0
     for i in range(len(tree)):
         t = tree[str(i)]
         fields = dict(t["batch"])
-        if not replay:  # experts recorded by a replaying run: this one routes afresh
-            fields.pop("routes", None)
+        if not router_replay:  # experts recorded by a replaying run: this one routes afresh
+            unreplayed += fields.pop("routes", None) is not None
         elif "routes" not in fields:
             raise ConfigError(
                 "model.router_replay: the checkpoint's waiting batches were sampled without "
@@ -400,6 +400,12 @@ def rollouts_from_host(
                 {k: np.asarray(v).item() for k, v in t["stats"].items()},
                 t["curriculum"],
             )
+        )
+    if unreplayed:
+        warnings.warn(
+            f"{unreplayed} waiting batches of the checkpoint recorded their experts; "
+            "model.router_replay is off, so they train with the trainer's own routes",
+            stacklevel=2,
         )
     return out
 
