@@ -158,7 +158,7 @@ def test_waiting_batches_keep_their_recorded_experts_for_a_replaying_run():
     tree = rollouts_to_host([replayed])
     back = rollouts_from_host(tree, KEEP_HOST, router_replay=True)[0].batch
     np.testing.assert_array_equal(back.routes, routes)
-    with pytest.warns(UserWarning, match="1 waiting batches .* router_replay is off"):
+    with pytest.warns(UserWarning, match="1 waiting batches .*router_replay is off"):
         assert rollouts_from_host(tree, KEEP_HOST)[0].batch.routes is None  # routes afresh
     plain = rollouts_to_host([ro])
     assert "routes" not in plain["0"]["batch"]
