@@ -164,10 +164,11 @@ class ModelConfig:
     mlp_only_layers: tuple[int, ...] = ()
     # How the experts' matmuls run (moe.py): "ragged" (jax.lax.ragged_dot, a grouped matmul
     # on GPUs and TPUs), "tiled" (batched matmuls over whole tiles of each expert's tokens),
-    # "dense" (every token through every expert: E / K times the FLOPs, the reference);
-    # "auto" is ragged on GPUs and TPUs and tiled on CPUs, where XLA lowers ragged_dot to a
-    # masked dense matmul.
-    moe_matmul: Literal["auto", "ragged", "tiled", "dense"] = "auto"
+    # "scan" (the tiles one at a time: a grouped matmul's memory, sequential; what the memory
+    # planner compiles on CPUs for ragged), "dense" (every token through every expert: E / K
+    # times the FLOPs, the reference); "auto" is ragged on GPUs and TPUs and tiled on CPUs,
+    # where XLA lowers ragged_dot to a masked dense matmul.
+    moe_matmul: Literal["auto", "ragged", "tiled", "scan", "dense"] = "auto"
     # Router replay: the sampler records every token's experts in every routed layer (top-k
     # ids, `route_dtype`) with the rollout, and the trainer's forward routes each token to
     # those experts (their routing weights still from the trainer's router, so it learns), so
@@ -322,7 +323,8 @@ class MeshConfig:
     data: int = -1
     fsdp: int = 1
     # Expert parallelism: an MoE layer's experts split over this axis (num_experts a multiple
-    # of it); outside MoE layers it splits rows like `data`.
+    # of it); outside MoE layers it splits rows like `data`, and with fsdp > 1 the other
+    # weights like `fsdp`. (Generator devices split the experts over all of them.)
     expert: int = 1
     tensor: int = 1
 

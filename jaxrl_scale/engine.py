@@ -46,7 +46,13 @@ from jaxrl_scale.sampler import (
     Sampling,
     decode,
 )
-from jaxrl_scale.sharding import LOGICAL_RULES, batch_sharding, batch_ways, replicated
+from jaxrl_scale.sharding import (
+    LOGICAL_RULES,
+    batch_sharding,
+    batch_ways,
+    replicated,
+    traced_on,
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -204,9 +210,21 @@ def _prefill_into(state, graphdef, params, tokens, mask, key, source, budget, *,
         return jax.lax.with_sharding_constraint(x, batch_sharding(mesh, x.ndim))
 
     tokens, mask, source, budget = map(rows, (tokens, mask, source, budget))
-    cache = jax.tree.map(rows, KVCache.empty(model.cfg, *tokens.shape))
+    # The prompts' layers run as one scan where the model scans its layers (one layer's
+    # buffers live at a time, not every layer's: an MoE layer's routed pairs are large); the
+    # prompt-sized cache comes back stacked and is split per layer for the slots.
+    scan = model.cfg.scan_layers
+    cache = KVCache.empty(model.cfg, *tokens.shape, stacked=scan)
+    if not scan:
+        cache = jax.tree.map(rows, cache)
     positions = jnp.maximum(jnp.cumsum(mask, axis=1) - 1, 0)
-    h_btd, cache, chosen = model.extend(cache, tokens, positions, mask, 0, return_routes=True)
+    with traced_on(mesh):
+        h_btd, cache, chosen = model.extend(
+            cache, tokens, positions, mask, 0, scan=scan, return_routes=True
+        )
+    if scan:
+        cache = KVCache(k=tuple(map(rows, cache.k)), v=tuple(map(rows, cache.v)),
+                        valid=cache.valid)  # fmt: skip
     slots = source.shape[0]
     if interruption is None:
         think = jnp.full((slots,), n_new + 1, jnp.int32)  # never reached
@@ -304,6 +322,7 @@ class SlotEngine:
             pad_id=pad_id,
             interruption=interruption,
             prompt_len=prompt_len,
+            mesh=mesh,
         )
         self.interruption = interruption
         # (request, prompt [L], prompt mask [L], completion budget, oldest version allowed),

@@ -193,6 +193,7 @@ class WaveGenerator(_OnGenerator):
             pad_id=self.tok.pad_id,
             interruption=self.interruption,
             prompt_len=tokens.shape[1],
+            mesh=mesh,
         )
         chunk_size = self.cfg.sampler.chunk_size or n_new
         for c in range(num_chunks(n_new, chunk_size)):

@@ -12,7 +12,9 @@ platform it compiled for (the CPU compiler's buffer assignment when run on fake 
 same shapes and shardings as on an accelerator, though fusion and scheduling differ, so treat
 a margin of 10-15% as noise). Under `model.attention: auto` the CPU compiles the blockwise
 attention where a GPU runs cuDNN and a TPU the splash kernel; the report names the program
-it compiled, and only a plan run on the accelerator compiles the accelerator's own.
+it compiled, and only a plan run on the accelerator compiles the accelerator's own. Likewise
+a mixture of experts' grouped matmul (ragged_dot, which the CPU lowers to dense matmuls over
+masked copies) is planned on CPUs by `moe.experts_scan`, the same buffers one tile at a time.
 
 A verdict compares what one device holds at once with the memory pool JAX gets there: on a
 GPU, XLA_PYTHON_CLIENT_MEM_FRACTION of the device (JAX preallocates 0.75 unless it is set;
@@ -44,7 +46,7 @@ import jax
 import numpy as np
 from flax import nnx
 
-from jaxrl_scale import attention, lora, sharding
+from jaxrl_scale import attention, lora, moe, sharding
 from jaxrl_scale.config import ExperimentConfig
 from jaxrl_scale.engine import abstract_slots, lower_admission
 from jaxrl_scale.generation import wave_prompts
@@ -308,7 +310,7 @@ def _interruption(cfg: ExperimentConfig) -> Interruption | None:
     return Interruption(text, i.think_min, i.think_max, i.answer_budget, (1,))
 
 
-def _decode_chunk(cfg, graphdef, params, state, prompt_len: int, temperature: float):
+def _decode_chunk(cfg, graphdef, params, state, mesh, prompt_len: int, temperature: float):
     lowered = decode.lower(
         graphdef,
         params,
@@ -320,6 +322,7 @@ def _decode_chunk(cfg, graphdef, params, state, prompt_len: int, temperature: fl
         pad_id=0,
         interruption=_interruption(cfg),
         prompt_len=prompt_len,
+        mesh=mesh,
     )
     return _breakdown(lowered.compile())
 
@@ -366,7 +369,7 @@ def generate_memory(
     graphdef, params = _abstract_params(cfg, mesh, generation=copy)
     slots = cfg.sampler.slots or cfg.train.prompts_per_step * cfg.train.group_size
     state = abstract_slots(cfg.model, slots, prompt_len, cfg.sampler.max_new_tokens, mesh)
-    out = _decode_chunk(cfg, graphdef, params, state, prompt_len, cfg.sampler.temperature)
+    out = _decode_chunk(cfg, graphdef, params, state, mesh, prompt_len, cfg.sampler.temperature)
     cache = state.cache
     out["kv_cache_bytes"] = sum(_per_device_bytes(x) for x in jax.tree.leaves((cache.k, cache.v)))
     out["decode_state_bytes"] = _state_bytes(state)
@@ -428,7 +431,8 @@ def evaluate_memory(
     prompts = wave_prompts(cfg, k, sharding.batch_ways(mesh), cfg.task.num_eval)
     first = _wave_prefill(cfg, graphdef, params, mesh, prompts, prompt_len, k)
     state = abstract_slots(cfg.model, prompts * k, prompt_len, n_new, mesh)
-    chunk = _decode_chunk(cfg, graphdef, params, state, prompt_len, cfg.train.eval_temperature)
+    temperature = cfg.train.eval_temperature
+    chunk = _decode_chunk(cfg, graphdef, params, state, mesh, prompt_len, temperature)
     params_bytes = _state_bytes(params)
     if cfg.model.lora.enabled:  # its own copy: adapters on the base beside the train state
         params_bytes = _adapter_bytes(params) + _narrowed_bytes(cfg, mesh)
@@ -484,6 +488,11 @@ def plan(
         # The fused kernels do not compile for CPU (splash only interpreted): the blockwise
         # attention, whose memory is linear in T as theirs is, stands in for them.
         cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, attention="blockwise"))
+    experts_note = _experts_program(cfg)
+    if jax.default_backend() == "cpu" and cfg.model.moe_matmul in ("auto", "ragged"):
+        # ragged_dot lowers to masked dense matmuls on CPUs (buffers E times a grouped
+        # matmul's); the tiles run one at a time hold what the accelerator's grouped matmul does.
+        cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, moe_matmul="scan"))
     mesh, gen_mesh = sharding.make_meshes(cfg)
     if cfg.hosts.generator_groups:  # each group's own mesh, planned on devices like theirs
         gen_mesh = _group_mesh(cfg)  # (a generator job decodes in static waves)
@@ -518,6 +527,7 @@ def plan(
         "train_mesh": dict(mesh.shape),
         "generate_mesh": dict(gmesh.shape),
         "attention": attention_note,
+        **({"experts": experts_note} if experts_note else {}),
         **programs(cfg),
     }
     if jax.default_backend() == "cpu" and cfg.model.dtype != "float32":
@@ -579,7 +589,7 @@ def _group_mesh(cfg: ExperimentConfig):
     """A generator group's mesh (`hosts.generator_mesh`, -1: all devices here), on this
     machine's devices: the plan of one group's hosts."""
     m = cfg.hosts.generator_mesh
-    sizes = [m.data, m.fsdp, m.tensor]
+    sizes = [m.data, m.fsdp, m.expert, m.tensor]
     fixed = int(np.prod([x for x in sizes if x != -1]))
     n = fixed * (len(jax.devices()) // fixed) if -1 in sizes else fixed
     if n > len(jax.devices()) or n < 1:
@@ -656,6 +666,23 @@ def _attention_program(cfg: ExperimentConfig, prompt_len: int) -> str:
             "blockwise's is; run the plan on the accelerator to plan its own program"
         )
     return f"auto compiled as {compiled} on {platform}: the program this platform runs"
+
+
+def _experts_program(cfg: ExperimentConfig) -> str | None:
+    """Which expert matmul the plan compiles (None without experts): on CPUs the grouped
+    matmul an accelerator runs (ragged) is planned by its sequential form of the same
+    buffers (`moe.experts_scan`)."""
+    m = cfg.model
+    if not m.num_experts:
+        return None
+    platform = jax.default_backend()
+    if platform == "cpu" and m.moe_matmul in ("auto", "ragged"):
+        return (
+            f"{m.moe_matmul} planned as scan on cpu: the grouped matmul's buffers (a GPU or "
+            "TPU runs ragged_dot, which the CPU lowers to dense matmuls over masked copies)"
+        )
+    compiled = moe.resolve_matmul(m.moe_matmul)
+    return f"{compiled} (model.moe_matmul: {m.moe_matmul}) on {platform}"
 
 
 def _generator_devices(report: dict[str, Any]) -> dict[str, Any]:
@@ -799,6 +826,8 @@ def format_plan(report: dict[str, Any]) -> str:
         f"{report['max_new_tokens']:,})",
         f"attention: {report['attention']}",
     ]
+    if "experts" in report:
+        lines.append(f"experts: {report['experts']}")
     titles = {
         "train_step": ("train step", report["train_mesh"]),
         "generate": ("generate (one decode chunk)", report["generate_mesh"]),

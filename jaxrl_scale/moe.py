@@ -18,6 +18,8 @@ Expert matmuls (`model.moe_matmul`), all exact (no capacity, nothing dropped):
 - "tiled": the sorted pairs padded to whole tiles per expert, each tile one batched matmul
   with its expert's matrices: about K / E of the dense FLOPs on any backend, at the cost of a
   copy of an expert's matrices per tile (fine at CPU shapes; "auto" uses it on CPUs).
+- "scan": the tiles one after another (`lax.scan`), each with its expert's matrices in place:
+  a grouped matmul's buffers, sequential; the planner's CPU stand-in for "ragged".
 - "dense": every token through every expert, the outputs combined with the sparse [N, E]
   weights: E / K times the FLOPs, the reference the others are tested against.
 """
@@ -110,16 +112,11 @@ def experts_ragged(x_nd, weights_nk, experts_nk, gate_edf, up_edf, down_efd, pre
     return _combine(ys, weights_nk, order, token, x_nd.shape[0], x_nd.dtype)
 
 
-def experts_tiled(
-    x_nd, weights_nk, experts_nk, gate_edf, up_edf, down_efd, precision=None, tile: int = 64
-):
-    """Grouped matmuls as batched ones: the (token, expert) pairs sorted by expert, each
-    expert's rows padded to whole tiles of at most `tile` rows, and every tile multiplied by its
-    own expert's matrices (gathered per tile). (N K / tile + E) tiles at most: about K / E of the
-    dense FLOPs, for tile x E extra rows and one copy of an expert's matrices per tile. For
-    CPUs, where ragged_dot costs more than the dense reference (module docstring)."""
+def _tile_layout(experts_nk, e: int, tile: int):
+    """Where every (token, expert) pair goes when each expert's sorted pairs are padded to
+    whole tiles of at most `tile` rows: (tile, tiles, order, token, dest [N K] each pair's
+    row, past the end for pairs held elsewhere, tile_e [tiles] each tile's expert)."""
     n, k = experts_nk.shape
-    e, d = gate_edf.shape[0], x_nd.shape[1]
     # Tiles no taller than an expert's average share (a power of two, 8 at least), so a few
     # decoded tokens do not each fill a whole tile per expert.
     tile = min(tile, max(8, 1 << max(n * k // e - 1, 0).bit_length()))
@@ -130,16 +127,64 @@ def experts_tiled(
     held = sorted_e < e  # pairs of experts held elsewhere get no row (expert parallelism)
     here = jnp.minimum(sorted_e, e - 1)
     rank = jnp.arange(n * k) - (jnp.cumsum(sizes) - sizes)[here]
-    dest = jnp.where(held, starts[here] + rank, tiles * tile)  # each pair's row, if any
-    xs = jnp.zeros((tiles * tile, d), x_nd.dtype).at[dest].set(x_nd[token], mode="drop")
+    dest = jnp.where(held, starts[here] + rank, tiles * tile)
     tile_e = jnp.searchsorted(jnp.cumsum(padded), jnp.arange(tiles) * tile, side="right")
     tile_e = jnp.minimum(tile_e, e - 1)  # tiles past the last expert's hold zeros
-    xt = xs.reshape(tiles, tile, d)
-    gate = jnp.einsum("tcd,tdf->tcf", xt, gate_edf[tile_e], precision=precision)
-    up = jnp.einsum("tcd,tdf->tcf", xt, up_edf[tile_e], precision=precision)
-    ys = jnp.einsum("tcf,tfd->tcd", jax.nn.silu(gate) * up, down_efd[tile_e], precision=precision)
+    return tile, tiles, order, token, dest, tile_e
+
+
+def _tiled_experts(tile_matmuls, x_nd, weights_nk, experts_nk, gate_edf, tile: int):
+    """Pairs laid out in tiles (`_tile_layout`), `tile_matmuls(xt [tiles, tile, D], tile_e)`
+    -> [tiles, tile, D] run on them, and the rows combined back into tokens."""
+    n, d = x_nd.shape
+    tile, tiles, order, token, dest, tile_e = _tile_layout(experts_nk, gate_edf.shape[0], tile)
+    xs = jnp.zeros((tiles * tile, d), x_nd.dtype).at[dest].set(x_nd[token], mode="drop")
+    ys = tile_matmuls(xs.reshape(tiles, tile, d), tile_e)
     ys = ys.reshape(tiles * tile, d).at[dest].get(mode="fill", fill_value=0)
     return _combine(ys, weights_nk, order, token, n, x_nd.dtype)
+
+
+def experts_tiled(
+    x_nd, weights_nk, experts_nk, gate_edf, up_edf, down_efd, precision=None, tile: int = 64
+):
+    """Grouped matmuls as batched ones: the (token, expert) pairs sorted by expert, each
+    expert's rows padded to whole tiles of at most `tile` rows, and every tile multiplied by its
+    own expert's matrices (gathered per tile). (N K / tile + E) tiles at most: about K / E of the
+    dense FLOPs, for tile x E extra rows and one copy of an expert's matrices per tile. For
+    CPUs, where ragged_dot costs more than the dense reference (module docstring)."""
+
+    def tile_matmuls(xt, tile_e):
+        gate = jnp.einsum("tcd,tdf->tcf", xt, gate_edf[tile_e], precision=precision)
+        up = jnp.einsum("tcd,tdf->tcf", xt, up_edf[tile_e], precision=precision)
+        h = jax.nn.silu(gate) * up
+        return jnp.einsum("tcf,tfd->tcd", h, down_efd[tile_e], precision=precision)
+
+    return _tiled_experts(tile_matmuls, x_nd, weights_nk, experts_nk, gate_edf, tile)
+
+
+def experts_scan(
+    x_nd, weights_nk, experts_nk, gate_edf, up_edf, down_efd, precision=None, tile: int = 64
+):
+    """The tiles of `experts_tiled` one at a time (`lax.scan`), each multiplied by its expert's
+    matrices indexed in place: the FLOPs of the tiled form and the buffers of a grouped matmul
+    (the sorted pairs' rows and hidden units, never a copy of the experts' weights per tile).
+    Sequential, so slow where ragged_dot runs; what `jaxrl-scale memory` compiles on CPUs to
+    plan the ragged grouped matmul an accelerator runs (whose CPU lowering is dense)."""
+
+    def one_tile(_, tile_in):
+        x_cd, e = tile_in
+        gate = jnp.dot(x_cd, gate_edf[e], precision=precision)
+        up = jnp.dot(x_cd, up_edf[e], precision=precision)
+        return None, jnp.dot(jax.nn.silu(gate) * up, down_efd[e], precision=precision)
+
+    # Saved for the backward pass: the matmuls' outputs (the pairs' hidden units), not the
+    # expert matrices indexed per tile, which would stack into a copy per tile again.
+    one_tile = jax.checkpoint(one_tile, policy=jax.checkpoint_policies.dots_saveable)
+
+    def tile_matmuls(xt, tile_e):
+        return jax.lax.scan(one_tile, None, (xt, tile_e))[1]
+
+    return _tiled_experts(tile_matmuls, x_nd, weights_nk, experts_nk, gate_edf, tile)
 
 
 def resolve_matmul(name: str) -> str:
@@ -149,7 +194,12 @@ def resolve_matmul(name: str) -> str:
     return "tiled" if jax.default_backend() == "cpu" else "ragged"
 
 
-MATMULS = {"ragged": experts_ragged, "tiled": experts_tiled, "dense": experts_dense}
+MATMULS = {
+    "ragged": experts_ragged,
+    "tiled": experts_tiled,
+    "scan": experts_scan,
+    "dense": experts_dense,
+}
 
 
 class MoE(nnx.Module):

@@ -26,7 +26,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxrl_scale.config import ConfigError, SamplerConfig, check_sampling, check_thinking_budget
 from jaxrl_scale.model import KVCache, Policy, no_routes
-from jaxrl_scale.sharding import LOGICAL_RULES, state_shardings
+from jaxrl_scale.sharding import LOGICAL_RULES, state_shardings, traced_on
 
 FINISH_REASONS = ("eos", "length", "interrupted")
 EOS, LENGTH, INTERRUPTED = range(3)
@@ -207,13 +207,26 @@ def prefill(
     model = nnx.merge(graphdef, params)
     p, length = prompt_tokens.shape
     b = p * repeat
-    cache = KVCache.empty(model.cfg, p, length + n_new)
-    if repeat == 1:  # the rows are the batch: split them over the mesh from the start
-        cache = jax.tree.map(lambda x: _constrain_batch(x, mesh, 0), cache)
+    # Where the model scans its layers the prompts run as one scan (one layer's buffers live
+    # at a time) into a prompt-sized stacked cache, then each layer's keys and values are
+    # widened by the completion's columns; else layer by layer into the full cache.
+    scan = model.cfg.scan_layers
+    cache = KVCache.empty(model.cfg, p, length if scan else length + n_new, stacked=scan)
+    split = (lambda x: _constrain_batch(x, mesh, 0)) if repeat == 1 else (lambda x: x)
+    if not scan:  # the rows are the batch (repeat 1): split them over the mesh from the start
+        cache = jax.tree.map(split, cache)
     positions = jnp.maximum(jnp.cumsum(prompt_mask, axis=1) - 1, 0)
-    h_btd, cache, chosen = model.extend(
-        cache, prompt_tokens, positions, prompt_mask, 0, return_routes=True
-    )
+    with traced_on(mesh):
+        h_btd, cache, chosen = model.extend(
+            cache, prompt_tokens, positions, prompt_mask, 0, scan=scan, return_routes=True
+        )
+    if scan:
+        widen = lambda x: split(jnp.pad(x, ((0, 0), (0, 0), (0, n_new), (0, 0))))  # noqa: E731
+        cache = KVCache(
+            k=tuple(widen(x) for x in cache.k),
+            v=tuple(widen(x) for x in cache.v),
+            valid=split(jnp.pad(cache.valid, ((0, 0), (0, n_new)))),
+        )
     routes = prompt_routes(model.cfg, chosen, n_new)
     if repeat > 1:
         cache, h_btd, prompt_mask, routes = jax.tree.map(
@@ -354,7 +367,15 @@ def _decode_step(
 
 @functools.partial(
     jax.jit,
-    static_argnames=("graphdef", "sampling", "eos_ids", "pad_id", "interruption", "prompt_len"),
+    static_argnames=(
+        "graphdef",
+        "sampling",
+        "eos_ids",
+        "pad_id",
+        "interruption",
+        "prompt_len",
+        "mesh",
+    ),
     donate_argnames=("state",),
 )
 def decode(
@@ -369,9 +390,11 @@ def decode(
     pad_id,
     interruption,
     prompt_len,
+    mesh=None,
 ):
     """Up to `max_steps` decode steps (a chunk), stopping early when every row is done (a
-    static batch also stops at its last column; a slot engine's rows each stop at their own)."""
+    static batch also stops at its last column; a slot engine's rows each stop at their own).
+    `mesh`: the one the state and parameters live on (traced on it: `sharding.traced_on`)."""
     model = nnx.merge(graphdef, params)
     step_fn = functools.partial(
         _decode_step,
@@ -389,7 +412,8 @@ def decode(
     def cond(s):
         return (s.step < limit) & ~jnp.all(s.done)
 
-    return jax.lax.while_loop(cond, lambda s: step_fn(s, version), state)
+    with traced_on(mesh):
+        return jax.lax.while_loop(cond, lambda s: step_fn(s, version), state)
 
 
 def to_rollout(prompt_tokens, prompt_mask, state: DecodeState) -> Rollout:
@@ -487,6 +511,7 @@ def generate(
         pad_id=pad_id,
         interruption=interruption,
         prompt_len=tokens.shape[1],
+        mesh=mesh,
     )
     for _ in range(num_chunks(max_new_tokens, chunk_size)):
         state = decode(graphdef, params, state, version, chunk, **static)

@@ -8,6 +8,7 @@ the batch's layouts and the checks that batches split evenly over them are here 
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Callable, Sequence
 
@@ -25,7 +26,12 @@ LOGICAL_RULES: dict[str, str | tuple[str, ...] | None] = {
     # (moe.py gathers its rows to the experts it holds and scatters the outputs back).
     "batch": ("data", "fsdp", "expert"),
     "vocab": "tensor",
-    "embed": "fsdp",
+    # On an FSDP mesh (fsdp > 1) an expert shard is one more FSDP shard outside the experts'
+    # matrices, so attention, embeddings and their optimizer moments split over every device
+    # of an fsdp x expert mesh; on a mesh without FSDP (a generator's) they stay whole, and a
+    # decode step gathers none (`variable_sharding`; an expert kernel's own "expert" axis
+    # takes that mesh axis first).
+    "embed": ("fsdp", "expert"),
     "heads": "tensor",
     "kv_heads": "tensor",
     "head_dim": None,
@@ -72,12 +78,21 @@ def variable_sharding(variable: nnx.Variable, mesh: Mesh) -> NamedSharding:
         return replicated(mesh)
     spec = logical_to_spec(axes)
     shape = variable.get_value().shape
-    # An axis that does not divide evenly (e.g. 2 kv-heads over tensor=4) stays replicated.
-    fixed = []
+    fixed, used = [], set()
     for dim, names in zip(shape, spec, strict=True):
         names_t = (names,) if isinstance(names, str) else (names or ())
-        size = math.prod(mesh.shape[n] for n in names_t)
-        fixed.append(names if dim % size == 0 else None)
+        # A mesh axis splits one dimension at most (an earlier one keeps it), a size-1 axis
+        # beside others adds nothing, and trailing axes that do not divide the dimension
+        # evenly are let go (e.g. 2 kv-heads over tensor=4 stay whole).
+        names_t = [n for n in names_t if n not in used]
+        if "fsdp" in names_t and mesh.shape["fsdp"] == 1:
+            names_t = [n for n in names_t if n != "expert"]
+        if len(names_t) > 1:
+            names_t = [n for n in names_t if mesh.shape[n] > 1] or names_t[:1]
+        while names_t and dim % math.prod(mesh.shape[n] for n in names_t):
+            names_t.pop()
+        used.update(names_t)
+        fixed.append(None if not names_t else names_t[0] if len(names_t) == 1 else tuple(names_t))
     return NamedSharding(mesh, PartitionSpec(*fixed))
 
 
@@ -106,6 +121,15 @@ def shard_module(module: nnx.Module, mesh: Mesh) -> nnx.Module:
     """Move an existing module's variables onto `mesh` according to their logical axes."""
     graphdef, state = nnx.split(module)
     return nnx.merge(graphdef, jax.device_put(state, state_shardings(state, mesh)))
+
+
+def traced_on(mesh: Mesh | None):
+    """The context a program's body is traced in so that model code sees `mesh`'s axes
+    (activations' rows pinned to the batch axes, each MoE layer run per shard with its
+    experts where they live): the abstract mesh, or nothing without one."""
+    if mesh is None:
+        return contextlib.nullcontext()
+    return jax.sharding.use_abstract_mesh(mesh.abstract_mesh)
 
 
 def constrain_rows(x):
@@ -169,7 +193,9 @@ def train_state_shardings(state, mesh: Mesh):
 
 def make_meshes(cfg: ExperimentConfig) -> tuple[Mesh, Mesh | None]:
     """(trainer mesh, generator mesh or None): `pipeline.generator_devices` takes the last
-    devices for generation (batch-parallel, with the trainer's tensor axis) and leaves the rest,
+    devices for generation (batch-parallel, with the trainer's tensor axis; a mixture of
+    experts' generator also splits its experts over every batch shard, the rest whole) and
+    leaves the rest,
     shaped by `mesh`, to the trainer. Across processes every process gives its last
     generator_devices / processes devices, so each holds devices of both meshes."""
     g = cfg.pipeline.generator_devices
@@ -199,7 +225,11 @@ def make_meshes(cfg: ExperimentConfig) -> tuple[Mesh, Mesh | None]:
     take = g // n
     gen = [d for p in sorted(per_process) for d in per_process[p][-take:]]
     train = [d for p in sorted(per_process) for d in per_process[p][:-take]]
-    gen_mesh = make_mesh(MeshConfig(data=g // tensor, fsdp=1, tensor=tensor), gen)
+    ways = g // tensor
+    # A mixture of experts' generator splits its experts over all its batch shards where they
+    # divide (each device holds E / ways experts and every other weight whole), else none.
+    expert = ways if cfg.model.num_experts and cfg.model.num_experts % ways == 0 else 1
+    gen_mesh = make_mesh(MeshConfig(data=ways // expert, fsdp=1, expert=expert, tensor=tensor), gen)
     return make_mesh(cfg.mesh, train), gen_mesh
 
 

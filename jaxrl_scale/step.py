@@ -26,7 +26,7 @@ from jaxrl_scale.losses import (
 from jaxrl_scale.model import completion_logprobs, route_shapes, token_logprobs
 from jaxrl_scale.moe import rerouted
 from jaxrl_scale.packing import PackedBatch, packed_logprobs
-from jaxrl_scale.sharding import LOGICAL_RULES, replicated
+from jaxrl_scale.sharding import LOGICAL_RULES, replicated, traced_on
 
 
 @jax.tree_util.register_dataclass
@@ -358,9 +358,7 @@ def compile_train_step(
     mesh = jax.tree.leaves(batch_sharding)[0].mesh
 
     def step_on_mesh(state, batch, *frozen):
-        with jax.sharding.use_abstract_mesh(
-            mesh.abstract_mesh
-        ):  # activations' rows pinned to the batch axes (constrain_rows)
+        with traced_on(mesh):
             return step(state, batch, *frozen, mesh=mesh)
 
     in_shardings = (state_sharding, batch_sharding)

@@ -296,6 +296,33 @@ def test_greedy_decoding_on_a_mesh_equals_static_with_groups_cut_by_shards(qwen2
         np.testing.assert_allclose(f.logp, np.asarray(static.behavior_logp[f.request]), atol=1e-5)
 
 
+def test_scanned_layers_prefill_and_admit_what_layer_by_layer_does(qwen2):
+    """model.scan_layers: the static prefill and the slot engine's admission run the prompt
+    through one scan of the layers (a stacked prompt-sized cache, widened per layer after);
+    the tokens and log-probs equal the layer-by-layer model's, on one device and on a mesh."""
+    from jaxrl_scale.config import MeshConfig
+    from jaxrl_scale.sharding import make_mesh, shard_module
+
+    scanned = load_pretrained(HF_FIXTURES / "qwen2", scan_layers=True)[0]
+    eos = _eos_ids(qwen2)
+    want = generate(qwen2, PROMPTS, max_new_tokens=N_NEW, temperature=0.0, eos_ids=eos)
+    got = generate(scanned, PROMPTS, max_new_tokens=N_NEW, temperature=0.0, eos_ids=eos)
+    np.testing.assert_array_equal(np.asarray(got.completion_tokens), want.completion_tokens)
+    np.testing.assert_allclose(np.asarray(got.behavior_logp), want.behavior_logp, atol=1e-5)
+    mesh = make_mesh(MeshConfig(data=8, fsdp=1, tensor=1))
+    graphdef, _ = nnx.split(scanned)
+    engine = SlotEngine(graphdef, slots=8, prompt_len=16, n_new=N_NEW, repeat=2,
+                        sampling=Sampling(0.0), eos_ids=eos, pad_id=0, model_cfg=scanned.cfg,
+                        key=jax.random.key(1), mesh=mesh)  # fmt: skip
+    for i, p in enumerate(PROMPTS):
+        engine.submit(i, p)
+    done = _drain(engine, nnx.state(shard_module(scanned, mesh)), steps=4)
+    assert len(done) == 2 * len(PROMPTS)
+    for f in done:
+        np.testing.assert_array_equal(f.tokens, np.asarray(want.completion_tokens[f.request]))
+        np.testing.assert_allclose(f.logp, np.asarray(want.behavior_logp[f.request]), atol=1e-5)
+
+
 def test_slots_that_do_not_split_over_the_mesh_are_refused(qwen2):
     from jaxrl_scale.config import MeshConfig
     from jaxrl_scale.sharding import make_mesh

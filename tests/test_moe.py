@@ -3,6 +3,7 @@ expert matmuls against the all-experts reference and a per-token loop, Hugging F
 both, config checks, and an RL run of an MoE policy."""
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -13,7 +14,7 @@ from safetensors.numpy import load_file
 
 from jaxrl_scale.config import ConfigError, ModelConfig
 from jaxrl_scale.hf import load_pretrained
-from jaxrl_scale.moe import experts_dense, experts_ragged, experts_tiled, route
+from jaxrl_scale.moe import experts_dense, experts_ragged, experts_scan, experts_tiled, route
 
 N, D, E, K, F = 13, 8, 6, 2, 5
 
@@ -83,11 +84,12 @@ def test_grouped_and_dense_experts_equal_a_per_token_loop_with_their_gradients()
     weights, experts = route(jnp.asarray(logits), K, normalize=True)
     want = _np_experts(x, np.asarray(weights), np.asarray(experts), *kernels)
     args = (jnp.asarray(x), weights, experts, *map(jnp.asarray, kernels))
-    for fn in (experts_dense, experts_ragged, experts_tiled):
+    for fn in (experts_dense, experts_ragged, experts_tiled, experts_scan):
         np.testing.assert_allclose(np.asarray(fn(*args)), want, rtol=1e-4, atol=1e-5)
     # Tiles of 4 rows: experts' groups span several tiles, and some tiles are padding.
-    tiny = experts_tiled(*args, tile=4)
-    np.testing.assert_allclose(np.asarray(tiny), want, rtol=1e-4, atol=1e-5)
+    for fn in (experts_tiled, experts_scan):
+        tiny = fn(*args, tile=4)
+        np.testing.assert_allclose(np.asarray(tiny), want, rtol=1e-4, atol=1e-5)
     # Gradients (inputs, routing weights, every expert's matrices) agree too.
     probe = jnp.asarray(np.random.default_rng(2).normal(size=(N, D)), jnp.float32)
 
@@ -97,14 +99,14 @@ def test_grouped_and_dense_experts_equal_a_per_token_loop_with_their_gradients()
     diff = (0, 1, 2, 3, 4)
     flat = (args[0], args[1], *args[3:])
     dense = jax.grad(loss(experts_dense), argnums=diff)(*flat)
-    for fn in (experts_ragged, experts_tiled):
+    for fn in (experts_ragged, experts_tiled, functools.partial(experts_scan, tile=4)):
         grouped = jax.grad(loss(fn), argnums=diff)(*flat)
         for a, b in zip(dense, grouped, strict=True):
             assert float(jnp.abs(a).max()) > 0
             np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-4, atol=1e-5)
 
 
-@pytest.mark.parametrize("matmul", ["dense", "ragged", "tiled"])
+@pytest.mark.parametrize("matmul", ["dense", "ragged", "tiled", "scan"])
 def test_qwen3_moe_logits_match_transformers_reference(matmul):
     model, _ = load_pretrained(HF_FIXTURES / "qwen3_moe", moe_matmul=matmul)
     cfg = model.cfg
@@ -147,8 +149,10 @@ def test_an_moe_policy_trains_with_rl(tmp_path, replay):
     moe = ["model.architecture=qwen3_moe", "model.qk_norm=true", "model.num_experts=4"]
     moe += ["model.num_experts_per_tok=2", "model.moe_intermediate_size=16"]
     moe += ["model.mlp_only_layers=[0]", "model.num_layers=2", "train.steps=2"]
-    if replay:  # the experts ride from the slot engine through the packed batch
-        moe += ["model.router_replay=true", "train.packing=true"]
+    if replay:  # the experts ride from the slot engine on expert-parallel generator devices
+        # through the packed batch to an fsdp x expert trainer
+        moe += ["model.router_replay=true", "train.packing=true", "pipeline.generator_devices=4"]
+        moe += ["mesh.data=1", "mesh.fsdp=2", "mesh.expert=2"]
     rows = train(load_config(TINY_CONFIG, [*FAST, *moe]), tmp_path)
     assert [r["step"] for r in rows] == [0, 1, 2]  # the slot engine decoded, the step trained
     assert all(np.isfinite(r["loss"]) and r["gen_tokens"] > 0 for r in rows[1:])
@@ -367,11 +371,11 @@ def test_the_slot_engine_records_the_same_experts_as_static_decoding():
         np.testing.assert_array_equal(f.routes[real[f.request]], want)
 
 
-@pytest.mark.parametrize("matmul", ["tiled", "ragged"])
+@pytest.mark.parametrize("matmul", ["tiled", "ragged", "scan"])
 def test_expert_parallel_layers_equal_one_device_with_each_shard_holding_its_experts(matmul):
     """An `expert` mesh axis: each shard holds E / 4 experts' matrices (never gathered), the
     rows come to them and go back inside the compiled step, and loss and gradients equal one
-    device's; with fsdp and tensor beside it too."""
+    device's; with fsdp and tensor beside it too (and then a share of the other weights)."""
     from flax import nnx
 
     from jaxrl_scale import sharding
@@ -399,6 +403,12 @@ def test_expert_parallel_layers_equal_one_device_with_each_shard_holding_its_exp
         placed = (jax.device_put(state, layout), jax.device_put(tokens, rows))
         gate = placed[0]["layers"][0]["mlp"]["gate_kernel"].get_value()
         assert gate.addressable_shards[0].data.shape[0] == 8 // shape["expert"]
+        # Outside the experts, on an FSDP mesh an expert shard is one more FSDP shard:
+        # attention's matrices split their model dimension over fsdp x expert (else whole).
+        q = placed[0]["layers"][0]["attn"]["q_kernel"].get_value()
+        fsdp = shape.get("fsdp", 1)
+        split = fsdp * shape["expert"] if fsdp > 1 else 1
+        assert q.addressable_shards[0].data.shape[0] == cfg.hidden_size // split
         if shape["expert"] == 4:  # the experts' matrices are never gathered whole
             hlo = run.lower(*placed).compile().as_text()
             gathered = [ln for ln in hlo.splitlines() if "all-gather" in ln and "[8,16,8]" in ln]
@@ -407,3 +417,37 @@ def test_expert_parallel_layers_equal_one_device_with_each_shard_holding_its_exp
         np.testing.assert_allclose(float(got), float(want), rtol=1e-6)
         for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(want_grads), strict=True):
             np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-5)
+
+
+def test_expert_parallel_generation_decodes_what_one_device_does_without_gathering_experts():
+    """The sampler's programs trace on the generator's mesh (sharding.traced_on): each expert
+    shard decodes with its own experts (no kernel gathered whole, as an MoE layer traced
+    without the mesh would) and the tokens, log-probs and routes equal one device's."""
+    from flax import nnx
+
+    from jaxrl_scale import sharding
+    from jaxrl_scale.config import MeshConfig
+    from jaxrl_scale.model import init_policy
+    from jaxrl_scale.sampler import Sampling, decode, generate, pad_prompts, prefill
+
+    cfg = _tiny_moe(num_experts=8, moe_matmul="scan", router_replay=True)
+    model = init_policy(cfg, seed=2)
+    prompts = [[3, 4, 5], [6, 7], [8], [9, 10, 11, 12]] * 2
+    kw = dict(max_new_tokens=5, temperature=1.0, key=jax.random.key(1))
+    want = generate(model, prompts, **kw)
+    mesh = sharding.make_mesh(MeshConfig(data=2, fsdp=1, expert=4, tensor=1))
+    got = generate(model, prompts, mesh=mesh, **kw)
+    for name in ("completion_tokens", "behavior_logp", "routes"):
+        a, b = np.asarray(getattr(got, name)), np.asarray(getattr(want, name))
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5, err_msg=name)
+    graphdef, params = nnx.split(model)
+    params = jax.device_put(params, sharding.state_shardings(params, mesh))
+    tokens, mask = jax.device_put(pad_prompts(prompts, 0), sharding.batch_sharding(mesh))
+    state = prefill(graphdef, params, tokens, mask, jax.random.key(0), n_new=5,
+                    interruption=None, mesh=mesh)  # fmt: skip
+    hlo = decode.lower(
+        graphdef, params, state, 0, 5, sampling=Sampling(1.0, 1.0, 0), eos_ids=(), pad_id=0,
+        interruption=None, prompt_len=tokens.shape[1], mesh=mesh,
+    ).compile().as_text()  # fmt: skip
+    whole = [ln for ln in hlo.splitlines() if "all-gather" in ln and "[8,16,8]" in ln]
+    assert not whole, whole[:2]

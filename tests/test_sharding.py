@@ -55,6 +55,36 @@ def test_axis_that_does_not_divide_stays_replicated(tiny_model_config):
     assert model.layers[0].attn.q_kernel[...].sharding.spec == P("fsdp", "tensor", None)
 
 
+def test_an_expert_axis_splits_other_weights_on_fsdp_meshes_only():
+    """Trainer (fsdp x expert): an expert shard is one more FSDP shard outside the experts.
+    Generator devices (no fsdp): the experts split over all of them, the rest whole."""
+    from conftest import TINY_CONFIG
+
+    from jaxrl_scale.config import load_config
+
+    moe = ["model.architecture=qwen3_moe", "model.num_experts=4", "model.num_experts_per_tok=2"]
+    moe += ["model.moe_intermediate_size=16", "mesh.data=1", "mesh.fsdp=2", "mesh.expert=2"]
+    cfg = load_config(TINY_CONFIG, [*moe, "pipeline.generator_devices=4"])
+    mesh, gen_mesh = sharding.make_meshes(cfg)
+    assert dict(mesh.shape) == {"data": 1, "fsdp": 2, "expert": 2, "tensor": 1}
+    assert dict(gen_mesh.shape) == {"data": 1, "fsdp": 1, "expert": 4, "tensor": 1}
+    state = nnx.state(nnx.eval_shape(lambda: Policy(cfg.model, rngs=nnx.Rngs(0))))
+
+    def spec(mesh, layer_path):
+        node = state["layers"][0]
+        for key in layer_path:
+            node = node[key]
+        return sharding.variable_sharding(node, mesh).spec
+
+    assert spec(mesh, ["attn", "q_kernel"]) == P(("fsdp", "expert"), "tensor", None)
+    assert spec(mesh, ["mlp", "gate_kernel"]) == P("expert", "fsdp", "tensor")
+    assert spec(gen_mesh, ["attn", "q_kernel"]) == P("fsdp", "tensor", None)  # all size 1
+    assert spec(gen_mesh, ["mlp", "gate_kernel"]) == P("expert", "fsdp", "tensor")
+    # Experts that do not divide over the generator's devices stay whole there.
+    three = load_config(TINY_CONFIG, [*moe, "pipeline.generator_devices=3"])
+    assert dict(sharding.make_meshes(three)[1].shape)["expert"] == 1
+
+
 @pytest.mark.parametrize("arch", ["qwen2", "llama"])
 def test_sharded_forward_and_logprobs_match_single_device(arch):
     mesh = sharding.make_mesh(MESH_222)
