@@ -431,3 +431,20 @@ def test_a_packed_plan_compiles_the_packed_step_and_its_token_budget_sets_the_ac
     out = capsys.readouterr().out
     assert "packed (train.packing): 32 rows of 144" in out
     assert "train.tokens_per_micro_batch" in out
+
+
+def test_an_moe_plan_compiles_the_grouped_matmuls_buffers_on_cpu():
+    """On CPUs ragged_dot lowers to dense matmuls over masked copies and the tiled form copies
+    an expert's matrices per tile: the plan compiles `moe.experts_scan` instead (a grouped
+    matmul's buffers) and says so; its train step holds less than the tiled form's and the
+    all-experts reference's."""
+    moe = ["model.architecture=qwen3_moe", "model.num_experts=16", "model.num_experts_per_tok=2"]
+    moe += ["model.moe_intermediate_size=64", "mesh.data=2", "mesh.expert=4", *LONG]
+    report = plan(load_config(TINY, moe))
+    assert report["experts"].startswith("auto planned as scan on cpu")
+    planned = report["train_step"]["temporaries_bytes"]
+    for matmul in ("tiled", "dense"):  # ("ragged" is what the plan stands in for)
+        cfg = load_config(TINY, [*moe, f"model.moe_matmul={matmul}"])
+        mesh, _ = sharding.make_meshes(cfg)
+        other = train_step_memory(cfg, mesh, report["prompt_len"])
+        assert other["temporaries_bytes"] > planned
