@@ -162,13 +162,20 @@ def _wait_for(predicate, timeout, what):
     pytest.fail(f"timed out after {timeout} s waiting for {what}")
 
 
-def _finish(p, timeout, log):
+def _finish(p, timeout, log, *others):
+    """Wait for `p` to exit 0; on failure show its log's tail and the tails of `others` (the
+    logs of the processes beside it)."""
+
+    def tails():
+        shown = [f"--- {x.name}:\n{x.read_text()[-3000:]}" for x in (log, *others) if x.exists()]
+        return "\n".join(shown)
+
     try:
         p.wait(timeout=timeout)
     except subprocess.TimeoutExpired:
         p.kill()
-        pytest.fail(f"did not finish in {timeout} s:\n{log.read_text()[-3000:]}")
-    assert p.returncode == 0, log.read_text()[-3000:]
+        pytest.fail(f"did not finish in {timeout} s:\n{tails()}")
+    assert p.returncode == 0, tails()
 
 
 def test_two_trainers_two_generator_groups_k4_one_group_killed_and_restarted(tmp_path, processes):
@@ -260,7 +267,7 @@ def test_the_trainer_killed_resumes_and_its_generator_rejoins(tmp_path, processe
     assert killed_at < 16
     second_log = tmp_path / "trainer2.log"
     second = processes.start(_env("trainer"), args, second_log)
-    _finish(second, 300, second_log)
+    _finish(second, 300, second_log, gen_log, first_log)
     rows = read_metrics(out)
     assert rows[-1]["step"] == 16
     assert [r["step"] for r in rows] == sorted({r["step"] for r in rows})  # no step twice
