@@ -325,8 +325,7 @@ class SlotEngine:
             mesh=mesh,
         )
         self.interruption = interruption
-        # (request, prompt [L], prompt mask [L], completion budget, oldest version allowed),
-        # in submission order.
+        # (request, prompt [L], mask [L], budget, oldest version allowed), as submitted.
         self.waiting: collections.deque[tuple] = collections.deque()
         # Host bookkeeping of each slot: (request id, row) or None when free; each request's
         # [prompt, prompt mask, rows not yet handed back] until its last row is.
