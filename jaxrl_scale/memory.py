@@ -488,11 +488,8 @@ def plan(
         # The fused kernels do not compile for CPU (splash only interpreted): the blockwise
         # attention, whose memory is linear in T as theirs is, stands in for them.
         cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, attention="blockwise"))
-    experts_note = _experts_program(cfg)
-    if jax.default_backend() == "cpu" and cfg.model.moe_matmul in ("auto", "ragged"):
-        # ragged_dot lowers to masked dense matmuls on CPUs (buffers E times a grouped
-        # matmul's); the tiles run one at a time hold what the accelerator's grouped matmul does.
-        cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, moe_matmul="scan"))
+    planned, experts_note = _experts_program(cfg)
+    cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, moe_matmul=planned))
     mesh, gen_mesh = sharding.make_meshes(cfg)
     if cfg.hosts.generator_groups:  # each group's own mesh, planned on devices like theirs
         gen_mesh = _group_mesh(cfg)  # (a generator job decodes in static waves)
@@ -668,21 +665,22 @@ def _attention_program(cfg: ExperimentConfig, prompt_len: int) -> str:
     return f"auto compiled as {compiled} on {platform}: the program this platform runs"
 
 
-def _experts_program(cfg: ExperimentConfig) -> str | None:
-    """Which expert matmul the plan compiles (None without experts): on CPUs the grouped
-    matmul an accelerator runs (ragged) is planned by its sequential form of the same
-    buffers (`moe.experts_scan`)."""
+def _experts_program(cfg: ExperimentConfig) -> tuple[str, str | None]:
+    """(the `model.moe_matmul` the plan compiles, what the report says of it: None without
+    experts). On CPUs the grouped matmul an accelerator runs (ragged) is planned by its
+    sequential form of the same buffers (`moe.experts_scan`): ragged_dot lowers there to
+    dense matmuls over masked copies, E times a grouped matmul's buffers."""
     m = cfg.model
-    if not m.num_experts:
-        return None
     platform = jax.default_backend()
     if platform == "cpu" and m.moe_matmul in ("auto", "ragged"):
-        return (
+        note = (
             f"{m.moe_matmul} planned as scan on cpu: the grouped matmul's buffers (a GPU or "
             "TPU runs ragged_dot, which the CPU lowers to dense matmuls over masked copies)"
         )
+        return "scan", note if m.num_experts else None
     compiled = moe.resolve_matmul(m.moe_matmul)
-    return f"{compiled} (model.moe_matmul: {m.moe_matmul}) on {platform}"
+    note = f"{compiled} (model.moe_matmul: {m.moe_matmul}) on {platform}"
+    return m.moe_matmul, note if m.num_experts else None
 
 
 def _generator_devices(report: dict[str, Any]) -> dict[str, Any]:
