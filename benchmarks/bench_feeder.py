@@ -21,7 +21,7 @@ import time
 import jax
 import numpy as np
 
-from jaxrl_scale.pipeline import ParamsSource, PipelineFeeder
+from jaxrl_scale.rl.pipeline import ParamsSource, PipelineFeeder
 
 
 class _Batch:

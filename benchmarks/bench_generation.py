@@ -29,9 +29,9 @@ import numpy as np
 from flax import nnx
 
 from jaxrl_scale.config import ModelConfig
-from jaxrl_scale.engine import SlotEngine
-from jaxrl_scale.model import init_policy
-from jaxrl_scale.sampler import Sampling, decode, prefill
+from jaxrl_scale.generation.engine import SlotEngine
+from jaxrl_scale.generation.sampler import Sampling, decode, prefill
+from jaxrl_scale.models.policy import init_policy
 
 CFG = ModelConfig(vocab_size=2048, hidden_size=128, intermediate_size=384, num_layers=2,
                   num_heads=4, num_kv_heads=2)  # fmt: skip

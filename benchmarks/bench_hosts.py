@@ -51,10 +51,10 @@ def serve(args) -> None:
     import jax
     from flax import nnx
 
-    from jaxrl_scale import sharding
     from jaxrl_scale.config import MeshConfig
-    from jaxrl_scale.model import Policy
-    from jaxrl_scale.weights import WeightServer
+    from jaxrl_scale.hosts.weights import WeightServer
+    from jaxrl_scale.models.policy import Policy
+    from jaxrl_scale.parallel import sharding
 
     cfg = _model_cfg(args)
     mesh = sharding.make_mesh(MeshConfig(data=1, fsdp=2, tensor=1), jax.devices()[:2])
@@ -70,10 +70,10 @@ def sync(args) -> None:
     import jax
     from flax import nnx
 
-    from jaxrl_scale import sharding
     from jaxrl_scale.config import MeshConfig
-    from jaxrl_scale.model import Policy, for_generation
-    from jaxrl_scale.weights import WeightClient
+    from jaxrl_scale.hosts.weights import WeightClient
+    from jaxrl_scale.models.policy import Policy, for_generation
+    from jaxrl_scale.parallel import sharding
 
     cfg = _model_cfg(args)
     with tempfile.TemporaryDirectory() as tmp:

@@ -18,8 +18,8 @@ import time
 from pathlib import Path
 
 from jaxrl_scale.config import load_config
+from jaxrl_scale.rl.warm_start import warm_start
 from jaxrl_scale.train import setup, train_run
-from jaxrl_scale.warm_start import warm_start
 
 CONFIG = Path(__file__).resolve().parent.parent / "configs" / "tiny_arithmetic.yaml"
 

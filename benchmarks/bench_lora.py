@@ -34,12 +34,12 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxrl_scale import sharding
 from jaxrl_scale.config import MeshConfig, ModelConfig, load_config
-from jaxrl_scale.lora import merge_params, split_policy, state_bytes
-from jaxrl_scale.model import Policy, for_generation
-from jaxrl_scale.step import Batch, compile_train_step, init_train_state, make_optimizer
-from jaxrl_scale.weights import WeightClient, WeightServer
+from jaxrl_scale.hosts.weights import WeightClient, WeightServer
+from jaxrl_scale.models.lora import merge_params, split_policy, state_bytes
+from jaxrl_scale.models.policy import Policy, for_generation
+from jaxrl_scale.parallel import sharding
+from jaxrl_scale.rl.step import Batch, compile_train_step, init_train_state, make_optimizer
 
 ROOT = Path(__file__).resolve().parent.parent
 SHAPES = {

@@ -15,8 +15,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxrl_scale.advantages import group_advantages
-from jaxrl_scale.losses import KINDS, policy_loss
+from jaxrl_scale.rl.advantages import group_advantages
+from jaxrl_scale.rl.losses import KINDS, policy_loss
 
 
 def main() -> None:

@@ -40,9 +40,9 @@ PROMPT = 256
 
 
 def memory_curve(config: str, lengths=LENGTHS) -> dict[int, dict]:
-    from jaxrl_scale import sharding
     from jaxrl_scale.config import load_config
     from jaxrl_scale.memory import train_step_memory
+    from jaxrl_scale.parallel import sharding
 
     out = {}
     for t in lengths:
@@ -79,10 +79,11 @@ def admission_curve(config: str, devices=(4, 8, 16), prompt_len: int = 1024) -> 
 
     from flax import nnx
 
-    from jaxrl_scale import engine, sharding
     from jaxrl_scale.config import MeshConfig, load_config
     from jaxrl_scale.memory import _interruption
-    from jaxrl_scale.model import Policy, for_generation
+    from jaxrl_scale.models.policy import Policy, for_generation
+    from jaxrl_scale.parallel import sharding
+    from jaxrl_scale.rl.generator import engine
 
     base = load_config(config)
     out = {}
@@ -115,8 +116,8 @@ def tiny_step_seconds(repeats: int = 40) -> float:
     from flax import nnx
 
     from jaxrl_scale.config import LossConfig, load_config
-    from jaxrl_scale.model import Policy
-    from jaxrl_scale.step import Batch, compile_train_step, init_train_state, make_optimizer
+    from jaxrl_scale.models.policy import Policy
+    from jaxrl_scale.rl.step import Batch, compile_train_step, init_train_state, make_optimizer
 
     cfg = load_config("configs/tiny_arithmetic.yaml", ["mesh.data=1"])
     p, g = cfg.train.prompts_per_step, cfg.train.group_size

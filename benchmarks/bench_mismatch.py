@@ -30,9 +30,9 @@ from bench_model import QWEN25_05B
 from flax import nnx
 
 from jaxrl_scale.config import ModelConfig
-from jaxrl_scale.losses import policy_loss
-from jaxrl_scale.model import Policy, completion_logprobs
-from jaxrl_scale.sampler import generate
+from jaxrl_scale.generation.sampler import generate
+from jaxrl_scale.models.policy import Policy, completion_logprobs
+from jaxrl_scale.rl.losses import policy_loss
 
 # (label, compute dtype, head dtype, matmul precision)
 LADDER = (

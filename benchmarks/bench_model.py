@@ -18,9 +18,9 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxrl_scale.compute import forward_flops, matmul_params, train_flops
 from jaxrl_scale.config import ModelConfig
-from jaxrl_scale.model import Policy, head_logits, logprobs_from_hidden, token_logprobs
+from jaxrl_scale.models.policy import Policy, head_logits, logprobs_from_hidden, token_logprobs
+from jaxrl_scale.rl.compute import forward_flops, matmul_params, train_flops
 
 TINY = ModelConfig(
     vocab_size=4096,

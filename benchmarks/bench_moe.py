@@ -22,7 +22,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxrl_scale.config import ModelConfig
-from jaxrl_scale.model import Policy, token_logprobs
+from jaxrl_scale.models.policy import Policy, token_logprobs
 
 
 def _step(cfg: ModelConfig, tokens):

@@ -30,9 +30,9 @@ import numpy as np
 from flax import nnx
 
 from jaxrl_scale.config import LossConfig, ModelConfig, OptimConfig
-from jaxrl_scale.model import Policy
-from jaxrl_scale.packing import default_row_len, pack
-from jaxrl_scale.step import Batch, compile_train_step, init_train_state, make_optimizer
+from jaxrl_scale.models.policy import Policy
+from jaxrl_scale.rl.packing import default_row_len, pack
+from jaxrl_scale.rl.step import Batch, compile_train_step, init_train_state, make_optimizer
 
 CFG = ModelConfig(
     architecture="qwen3",

@@ -20,9 +20,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxrl_scale.config import ModelConfig
-from jaxrl_scale.model import completion_logprobs, init_policy
-from jaxrl_scale.moe import rerouted
-from jaxrl_scale.sampler import generate
+from jaxrl_scale.generation.sampler import generate
+from jaxrl_scale.models.moe import rerouted
+from jaxrl_scale.models.policy import completion_logprobs, init_policy
 
 
 def main() -> None:

@@ -18,8 +18,8 @@ import numpy as np
 from bench_model import TINY  # the same tiny config as the model benchmark
 from flax import nnx
 
-from jaxrl_scale.model import init_policy
-from jaxrl_scale.sampler import generate
+from jaxrl_scale.generation.sampler import generate
+from jaxrl_scale.models.policy import init_policy
 
 
 def _prompts(batch: int, length: int = 16):

@@ -215,7 +215,7 @@ def main(argv: list[str] | None = None) -> int:
             cfg = load_config(args.config, args.overrides)
             run_demo(cfg, args.out, from_scratch=args.from_scratch)
         elif args.command == "train":
-            from jaxrl_scale.distributed import is_main
+            from jaxrl_scale.parallel.distributed import is_main
             from jaxrl_scale.train import train
 
             overrides = list(args.overrides)
@@ -225,7 +225,7 @@ def main(argv: list[str] | None = None) -> int:
                 overrides.append(f"model.lora.init_from={args.adapter_from}")
             role = args.role or os.environ.get("JAXRL_ROLE") or "trainer"
             if role == "generator":
-                from jaxrl_scale.generator_job import main as generate
+                from jaxrl_scale.hosts.generator_job import main as generate
 
                 group = args.group if args.group is not None else os.environ.get("JAXRL_GROUP")
                 return generate(load_config(args.config, overrides), int(group or 0))

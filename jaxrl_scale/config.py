@@ -460,7 +460,7 @@ class SamplerConfig:
     chunk_size: int = 0  # decode steps between in-flight weight swaps; 0 = one chunk
     interruption: InterruptionConfig | None = None
     # "static": each batch's rows decode together until the longest ends. "continuous": a slot
-    # engine (jaxrl_scale.engine) keeps `slots` rows in flight, a finished row's slot taking the
+    # engine (generation/engine.py) keeps `slots` rows in flight, a finished row's slot taking the
     # next waiting group (in pipeline_rl the next batch's prompts queued behind this one's).
     # "auto": continuous in pipeline_rl, static in sync and ppo_off_policy (ExperimentConfig.
     # batching).
@@ -517,7 +517,7 @@ class LossConfig:
 
     def hyper(self) -> dict[str, float]:
         """The hyper-parameters set here, checked against what the loss kind takes."""
-        from jaxrl_scale.losses import KINDS
+        from jaxrl_scale.rl.losses import KINDS
 
         takes = dict(KINDS[self.kind].defaults)
         given = {

@@ -91,10 +91,10 @@ def make_demo_policy(cfg: ExperimentConfig, out: Path, steps: int = WARM_START_S
     Hugging Face folder at `out`."""
     from flax import nnx
 
-    from jaxrl_scale.hf import save_pretrained
-    from jaxrl_scale.model import Policy
+    from jaxrl_scale.models.hf import save_pretrained
+    from jaxrl_scale.models.policy import Policy
+    from jaxrl_scale.rl.warm_start import warm_start
     from jaxrl_scale.tasks import make_task
-    from jaxrl_scale.warm_start import warm_start
 
     model_cfg = dataclasses.replace(cfg.model, init_from=None)
     graphdef, params = nnx.split(Policy(model_cfg, rngs=nnx.Rngs(params=cfg.seed)))

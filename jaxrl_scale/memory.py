@@ -46,17 +46,18 @@ import jax
 import numpy as np
 from flax import nnx
 
-from jaxrl_scale import attention, lora, moe, sharding
 from jaxrl_scale.config import ExperimentConfig
-from jaxrl_scale.engine import abstract_slots, lower_admission
-from jaxrl_scale.generation import wave_prompts
-from jaxrl_scale.hf import config_from_hf, resolve_checkpoint
-from jaxrl_scale.model import Policy, for_generation
-from jaxrl_scale.packing import PackedBatch, PackGeometry, bucket_rows
-from jaxrl_scale.peft import resolve_lora
-from jaxrl_scale.rollout import decodes_with_copy
-from jaxrl_scale.sampler import Interruption, Sampling, decode, prefill
-from jaxrl_scale.step import Batch, TrainState, compile_run_step, make_optimizer
+from jaxrl_scale.generation.engine import abstract_slots, lower_admission
+from jaxrl_scale.generation.sampler import Interruption, Sampling, decode, prefill
+from jaxrl_scale.models import attention, lora, moe
+from jaxrl_scale.models.hf import config_from_hf, resolve_checkpoint
+from jaxrl_scale.models.peft import resolve_lora
+from jaxrl_scale.models.policy import Policy, for_generation
+from jaxrl_scale.parallel import sharding
+from jaxrl_scale.rl.generator import wave_prompts
+from jaxrl_scale.rl.packing import PackedBatch, PackGeometry, bucket_rows
+from jaxrl_scale.rl.rollout import decodes_with_copy
+from jaxrl_scale.rl.step import Batch, TrainState, compile_run_step, make_optimizer
 
 GIB = 2**30
 DEFAULT_PROMPT_LEN = 1024  # tokens of a math prompt when --prompt-len does not say

@@ -35,7 +35,7 @@ from jaxrl_scale.fit.report import (
     run_curve,
     shared_entry,
 )
-from jaxrl_scale.metrics import read_metrics
+from jaxrl_scale.rl.metrics import read_metrics
 
 N_BOOT = 1000
 

@@ -41,22 +41,23 @@ import numpy as np
 from flax import nnx
 
 import jaxrl_scale
-from jaxrl_scale import distributed, lora, sharding
-from jaxrl_scale.checkpoint import Checkpointer, RunState, abstract_like
-from jaxrl_scale.compute import RunClock
 from jaxrl_scale.config import ConfigError, ExperimentConfig, dump_config
 from jaxrl_scale.fit.data import curve_from_rows
-from jaxrl_scale.forecast import OnlineForecast
-from jaxrl_scale.hf import load_pretrained
-from jaxrl_scale.metrics import MetricsWriter, read_metrics
-from jaxrl_scale.model import Policy
-from jaxrl_scale.packing import PackedBatch
-from jaxrl_scale.peft import load_adapter, resolve_lora
-from jaxrl_scale.pipeline import ParamsSource, make_feeder, staleness_bound
-from jaxrl_scale.rollout import Rollouts, RolloutWorker, rollouts_from_host, rollouts_to_host
-from jaxrl_scale.step import Batch, compile_run_step, init_train_state, make_optimizer
+from jaxrl_scale.fit.forecast import OnlineForecast
+from jaxrl_scale.models import lora
+from jaxrl_scale.models.hf import load_pretrained
+from jaxrl_scale.models.peft import load_adapter, resolve_lora
+from jaxrl_scale.models.policy import Policy
+from jaxrl_scale.parallel import distributed, sharding
+from jaxrl_scale.rl.checkpoint import Checkpointer, RunState, abstract_like
+from jaxrl_scale.rl.compute import RunClock
+from jaxrl_scale.rl.metrics import MetricsWriter, read_metrics
+from jaxrl_scale.rl.packing import PackedBatch
+from jaxrl_scale.rl.pipeline import ParamsSource, make_feeder, staleness_bound
+from jaxrl_scale.rl.rollout import Rollouts, RolloutWorker, rollouts_from_host, rollouts_to_host
+from jaxrl_scale.rl.step import Batch, compile_run_step, init_train_state, make_optimizer
+from jaxrl_scale.rl.warm_start import warm_start
 from jaxrl_scale.tasks import make_task
-from jaxrl_scale.warm_start import warm_start
 
 TOTALS = (
     "compute_flops",
@@ -180,7 +181,7 @@ def setup(cfg: ExperimentConfig, out: str | Path, *, resume: bool = True) -> Run
     )
     devices = mesh.devices.size + (gen_mesh.devices.size if gen_mesh is not None else 0)
     if cfg.hosts.generator_groups:  # the generator jobs' devices count on the x-axis too
-        from jaxrl_scale.hosts import generator_devices
+        from jaxrl_scale.hosts.hub import generator_devices
 
         devices += cfg.hosts.generator_groups * generator_devices(cfg)
     return Run(
@@ -317,8 +318,8 @@ def export_run(run_dir: str | Path, out: str | Path, *, peft_out=None) -> list[P
     """A run's newest checkpoint as a Hugging Face folder at `out` (a LoRA policy merged:
     W + s A B), and with `peft_out` a LoRA run's adapters as a PEFT folder."""
     from jaxrl_scale.config import load_config
-    from jaxrl_scale.hf import save_pretrained
-    from jaxrl_scale.peft import save_adapter
+    from jaxrl_scale.models.hf import save_pretrained
+    from jaxrl_scale.models.peft import save_adapter
 
     run_dir = Path(run_dir)
     run = setup(load_config(run_dir / "config.yaml"), run_dir)
@@ -342,7 +343,7 @@ def _feeder(cfg: ExperimentConfig, worker: RolloutWorker, params, start: RunStat
     """(the generator's ParamsSource or None, the feeder): generator jobs on other hosts
     (`hosts.generator_groups`) are fed through the hub; else pipeline.py's feeders."""
     if cfg.hosts.generator_groups:
-        from jaxrl_scale.hosts import RemoteFeeder  # the transport: only where it is used
+        from jaxrl_scale.hosts.hub import RemoteFeeder  # the transport: only where it is used
 
         k = staleness_bound(cfg.pipeline)
         return None, RemoteFeeder(cfg, worker, params, version=start.step, k=k)

@@ -2,7 +2,7 @@ import jax
 import numpy as np
 import pytest
 
-from jaxrl_scale.advantages import group_advantages
+from jaxrl_scale.rl.advantages import group_advantages
 
 # Three prompts x four samples. Group 0: mean 0.5; group 1: all equal (no signal);
 # group 2: mean 0.25.

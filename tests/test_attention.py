@@ -12,9 +12,10 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from jaxrl_scale import attention, sharding
 from jaxrl_scale.config import MeshConfig
-from jaxrl_scale.model import completion_logprobs, init_policy, token_logprobs
+from jaxrl_scale.models import attention
+from jaxrl_scale.models.policy import completion_logprobs, init_policy, token_logprobs
+from jaxrl_scale.parallel import sharding
 
 
 def _random_case(seed, b=3, t=37, s=53, h=4, k=2, e=8, dtype=jnp.float32):

@@ -7,7 +7,7 @@ import time
 import numpy as np
 import pytest
 
-from jaxrl_scale.buffer import RolloutBuffer, oldest_version
+from jaxrl_scale.rl.buffer import RolloutBuffer, oldest_version
 
 
 def _versions(*vs):

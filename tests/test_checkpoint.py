@@ -10,18 +10,18 @@ import optax
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec
 
-from jaxrl_scale.checkpoint import (
+from jaxrl_scale.config import MeshConfig
+from jaxrl_scale.parallel.sharding import make_mesh
+from jaxrl_scale.rl.checkpoint import (
     Checkpointer,
     CheckpointError,
     CheckpointMismatch,
     RunState,
     abstract_like,
 )
-from jaxrl_scale.config import MeshConfig
-from jaxrl_scale.curriculum import Curriculum
-from jaxrl_scale.rollout import Rollouts, rollouts_from_host, rollouts_to_host
-from jaxrl_scale.sharding import make_mesh
-from jaxrl_scale.step import Batch, init_train_state
+from jaxrl_scale.rl.curriculum import Curriculum
+from jaxrl_scale.rl.rollout import Rollouts, rollouts_from_host, rollouts_to_host
+from jaxrl_scale.rl.step import Batch, init_train_state
 
 KEEP_HOST = types.SimpleNamespace(to_trainer=lambda batch: batch)  # a worker that places nothing
 

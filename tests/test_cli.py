@@ -4,8 +4,8 @@ import numpy as np
 
 from jaxrl_scale.cli import main
 from jaxrl_scale.fit import bootstrap_sigmoid
-from jaxrl_scale.metrics import read_metrics
-from jaxrl_scale.rollout import sampling_sd
+from jaxrl_scale.rl.metrics import read_metrics
+from jaxrl_scale.rl.rollout import sampling_sd
 
 # The demo's pipeline at toy scale: warm start here (--from-scratch), 10 RL steps, every one
 # evaluated, then the final fit and the half-run forecast.
@@ -74,7 +74,7 @@ def test_sampling_sd_by_hand():
 
 
 def test_demo_without_its_policy_says_how_to_make_it(tmp_path, capsys, monkeypatch):
-    import jaxrl_scale.hf as hf
+    import jaxrl_scale.models.hf as hf
 
     monkeypatch.setattr(hf, "asset_path", lambda name: tmp_path / "missing" / name)
     assert main(["demo", "--out", str(tmp_path / "run")]) == 2
@@ -114,7 +114,7 @@ def test_a_built_wheel_carries_what_the_demo_needs(tmp_path):
     for name in ("demo.yaml", "demo_policy/config.json", "demo_policy/model.safetensors"):
         assert f"jaxrl_scale/assets/{name}" in names
     code = (
-        "import jaxrl_scale.config as c, jaxrl_scale.hf as hf; "
+        "import jaxrl_scale.config as c, jaxrl_scale.models.hf as hf; "
         "print(c.asset_path('demo.yaml')); print(hf.resolve_checkpoint('asset:demo_policy')); "
         "cfg = c.load_config(c.asset_path('demo.yaml')); print(cfg.train.steps)"
     )

@@ -6,7 +6,9 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from jaxrl_scale.compute import (
+from jaxrl_scale.config import ModelConfig
+from jaxrl_scale.models.policy import init_policy
+from jaxrl_scale.rl.compute import (
     RunClock,
     batch_flops,
     batch_forward_flops,
@@ -14,8 +16,6 @@ from jaxrl_scale.compute import (
     matmul_params,
     train_flops,
 )
-from jaxrl_scale.config import ModelConfig
-from jaxrl_scale.model import init_policy
 
 
 def test_matmul_params_by_hand():

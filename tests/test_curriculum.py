@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from jaxrl_scale.curriculum import Curriculum
+from jaxrl_scale.rl.curriculum import Curriculum
 
 
 def test_each_epoch_visits_every_prompt_once_in_a_seeded_order():

@@ -7,10 +7,10 @@ import pytest
 from conftest import HF_FIXTURES
 from flax import nnx
 
-from jaxrl_scale.engine import SlotEngine
-from jaxrl_scale.hf import load_pretrained
-from jaxrl_scale.model import token_logprobs
-from jaxrl_scale.sampler import Sampling, generate
+from jaxrl_scale.generation.engine import SlotEngine
+from jaxrl_scale.generation.sampler import Sampling, generate
+from jaxrl_scale.models.hf import load_pretrained
+from jaxrl_scale.models.policy import token_logprobs
 
 PROMPTS = [[5, 6, 7], [10, 11, 12, 13, 14, 15, 16, 17, 18, 19], [30], [40, 41, 42, 43, 44],
            [50, 51], [60, 61, 62, 63], [70], [80, 81, 82, 83, 84, 85]]  # fmt: skip
@@ -225,7 +225,7 @@ def test_a_checkpoint_does_not_skip_the_batch_queued_ahead(tmp_path):
 def test_forced_interruption_per_slot_equals_static(qwen2):
     """Each slot runs its own thinking budget: rows admitted at different steps are
     interrupted after the same number of their own tokens, as in a static batch."""
-    from jaxrl_scale.sampler import INTERRUPTED, Interruption
+    from jaxrl_scale.generation.sampler import INTERRUPTED, Interruption
 
     intr = Interruption(token_ids=(9, 8), think_min=4, think_max=4, answer_budget=3)
     static = generate(qwen2, PROMPTS, max_new_tokens=N_NEW, temperature=0.0, interruption=intr)
@@ -276,7 +276,7 @@ def test_greedy_decoding_on_a_mesh_equals_static_with_groups_cut_by_shards(qwen2
     edges, so a prompt is prefilled on each shard that holds one of its rows; every row still
     decodes exactly as in a static batch, and rows handed back free slots on every shard."""
     from jaxrl_scale.config import MeshConfig
-    from jaxrl_scale.sharding import make_mesh, shard_module
+    from jaxrl_scale.parallel.sharding import make_mesh, shard_module
 
     mesh = make_mesh(MeshConfig(data=8, fsdp=1, tensor=1))
     eos = _eos_ids(qwen2)
@@ -301,7 +301,7 @@ def test_scanned_layers_prefill_and_admit_what_layer_by_layer_does(qwen2):
     through one scan of the layers (a stacked prompt-sized cache, widened per layer after);
     the tokens and log-probs equal the layer-by-layer model's, on one device and on a mesh."""
     from jaxrl_scale.config import MeshConfig
-    from jaxrl_scale.sharding import make_mesh, shard_module
+    from jaxrl_scale.parallel.sharding import make_mesh, shard_module
 
     scanned = load_pretrained(HF_FIXTURES / "qwen2", scan_layers=True)[0]
     eos = _eos_ids(qwen2)
@@ -325,7 +325,7 @@ def test_scanned_layers_prefill_and_admit_what_layer_by_layer_does(qwen2):
 
 def test_slots_that_do_not_split_over_the_mesh_are_refused(qwen2):
     from jaxrl_scale.config import MeshConfig
-    from jaxrl_scale.sharding import make_mesh
+    from jaxrl_scale.parallel.sharding import make_mesh
 
     mesh = make_mesh(MeshConfig(data=8, fsdp=1, tensor=1))
     with pytest.raises(ValueError, match=r"sampler.slots: 12 does not split .* 8 batch shards"):
@@ -342,9 +342,10 @@ def _engine_on(model, mesh, *, slots):
 ADMISSION_SCRIPT = """
 import json, jax
 from flax import nnx
-from jaxrl_scale import engine, sharding
+from jaxrl_scale.rl.generator import engine
+from jaxrl_scale.parallel import sharding
 from jaxrl_scale.config import MeshConfig, ModelConfig
-from jaxrl_scale.model import Policy
+from jaxrl_scale.models.policy import Policy
 
 cfg = ModelConfig(architecture="qwen3", vocab_size=2048, hidden_size=256, intermediate_size=512,
                   num_layers=2, num_heads=4, num_kv_heads=2, head_dim=64, qk_norm=True,
@@ -389,7 +390,7 @@ def test_a_config_whose_slots_do_not_split_over_the_generator_is_refused():
     from conftest import FAST, TINY_CONFIG
 
     from jaxrl_scale.config import ConfigError, load_config
-    from jaxrl_scale.sharding import check_divisible, make_meshes
+    from jaxrl_scale.parallel.sharding import check_divisible, make_meshes
 
     cfg = load_config(TINY_CONFIG, [*FAST, "mesh.data=-1", "sampler.slots=12"])
     with pytest.raises(ConfigError, match="sampler.slots: 12 does not split over the generator's"):

@@ -11,7 +11,7 @@ from jaxrl_scale.cli import main
 from jaxrl_scale.config import ForecastConfig
 from jaxrl_scale.fit import Curve, bootstrap_sigmoid, fit_sigmoid, sigmoid
 from jaxrl_scale.fit.decline import detect_decline, window_size
-from jaxrl_scale.forecast import OnlineForecast, fit_forecast
+from jaxrl_scale.fit.forecast import OnlineForecast, fit_forecast
 
 STEPS = np.arange(1, 13) / 12.0  # 12 evals at equal step intervals
 

@@ -5,7 +5,7 @@ import pytest
 
 from jaxrl_scale.config import ConfigError, ForecastConfig
 from jaxrl_scale.fit.data import curve_from_rows
-from jaxrl_scale.forecast import NOT_IDENTIFIABLE, OnlineForecast, fit_forecast
+from jaxrl_scale.fit.forecast import NOT_IDENTIFIABLE, OnlineForecast, fit_forecast
 
 A, B, C_MID, R0 = 0.72, 1.6, 1e12, 0.30
 

@@ -8,9 +8,9 @@ from conftest import HF_FIXTURES
 from flax import nnx
 from safetensors.numpy import load_file, save_file
 
-from jaxrl_scale.hf import CheckpointError, load_pretrained, save_pretrained
-from jaxrl_scale.model import init_policy
-from jaxrl_scale.tokenizer import CharTokenizer
+from jaxrl_scale.models.hf import CheckpointError, load_pretrained, save_pretrained
+from jaxrl_scale.models.policy import init_policy
+from jaxrl_scale.models.tokenizer import CharTokenizer
 
 
 def _params(model):

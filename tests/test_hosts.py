@@ -14,11 +14,11 @@ import pytest
 from conftest import FAST, ROOT, TINY_CONFIG
 from flax import nnx
 
-from jaxrl_scale import sharding
 from jaxrl_scale.config import ConfigError, MeshConfig, load_config
-from jaxrl_scale.metrics import read_metrics
-from jaxrl_scale.model import Policy, for_generation
-from jaxrl_scale.weights import WeightClient, WeightServer
+from jaxrl_scale.hosts.weights import WeightClient, WeightServer
+from jaxrl_scale.models.policy import Policy, for_generation
+from jaxrl_scale.parallel import sharding
+from jaxrl_scale.rl.metrics import read_metrics
 
 # ------------------------------------------------------------------ weights between layouts
 
@@ -310,9 +310,9 @@ def test_memory_plans_the_trainer_and_a_generator_group_apart():
 
 
 def test_model_sampler_and_engine_do_not_load_the_transport():
-    code = ("import sys, jaxrl_scale.model, jaxrl_scale.sampler, jaxrl_scale.engine, "
-            "jaxrl_scale.generation, jaxrl_scale.train; "
-            "print(sorted(m for m in ('zmq', 'jaxrl_scale.hosts', 'jaxrl_scale.weights', "
+    code = ("import sys, jaxrl_scale.models.policy, jaxrl_scale.generation.sampler, "
+            "jaxrl_scale.generation.engine, jaxrl_scale.rl.generator, jaxrl_scale.train; "
+            "print(sorted(m for m in ('zmq', 'jaxrl_scale.hosts.hub', 'jaxrl_scale.hosts.weights', "
             "'jax.experimental.transfer') if m in sys.modules))")  # fmt: skip
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           env=_env("trainer"), timeout=120)  # fmt: skip

@@ -15,13 +15,13 @@ from conftest import FAST, FIXTURES, HF_FIXTURES, TINY_CONFIG
 from flax import nnx
 from safetensors.numpy import load_file
 
-from jaxrl_scale import lora
 from jaxrl_scale.config import ConfigError, LoRAConfig, ModelConfig, load_config
-from jaxrl_scale.hf import CheckpointError, load_pretrained, save_pretrained
-from jaxrl_scale.losses import loss_sums, loss_weights
-from jaxrl_scale.model import Policy, completion_logprobs
-from jaxrl_scale.peft import load_adapter, resolve_lora, save_adapter
-from jaxrl_scale.step import Batch, compile_train_step, init_train_state
+from jaxrl_scale.models import lora
+from jaxrl_scale.models.hf import CheckpointError, load_pretrained, save_pretrained
+from jaxrl_scale.models.peft import load_adapter, resolve_lora, save_adapter
+from jaxrl_scale.models.policy import Policy, completion_logprobs
+from jaxrl_scale.rl.losses import loss_sums, loss_weights
+from jaxrl_scale.rl.step import Batch, compile_train_step, init_train_state
 from jaxrl_scale.train import train
 
 PEFT_FIXTURES = FIXTURES / "peft"
@@ -313,8 +313,8 @@ def test_pipeline_rl_run_sends_adapters_only_and_logprobs_match(tmp_path):
 
 
 def test_lora_checkpoint_exports_and_refuses_another_base(tmp_path):
-    from jaxrl_scale.checkpoint import CheckpointMismatch
     from jaxrl_scale.cli import main
+    from jaxrl_scale.rl.checkpoint import CheckpointMismatch
     from jaxrl_scale.train import setup
 
     args = [*FAST, "model.lora.rank=4", "pipeline.mode=sync", "train.steps=2", "checkpoint.every=2"]

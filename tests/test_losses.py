@@ -5,9 +5,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxrl_scale import sharding
 from jaxrl_scale.config import MeshConfig
-from jaxrl_scale.losses import (
+from jaxrl_scale.parallel import sharding
+from jaxrl_scale.rl.losses import (
     aggregate,
     combine_sums,
     loss_sums,

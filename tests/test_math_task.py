@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from jaxrl_scale.models.tokenizer import CharTokenizer
 from jaxrl_scale.tasks.math import (
     MathDataError,
     MathTask,
@@ -18,7 +19,6 @@ from jaxrl_scale.tasks.math import (
     last_boxed,
     load_examples,
 )
-from jaxrl_scale.tokenizer import CharTokenizer
 
 FIXTURE = Path(__file__).parent / "fixtures" / "math_small.jsonl"
 TOK = CharTokenizer("0123456789")
@@ -167,7 +167,7 @@ def test_a_script_without_a_main_guard_still_verifies(tmp_path):
     script = tmp_path / "score.py"
     script.write_text(
         "from jaxrl_scale.tasks.math import MathTask\n"
-        "from jaxrl_scale.tokenizer import CharTokenizer\n"
+        "from jaxrl_scale.models.tokenizer import CharTokenizer\n"
         f"task = MathTask(data={str(FIXTURE)!r}, tokenizer=CharTokenizer('0123456789'), "
         "num_eval=3)\n"
         "print('score', task.score('It is \\\\boxed{0.5}', {'answer': '\\\\frac{1}{2}'}))\n"

@@ -8,12 +8,13 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from jaxrl_scale import lora, sharding
 from jaxrl_scale.cli import main
 from jaxrl_scale.config import load_config
 from jaxrl_scale.memory import plan, resolve_model, train_step_memory
-from jaxrl_scale.model import Policy, for_generation
-from jaxrl_scale.step import Batch, compile_run_step, init_train_state, make_optimizer
+from jaxrl_scale.models import lora
+from jaxrl_scale.models.policy import Policy, for_generation
+from jaxrl_scale.parallel import sharding
+from jaxrl_scale.rl.step import Batch, compile_run_step, init_train_state, make_optimizer
 
 TINY = "configs/tiny_arithmetic.yaml"
 # A longer completion than the demo's, so activations are the biggest term.

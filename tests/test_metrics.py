@@ -4,7 +4,7 @@ import json
 
 import numpy as np
 
-from jaxrl_scale.metrics import MetricsWriter, read_metrics
+from jaxrl_scale.rl.metrics import MetricsWriter, read_metrics
 
 
 def test_rows_are_plain_json_one_per_line_and_go_to_tensorboard(tmp_path):

@@ -9,8 +9,8 @@ from flax import nnx
 from safetensors.numpy import load_file
 
 from jaxrl_scale.config import RopeScalingConfig
-from jaxrl_scale.hf import load_pretrained
-from jaxrl_scale.model import (
+from jaxrl_scale.models.hf import load_pretrained
+from jaxrl_scale.models.policy import (
     completion_logprobs,
     init_policy,
     logprobs_from_hidden,
@@ -251,8 +251,8 @@ def test_matmul_precision_reaches_every_matmul_of_sampler_and_trainer(tiny_model
     import optax
 
     from jaxrl_scale.config import LossConfig
-    from jaxrl_scale.sampler import Sampling, decode, prefill
-    from jaxrl_scale.step import Batch, compile_train_step, init_train_state
+    from jaxrl_scale.generation.sampler import Sampling, decode, prefill
+    from jaxrl_scale.rl.step import Batch, compile_train_step, init_train_state
 
     counts = {}
     for precision in ("default", "highest"):

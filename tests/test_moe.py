@@ -13,8 +13,8 @@ from conftest import HF_FIXTURES
 from safetensors.numpy import load_file
 
 from jaxrl_scale.config import ConfigError, ModelConfig
-from jaxrl_scale.hf import load_pretrained
-from jaxrl_scale.moe import experts_dense, experts_ragged, experts_scan, experts_tiled, route
+from jaxrl_scale.models.hf import load_pretrained
+from jaxrl_scale.models.moe import experts_dense, experts_ragged, experts_scan, experts_tiled, route
 
 N, D, E, K, F = 13, 8, 6, 2, 5
 
@@ -166,7 +166,7 @@ def test_an_moe_policy_trains_with_rl(tmp_path, replay):
 def test_policy_gradients_reach_the_router_and_agree_between_matmuls():
     from flax import nnx
 
-    from jaxrl_scale.model import init_policy, token_logprobs
+    from jaxrl_scale.models.policy import init_policy, token_logprobs
 
     cfg = _tiny_moe()
     tokens = jax.random.randint(jax.random.key(0), (2, 9), 0, 32)
@@ -189,9 +189,9 @@ def test_a_data_parallel_moe_forward_keeps_each_shard_on_its_rows(matmul):
     whole batch would gather every row everywhere) and equals one device's forward."""
     from flax import nnx
 
-    from jaxrl_scale import sharding
     from jaxrl_scale.config import MeshConfig
-    from jaxrl_scale.model import init_policy
+    from jaxrl_scale.models.policy import init_policy
+    from jaxrl_scale.parallel import sharding
 
     cfg = _tiny_moe(moe_matmul=matmul)
     graphdef, state = nnx.split(init_policy(cfg, seed=1))
@@ -216,7 +216,7 @@ def test_a_qwen3_moe_config_without_its_expert_fields_is_named(tmp_path):
     import json
     import shutil
 
-    from jaxrl_scale.hf import CheckpointError
+    from jaxrl_scale.models.hf import CheckpointError
 
     path = shutil.copytree(HF_FIXTURES / "qwen3_moe", tmp_path / "m")
     hf = json.loads((path / "config.json").read_text())
@@ -230,8 +230,8 @@ def test_lora_on_an_moe_keeps_the_router_float32_and_says_what_it_adapts():
     from flax import nnx
 
     from jaxrl_scale.config import LoRAConfig
-    from jaxrl_scale.lora import split_policy
-    from jaxrl_scale.model import Policy
+    from jaxrl_scale.models.lora import split_policy
+    from jaxrl_scale.models.policy import Policy
 
     lora = LoRAConfig(rank=2, targets=("all",), base_dtype="bfloat16")
     with pytest.warns(UserWarning, match="routed layers' experts stay frozen"):
@@ -266,8 +266,8 @@ def _near_tie(model, sign: float, eps: float = 1e-3):
 
 
 def _replay_rollout():
-    from jaxrl_scale.model import init_policy
-    from jaxrl_scale.sampler import generate
+    from jaxrl_scale.generation.sampler import generate
+    from jaxrl_scale.models.policy import init_policy
 
     sampler = _near_tie(init_policy(REPLAY_CFG, seed=4), +1.0)
     trainer = _near_tie(init_policy(REPLAY_CFG, seed=4), -1.0)
@@ -298,10 +298,10 @@ def test_router_replay_makes_trainer_logprobs_equal_the_samplers():
     """The trainer's router breaks the near-tie the other way: without replay every token
     goes to the other expert and its log-prob moves; with the sampler's experts replayed the
     trainer scores exactly what the sampler sampled, padded and packed alike."""
-    from jaxrl_scale.model import completion_logprobs
-    from jaxrl_scale.moe import rerouted
-    from jaxrl_scale.packing import pack, packed_logprobs, unpack
-    from jaxrl_scale.step import Batch
+    from jaxrl_scale.models.moe import rerouted
+    from jaxrl_scale.models.policy import completion_logprobs
+    from jaxrl_scale.rl.packing import pack, packed_logprobs, unpack
+    from jaxrl_scale.rl.step import Batch
 
     _, trainer, ro = _replay_rollout()
     sampled = np.asarray(ro.completion_mask) > 0
@@ -328,7 +328,7 @@ def test_the_train_step_reports_how_often_replay_overrode_the_trainers_router():
     from flax import nnx
 
     from jaxrl_scale.config import LossConfig
-    from jaxrl_scale.step import Batch, init_train_state, train_step
+    from jaxrl_scale.rl.step import Batch, init_train_state, train_step
 
     _, trainer, ro = _replay_rollout()
     graphdef, params = nnx.split(trainer)
@@ -352,8 +352,8 @@ def test_the_train_step_reports_how_often_replay_overrode_the_trainers_router():
 def test_the_slot_engine_records_the_same_experts_as_static_decoding():
     from flax import nnx
 
-    from jaxrl_scale.engine import SlotEngine
-    from jaxrl_scale.sampler import Sampling, generate
+    from jaxrl_scale.generation.engine import SlotEngine
+    from jaxrl_scale.generation.sampler import Sampling, generate
 
     sampler, _, _ = _replay_rollout()
     static = generate(sampler, REPLAY_PROMPTS, max_new_tokens=6, temperature=0.0)
@@ -378,9 +378,9 @@ def test_expert_parallel_layers_equal_one_device_with_each_shard_holding_its_exp
     device's; with fsdp and tensor beside it too (and then a share of the other weights)."""
     from flax import nnx
 
-    from jaxrl_scale import sharding
     from jaxrl_scale.config import MeshConfig
-    from jaxrl_scale.model import init_policy, token_logprobs
+    from jaxrl_scale.models.policy import init_policy, token_logprobs
+    from jaxrl_scale.parallel import sharding
 
     cfg = _tiny_moe(num_experts=8, moe_matmul=matmul)
     graphdef, state = nnx.split(init_policy(cfg, seed=1))
@@ -425,10 +425,10 @@ def test_expert_parallel_generation_decodes_what_one_device_does_without_gatheri
     without the mesh would) and the tokens, log-probs and routes equal one device's."""
     from flax import nnx
 
-    from jaxrl_scale import sharding
     from jaxrl_scale.config import MeshConfig
-    from jaxrl_scale.model import init_policy
-    from jaxrl_scale.sampler import Sampling, decode, generate, pad_prompts, prefill
+    from jaxrl_scale.generation.sampler import Sampling, decode, generate, pad_prompts, prefill
+    from jaxrl_scale.models.policy import init_policy
+    from jaxrl_scale.parallel import sharding
 
     cfg = _tiny_moe(num_experts=8, moe_matmul="scan", router_replay=True)
     model = init_policy(cfg, seed=2)

@@ -15,7 +15,7 @@ from conftest import FAST, TINY_CONFIG
 
 from jaxrl_scale.config import load_config
 from jaxrl_scale.fit.curves import sigmoid
-from jaxrl_scale.metrics import read_metrics
+from jaxrl_scale.rl.metrics import read_metrics
 from jaxrl_scale.train import setup, train, train_run
 
 TINY = TINY_CONFIG

@@ -12,10 +12,10 @@ import pytest
 from flax import nnx
 
 from jaxrl_scale.config import LossConfig, ModelConfig
-from jaxrl_scale.losses import loss_sums, loss_weights, metrics_from_sums, packed_loss_weights
-from jaxrl_scale.model import Policy
-from jaxrl_scale.packing import bucket_rows, pack, unpack
-from jaxrl_scale.step import Batch, compile_train_step, init_train_state
+from jaxrl_scale.models.policy import Policy
+from jaxrl_scale.rl.losses import loss_sums, loss_weights, metrics_from_sums, packed_loss_weights
+from jaxrl_scale.rl.packing import bucket_rows, pack, unpack
+from jaxrl_scale.rl.step import Batch, compile_train_step, init_train_state
 
 CFG = ModelConfig(
     architecture="qwen3",
@@ -215,7 +215,7 @@ def test_a_packed_run_trains_like_the_padded_run_and_reports_its_padding(tmp_pat
 
 
 def test_auto_packs_a_batch_only_where_that_computes_fewer_positions():
-    from jaxrl_scale.packing import PackedBatch, PackGeometry
+    from jaxrl_scale.rl.packing import PackedBatch, PackGeometry
 
     auto = PackGeometry(row_len=40, row_multiple=1, rows_per_micro=None, auto=True)
     padded = {"train_tokens": 0, "train_positions": 3 * L + 3 * G * N, "train_packed": 0}
@@ -234,7 +234,7 @@ def test_auto_packs_a_batch_only_where_that_computes_fewer_positions():
 
 def test_packed_batches_waiting_in_a_checkpoint_come_back_packed(tmp_path):
     from jaxrl_scale.config import load_config
-    from jaxrl_scale.packing import PackedBatch
+    from jaxrl_scale.rl.packing import PackedBatch
     from jaxrl_scale.train import setup, train, train_run
 
     overrides = ["train.prompts_per_step=8", "train.group_size=8", "train.steps=2"]

@@ -9,9 +9,9 @@ import jax
 import numpy as np
 import pytest
 
-from jaxrl_scale.buffer import oldest_version
 from jaxrl_scale.config import ConfigError, PipelineConfig
-from jaxrl_scale.pipeline import (
+from jaxrl_scale.rl.buffer import oldest_version
+from jaxrl_scale.rl.pipeline import (
     LockstepFeeder,
     ParamsSource,
     PipelineFeeder,
@@ -211,7 +211,7 @@ def test_params_source_keeps_at_most_two_copies_where_the_generator_reads():
     copy the generator has let go of."""
     import weakref
 
-    from jaxrl_scale.pipeline import ParamsSource
+    from jaxrl_scale.rl.pipeline import ParamsSource
 
     class Copy:
         def __init__(self, version):
@@ -244,7 +244,7 @@ def test_a_reader_never_gets_a_version_older_than_one_published():
     was published never samples with 0 (the staleness bound)."""
     import threading
 
-    from jaxrl_scale.pipeline import ParamsSource
+    from jaxrl_scale.rl.pipeline import ParamsSource
 
     placing, release = threading.Event(), threading.Event()
 

@@ -9,9 +9,9 @@ import pytest
 from conftest import FAST, TINY_CONFIG
 
 from jaxrl_scale.config import ConfigError, load_config
-from jaxrl_scale.generation import wave_prompts, wave_rows
-from jaxrl_scale.pipeline import ParamsSource, make_feeder
-from jaxrl_scale.sampler import Sampling, prompt_width
+from jaxrl_scale.generation.sampler import Sampling, prompt_width
+from jaxrl_scale.rl.generator import wave_prompts, wave_rows
+from jaxrl_scale.rl.pipeline import ParamsSource, make_feeder
 from jaxrl_scale.train import setup
 
 # A vocabulary far wider than the task's 17 tokens: an untrained model then rarely samples EOS
@@ -169,7 +169,7 @@ def test_rows_that_fill_the_last_wave_are_charged_not_trained(tmp_path):
     """Four prompts in waves of three (sampler.slots = 12 rows of groups of 4): the second wave
     is filled up with two copies of its prompt. The batch holds the 16 rows asked for; the 8
     filling rows are counted and their decode is added to the generation compute."""
-    from jaxrl_scale.compute import batch_flops
+    from jaxrl_scale.rl.compute import batch_flops
 
     def batch(*extra):
         cfg, worker, params = _run(tmp_path / "_".join(extra), "sampler.batching=static", *extra)

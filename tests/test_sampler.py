@@ -7,11 +7,8 @@ import pytest
 from conftest import HF_FIXTURES
 from flax import nnx
 
-from jaxrl_scale import sharding
 from jaxrl_scale.config import MeshConfig
-from jaxrl_scale.hf import load_pretrained
-from jaxrl_scale.model import for_generation, token_logprobs
-from jaxrl_scale.sampler import (
+from jaxrl_scale.generation.sampler import (
     Interruption,
     Sampling,
     decode,
@@ -22,6 +19,9 @@ from jaxrl_scale.sampler import (
     sample_token,
     to_rollout,
 )
+from jaxrl_scale.models.hf import load_pretrained
+from jaxrl_scale.models.policy import for_generation, token_logprobs
+from jaxrl_scale.parallel import sharding
 
 PROMPTS = [[5, 6, 7], [10, 11, 12, 13, 14, 15, 16, 17, 18, 19], [30], [40, 41, 42, 43, 44]]
 

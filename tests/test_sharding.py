@@ -7,10 +7,10 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 from safetensors.numpy import load_file
 
-from jaxrl_scale import sharding
 from jaxrl_scale.config import ConfigError, MeshConfig
-from jaxrl_scale.hf import load_pretrained
-from jaxrl_scale.model import Policy, init_policy, token_logprobs
+from jaxrl_scale.models.hf import load_pretrained
+from jaxrl_scale.models.policy import Policy, init_policy, token_logprobs
+from jaxrl_scale.parallel import sharding
 
 MESH_222 = MeshConfig(data=2, fsdp=2, tensor=2)
 

@@ -10,8 +10,8 @@ import pytest
 from flax import nnx
 
 from jaxrl_scale.config import LossConfig, ModelConfig
-from jaxrl_scale.model import Policy, token_logprobs
-from jaxrl_scale.step import Batch, compile_train_step, init_train_state
+from jaxrl_scale.models.policy import Policy, token_logprobs
+from jaxrl_scale.rl.step import Batch, compile_train_step, init_train_state
 
 CFG = ModelConfig(
     architecture="qwen2",

@@ -9,7 +9,7 @@ from conftest import ROOT
 from jaxrl_scale.cli import main
 from jaxrl_scale.fit import bootstrap_sigmoid
 from jaxrl_scale.fit.report import run_curve
-from jaxrl_scale.metrics import read_metrics
+from jaxrl_scale.rl.metrics import read_metrics
 from jaxrl_scale.sweep import mean_curve
 
 TOY = """base: {tiny}

@@ -1,8 +1,8 @@
 import pytest
 from conftest import HF_FIXTURES
 
-from jaxrl_scale.hf import load_tokenizer
-from jaxrl_scale.tokenizer import CharTokenizer
+from jaxrl_scale.models.hf import load_tokenizer
+from jaxrl_scale.models.tokenizer import CharTokenizer
 
 
 def test_char_tokenizer_ids_and_round_trip():

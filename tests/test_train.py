@@ -15,8 +15,8 @@ from conftest import FAST, TINY_CONFIG
 
 import jaxrl_scale
 from jaxrl_scale.config import ConfigError, load_config
-from jaxrl_scale.metrics import read_metrics
-from jaxrl_scale.sampler import Sampling
+from jaxrl_scale.generation.sampler import Sampling
+from jaxrl_scale.rl.metrics import read_metrics
 from jaxrl_scale.train import setup, train, train_run
 
 TINY = TINY_CONFIG
@@ -193,7 +193,7 @@ def test_in_flight_update_gives_one_completion_two_versions(tmp_path):
     expected = np.broadcast_to(10 + np.arange(4) // 2, v.shape)
     np.testing.assert_array_equal(v[sampled], expected[sampled])
     assert len(set(v[0][sampled[0]].tolist())) >= 2  # one completion, two policy versions
-    from jaxrl_scale.step import Batch
+    from jaxrl_scale.rl.step import Batch
 
     batch = Batch.from_rollout(ro, np.ones(2), np.ones(2, bool))
     # The loss sees each token's own behaviour log-prob, whichever version sampled it.
@@ -351,9 +351,9 @@ def test_repeated_non_finite_updates_abort_with_a_clear_error(tmp_path):
 def test_warm_start_stops_at_its_target_loss(tmp_path):
     from flax import nnx
 
-    from jaxrl_scale.model import Policy
+    from jaxrl_scale.models.policy import Policy
+    from jaxrl_scale.rl.warm_start import warm_start
     from jaxrl_scale.tasks import make_task
-    from jaxrl_scale.warm_start import warm_start
 
     cfg = _cfg()
     graphdef, params = nnx.split(Policy(cfg.model, rngs=nnx.Rngs(params=cfg.seed)))

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from jaxrl_scale.tokenizer import CharTokenizer, Tokenizer
+from jaxrl_scale.models.tokenizer import CharTokenizer, Tokenizer
 
 ALPHABET = "0123456789+-*= "
 _APPLY = {"+": lambda a, b: a + b, "-": lambda a, b: a - b, "*": lambda a, b: a * b}

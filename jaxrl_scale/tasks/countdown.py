@@ -22,7 +22,7 @@ from fractions import Fraction
 
 import numpy as np
 
-from jaxrl_scale.tokenizer import CharTokenizer, Tokenizer
+from jaxrl_scale.models.tokenizer import CharTokenizer, Tokenizer
 
 ALPHABET = "0123456789+-*/(),=: "
 MAX_CHARS = 128  # longer completions score 0 without parsing

@@ -31,7 +31,7 @@ from pathlib import Path
 import numpy as np
 
 from jaxrl_scale.config import MathConfig
-from jaxrl_scale.tokenizer import Tokenizer
+from jaxrl_scale.models.tokenizer import Tokenizer
 
 DEFAULT_TEMPLATE = MathConfig.template  # one definition, in the config
 MAX_ANSWER_CHARS = 512

@@ -35,7 +35,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec
 
 from jaxrl_scale.config import ModelConfig
-from jaxrl_scale.sharding import constrain_rows, row_axes
+from jaxrl_scale.parallel.sharding import constrain_rows, row_axes
 
 PROJECTIONS = ("gate", "up", "down")
 

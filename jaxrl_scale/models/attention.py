@@ -47,7 +47,7 @@ from typing import Literal
 import jax
 import jax.numpy as jnp
 
-from jaxrl_scale.sharding import LOGICAL_RULES, row_axes
+from jaxrl_scale.parallel.sharding import LOGICAL_RULES, row_axes
 
 Implementation = Literal["auto", "xla", "blockwise", "cudnn", "splash"]
 IMPLEMENTATIONS: tuple[str, ...] = ("auto", "xla", "blockwise", "cudnn", "splash")

@@ -15,18 +15,18 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxrl_scale.config import ExperimentConfig, LossConfig, OptimConfig
-from jaxrl_scale.lora import merge_policy
-from jaxrl_scale.losses import (
+from jaxrl_scale.models.lora import merge_policy
+from jaxrl_scale.models.moe import rerouted
+from jaxrl_scale.models.policy import completion_logprobs, route_shapes, token_logprobs
+from jaxrl_scale.parallel.sharding import LOGICAL_RULES, replicated, traced_on
+from jaxrl_scale.rl.losses import (
     combine_sums,
     loss_sums,
     loss_weights,
     metrics_from_sums,
     packed_loss_weights,
 )
-from jaxrl_scale.model import completion_logprobs, route_shapes, token_logprobs
-from jaxrl_scale.moe import rerouted
-from jaxrl_scale.packing import PackedBatch, packed_logprobs
-from jaxrl_scale.sharding import LOGICAL_RULES, replicated, traced_on
+from jaxrl_scale.rl.packing import PackedBatch, packed_logprobs
 
 
 @jax.tree_util.register_dataclass

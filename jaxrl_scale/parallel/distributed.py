@@ -31,7 +31,7 @@ import numpy as np
 from jax.experimental import multihost_utils
 
 from jaxrl_scale.config import ConfigError, DistributedConfig
-from jaxrl_scale.sharding import replicated
+from jaxrl_scale.parallel.sharding import replicated
 
 ENV = ("JAXRL_COORDINATOR", "JAXRL_NUM_PROCESSES", "JAXRL_PROCESS_ID")
 

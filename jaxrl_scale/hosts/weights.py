@@ -36,7 +36,7 @@ from jax.experimental import transfer
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxrl_scale.config import ModelConfig
-from jaxrl_scale.model import for_generation
+from jaxrl_scale.models.policy import for_generation
 
 AXIS = "rows"
 

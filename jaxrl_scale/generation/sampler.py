@@ -25,8 +25,8 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxrl_scale.config import ConfigError, SamplerConfig, check_sampling, check_thinking_budget
-from jaxrl_scale.model import KVCache, Policy, no_routes
-from jaxrl_scale.sharding import LOGICAL_RULES, state_shardings, traced_on
+from jaxrl_scale.models.policy import KVCache, Policy, no_routes
+from jaxrl_scale.parallel.sharding import LOGICAL_RULES, state_shardings, traced_on
 
 FINISH_REASONS = ("eos", "length", "interrupted")
 EOS, LENGTH, INTERRUPTED = range(3)
@@ -138,7 +138,7 @@ class DecodeState:
     versions: jax.Array  # [B, N]
     step: jax.Array  # [] decode steps taken (the sampling randomness is fold_in(key, step))
     # The next completion column: [] one for every row (a static batch), or [B] each row its
-    # own (a slot engine's rows, admitted at different steps; see jaxrl_scale.engine).
+    # own (a slot engine's rows, admitted at different steps; see jaxrl_scale.generation.engine).
     col: jax.Array
     position: jax.Array  # [B] position of the next token
     done: jax.Array  # [B]

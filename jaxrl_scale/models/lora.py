@@ -22,6 +22,7 @@ import numpy as np
 from flax import nnx
 
 from jaxrl_scale.config import LORA_TARGETS, ModelConfig
+from jaxrl_scale.models.layers import dense
 
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 # PEFT module name -> (the module holding it: "attn" / "mlp", our kernel's prefix).
@@ -60,8 +61,6 @@ def delta(module, name: str, x, *, n_in: int, precision, scale: float):
     a = getattr(module, f"{name}_lora_a", None)
     if a is None:
         return None
-    from jaxrl_scale.model import dense  # model.py imports this module
-
     b = getattr(module, f"{name}_lora_b")
     dtype = x.dtype
     xa = dense(x, a[...].astype(dtype), n_in=n_in, precision=precision)
@@ -166,36 +165,3 @@ def merged_kernel(kernel, a, b, scale: float) -> np.ndarray:
     a2 = np.asarray(a, np.float32).reshape(-1, a.shape[-1])
     b2 = np.asarray(b, np.float32).reshape(b.shape[0], -1)
     return kernel + (scale * (a2 @ b2)).reshape(kernel.shape)
-
-
-def merged_module(model):
-    """A LoRA policy's weights folded into a plain policy (LoRA off, float32 kernels
-    W + s A B): what a merged Hugging Face export writes. Host-side, one kernel at a time."""
-    import dataclasses
-
-    from jaxrl_scale.model import Policy
-
-    cfg = model.cfg
-    plain_cfg = dataclasses.replace(cfg, lora=dataclasses.replace(cfg.lora, rank=0,
-                                                                  base_dtype="float32",
-                                                                  init_from=None))  # fmt: skip
-    plain = nnx.eval_shape(lambda: Policy(plain_cfg, rngs=nnx.Rngs(0)))
-    _, plain_state = nnx.split(plain)
-    _, _, base_state = nnx.split(model, LoRAParam, ...)
-    flat = dict(nnx.to_flat_state(base_state))
-    values = {
-        path: np.asarray(jax.device_get(var.get_value()), np.float32) for path, var in flat.items()
-    }
-    scale = cfg.lora.scale
-    for i, _, module, prefix in adapted_modules(model):
-        where = "attn" if prefix in ("q", "k", "v", "o") else "mlp"
-        path = ("layers", i, where, f"{prefix}_kernel")
-        values[path] = merged_kernel(
-            values[path],
-            jax.device_get(getattr(module, f"{prefix}_lora_a").get_value()),
-            jax.device_get(getattr(module, f"{prefix}_lora_b").get_value()),
-            scale,
-        )
-    for path, var in nnx.to_flat_state(plain_state):
-        var.set_value(jnp.asarray(values[path]))
-    return nnx.merge(nnx.split(plain)[0], plain_state)

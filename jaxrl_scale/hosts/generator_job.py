@@ -33,15 +33,16 @@ import numpy as np
 import zmq
 from flax import nnx
 
-from jaxrl_scale import lora, sharding
 from jaxrl_scale.config import ExperimentConfig
-from jaxrl_scale.generation import WaveGenerator
-from jaxrl_scale.hosts import ROLLOUT_FIELDS, address, encode_batch
-from jaxrl_scale.model import Policy, for_generation
-from jaxrl_scale.rollout import score_rollout
-from jaxrl_scale.sampler import Interruption, Sampling
+from jaxrl_scale.generation.sampler import Interruption, Sampling
+from jaxrl_scale.hosts.hub import ROLLOUT_FIELDS, address, encode_batch
+from jaxrl_scale.hosts.weights import WeightClient
+from jaxrl_scale.models import lora
+from jaxrl_scale.models.policy import Policy, for_generation
+from jaxrl_scale.parallel import sharding
+from jaxrl_scale.rl.generator import WaveGenerator
+from jaxrl_scale.rl.rollout import score_rollout
 from jaxrl_scale.tasks import make_task
-from jaxrl_scale.weights import WeightClient
 
 
 class Rejoin(Exception):
@@ -201,11 +202,11 @@ def _model(cfg: ExperimentConfig):
     parameters are what the trainer sends: every one, or with LoRA the adapters alone."""
     m, tokenizer = cfg.model, None
     if m.lora.init_from:
-        from jaxrl_scale.peft import resolve_lora
+        from jaxrl_scale.models.peft import resolve_lora
 
         m = dataclasses.replace(m, lora=resolve_lora(m.lora))
     if m.init_from:
-        from jaxrl_scale.hf import config_from_hf, load_tokenizer, resolve_checkpoint
+        from jaxrl_scale.models.hf import config_from_hf, load_tokenizer, resolve_checkpoint
 
         folder = resolve_checkpoint(m.init_from)
         hf = json.loads((folder / "config.json").read_text())
@@ -224,7 +225,7 @@ def _generation_base(cfg: ExperimentConfig, m, mesh):
     if not m.lora.enabled:
         return None
     if m.init_from:
-        from jaxrl_scale.hf import load_pretrained
+        from jaxrl_scale.models.hf import load_pretrained
 
         model, _ = load_pretrained(m.init_from, mesh=mesh, seed=cfg.seed, **m.runtime_fields())
     else:

@@ -9,8 +9,8 @@ indices, ro = batches.next(params_for_chunk, key, oldest=v)
 `WaveGenerator` is the static path (and every held-out evaluation): prompts decoded in waves
 of at most `sampler.slots` rows, each until its longest row ends. `EngineBatches` is
 continuous batching: it draws each batch's prompts from the curriculum into the slot engine
-(`jaxrl_scale.engine`), queues the next batch behind it, and hands a batch over once all its
-groups are complete. Neither scores, places batches for the trainer or knows the feeder: that
+(`generation.engine`), queues the next batch behind it, and hands a batch over once all
+its groups are complete. Neither scores, places batches for the trainer or knows the feeder: that
 is `rollout.RolloutWorker`.
 
 Threads. A `WaveGenerator` holds no mutable state: the feeding thread's rollouts and the main
@@ -27,12 +27,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxrl_scale import distributed, sharding
 from jaxrl_scale.config import ConfigError, ExperimentConfig
-from jaxrl_scale.curriculum import Curriculum
-from jaxrl_scale.engine import Finished, SlotEngine
-from jaxrl_scale.pipeline import ParamsForChunk
-from jaxrl_scale.sampler import (
+from jaxrl_scale.generation.engine import Finished, SlotEngine
+from jaxrl_scale.generation.sampler import (
     Interruption,
     Rollout,
     Sampling,
@@ -43,6 +40,9 @@ from jaxrl_scale.sampler import (
     prompt_width,
     to_rollout,
 )
+from jaxrl_scale.parallel import distributed, sharding
+from jaxrl_scale.rl.curriculum import Curriculum
+from jaxrl_scale.rl.pipeline import ParamsForChunk
 
 
 def wave_prompts(cfg: ExperimentConfig, repeat: int, batch_ways: int, n_prompts: int) -> int:

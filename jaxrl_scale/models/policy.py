@@ -15,10 +15,11 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxrl_scale import attention, lora
 from jaxrl_scale.config import ModelConfig, RopeScalingConfig
-from jaxrl_scale.moe import MoE
-from jaxrl_scale.sharding import constrain_rows
+from jaxrl_scale.models import attention, lora
+from jaxrl_scale.models.layers import dense
+from jaxrl_scale.models.moe import MoE
+from jaxrl_scale.parallel.sharding import constrain_rows
 
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 # model.matmul_precision -> the precision every matmul of the forward pass asks XLA for. On CPU
@@ -58,19 +59,6 @@ def _zeros(shape: tuple[int, ...], axes: tuple[str | None, ...]):
 
 
 # --------------------------------------------------------------------------- pieces
-
-
-def dense(x, kernel, n_in: int = 1, precision=None):
-    """x [..., in] @ kernel [*in_dims (n_in of them), *out_dims] -> [..., *out_dims].
-
-    Written as one 2-D matmul over flattened leading axes: XLA's CPU backend runs the backward
-    pass of a 3-D `[B, T, D] @ [D, F]` dot about 3x slower than the same 2-D one.
-    """
-    in_shape, out_shape = kernel.shape[:n_in], kernel.shape[n_in:]
-    lead = x.shape[: x.ndim - n_in]
-    x2 = x.reshape(math.prod(lead), math.prod(in_shape))
-    k2 = kernel.reshape(math.prod(in_shape), math.prod(out_shape))
-    return jnp.matmul(x2, k2, precision=precision).reshape(*lead, *out_shape)
 
 
 def rms_norm(x, weight, eps: float, out_dtype):

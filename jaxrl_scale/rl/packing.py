@@ -36,9 +36,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxrl_scale import distributed
-from jaxrl_scale import model as model_lib
-from jaxrl_scale.sampler import prompt_width
+from jaxrl_scale.generation.sampler import prompt_width
+from jaxrl_scale.models import policy as model_lib
+from jaxrl_scale.parallel import distributed
 
 
 @jax.tree_util.register_dataclass

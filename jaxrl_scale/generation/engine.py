@@ -36,9 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxrl_scale import distributed
-from jaxrl_scale.model import KVCache, no_routes
-from jaxrl_scale.sampler import (
+from jaxrl_scale.generation.sampler import (
     LENGTH,
     THINKING,
     DecodeState,
@@ -46,7 +44,9 @@ from jaxrl_scale.sampler import (
     Sampling,
     decode,
 )
-from jaxrl_scale.sharding import (
+from jaxrl_scale.models.policy import KVCache, no_routes
+from jaxrl_scale.parallel import distributed
+from jaxrl_scale.parallel.sharding import (
     LOGICAL_RULES,
     batch_sharding,
     batch_ways,

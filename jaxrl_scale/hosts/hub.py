@@ -43,12 +43,12 @@ import numpy as np
 import zmq
 from jax.experimental import multihost_utils
 
-from jaxrl_scale import distributed
 from jaxrl_scale.config import ExperimentConfig
-from jaxrl_scale.curriculum import Curriculum
-from jaxrl_scale.rollout import Rollouts, Scored
-from jaxrl_scale.sampler import Rollout
-from jaxrl_scale.weights import WeightServer
+from jaxrl_scale.generation.sampler import Rollout
+from jaxrl_scale.hosts.weights import WeightServer
+from jaxrl_scale.parallel import distributed
+from jaxrl_scale.rl.curriculum import Curriculum
+from jaxrl_scale.rl.rollout import Rollouts, Scored
 
 ROLLOUT_FIELDS = tuple(f for f in Rollout.__dataclass_fields__)
 

@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 
-from jaxrl_scale.step import TrainState
+from jaxrl_scale.rl.step import TrainState
 
 
 @dataclasses.dataclass(frozen=True)
@@ -158,7 +158,7 @@ class Checkpointer:
     def _check_base(self, step: int, saved, base: np.ndarray | None) -> None:
         """Refuse adapters saved on top of another base than this run's (or a LoRA state
         where this run has none, and the reverse)."""
-        from jaxrl_scale.lora import same_base
+        from jaxrl_scale.models.lora import same_base
 
         if saved is None and base is None:
             return

@@ -23,8 +23,8 @@ from safetensors import SafetensorError, safe_open
 from safetensors.numpy import save_file
 
 from jaxrl_scale.config import LORA_TARGETS, ConfigError, LoRAConfig, ModelConfig
-from jaxrl_scale.hf import CheckpointError
-from jaxrl_scale.lora import PROJECTIONS
+from jaxrl_scale.models.hf import CheckpointError
+from jaxrl_scale.models.lora import PROJECTIONS
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"

@@ -14,7 +14,7 @@ import jax
 import numpy as np
 
 from jaxrl_scale.config import WarmStartConfig
-from jaxrl_scale.step import make_optimizer, sft_step
+from jaxrl_scale.rl.step import make_optimizer, sft_step
 
 WINDOW = 50  # steps in the running mean compared with the target loss
 

@@ -24,11 +24,11 @@ from safetensors import SafetensorError, safe_open
 from safetensors.numpy import save_file
 
 from jaxrl_scale.config import ModelConfig, RopeScalingConfig, asset_path
-from jaxrl_scale.lora import adapted_modules, init_adapters, merged_module
-from jaxrl_scale.model import Policy
-from jaxrl_scale.moe import MoE
-from jaxrl_scale.sharding import variable_sharding
-from jaxrl_scale.tokenizer import Tokenizer
+from jaxrl_scale.models.lora import LoRAParam, adapted_modules, init_adapters, merged_kernel
+from jaxrl_scale.models.moe import MoE
+from jaxrl_scale.models.policy import Policy
+from jaxrl_scale.models.tokenizer import Tokenizer
+from jaxrl_scale.parallel.sharding import variable_sharding
 
 ARCHITECTURES = {
     "Qwen2ForCausalLM": "qwen2",
@@ -419,3 +419,32 @@ def _split_shards(tensors: dict[str, np.ndarray], max_bytes: int | None) -> list
         shards[-1][name] = array
         size += array.nbytes
     return shards
+
+
+def merged_module(model):
+    """A LoRA policy's weights folded into a plain policy (LoRA off, float32 kernels
+    W + s A B): what a merged Hugging Face export writes. Host-side, one kernel at a time."""
+    cfg = model.cfg
+    plain_cfg = dataclasses.replace(cfg, lora=dataclasses.replace(cfg.lora, rank=0,
+                                                                  base_dtype="float32",
+                                                                  init_from=None))  # fmt: skip
+    plain = nnx.eval_shape(lambda: Policy(plain_cfg, rngs=nnx.Rngs(0)))
+    _, plain_state = nnx.split(plain)
+    _, _, base_state = nnx.split(model, LoRAParam, ...)
+    flat = dict(nnx.to_flat_state(base_state))
+    values = {
+        path: np.asarray(jax.device_get(var.get_value()), np.float32) for path, var in flat.items()
+    }
+    scale = cfg.lora.scale
+    for i, _, module, prefix in adapted_modules(model):
+        where = "attn" if prefix in ("q", "k", "v", "o") else "mlp"
+        path = ("layers", i, where, f"{prefix}_kernel")
+        values[path] = merged_kernel(
+            values[path],
+            jax.device_get(getattr(module, f"{prefix}_lora_a").get_value()),
+            jax.device_get(getattr(module, f"{prefix}_lora_b").get_value()),
+            scale,
+        )
+    for path, var in nnx.to_flat_state(plain_state):
+        var.set_value(jnp.asarray(values[path]))
+    return nnx.merge(nnx.split(plain)[0], plain_state)

@@ -32,23 +32,23 @@ from typing import Any
 import jax
 import numpy as np
 
-from jaxrl_scale import distributed, sharding
-from jaxrl_scale.advantages import group_advantages
-from jaxrl_scale.compute import batch_flops
 from jaxrl_scale.config import ConfigError, ExperimentConfig
-from jaxrl_scale.curriculum import Curriculum
-from jaxrl_scale.generation import EngineBatches, WaveGenerator, batch_chunks, wave_prompts
-from jaxrl_scale.lora import merge_params, state_bytes
-from jaxrl_scale.model import for_generation
-from jaxrl_scale.packing import PackedBatch, PackGeometry, padded_layout
-from jaxrl_scale.pipeline import ParamsForChunk
-from jaxrl_scale.sampler import (
+from jaxrl_scale.generation.sampler import (
     INTERRUPTED,
     Interruption,
     Rollout,
     Sampling,
 )
-from jaxrl_scale.step import Batch
+from jaxrl_scale.models.lora import merge_params, state_bytes
+from jaxrl_scale.models.policy import for_generation
+from jaxrl_scale.parallel import distributed, sharding
+from jaxrl_scale.rl.advantages import group_advantages
+from jaxrl_scale.rl.compute import batch_flops
+from jaxrl_scale.rl.curriculum import Curriculum
+from jaxrl_scale.rl.generator import EngineBatches, WaveGenerator, batch_chunks, wave_prompts
+from jaxrl_scale.rl.packing import PackedBatch, PackGeometry, padded_layout
+from jaxrl_scale.rl.pipeline import ParamsForChunk
+from jaxrl_scale.rl.step import Batch
 
 
 @dataclasses.dataclass(frozen=True)
