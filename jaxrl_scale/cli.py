@@ -7,7 +7,9 @@ import os
 import sys
 from pathlib import Path
 
-from jaxrl_scale.config import ConfigError, ForecastConfig, load_config
+from jaxrl_scale.config import load_config
+from jaxrl_scale.configbase import ConfigError
+from jaxrl_scale.fit.config import ForecastConfig
 from jaxrl_scale.fit.data import CurveDataError
 
 DEMO_CONFIG = "asset:demo.yaml"  # shipped inside the package (jaxrl_scale/assets/demo.yaml)

@@ -41,7 +41,8 @@ import numpy as np
 from flax import nnx
 
 import jaxrl_scale
-from jaxrl_scale.config import ConfigError, ExperimentConfig, dump_config
+from jaxrl_scale.config import ExperimentConfig, dump_config
+from jaxrl_scale.configbase import ConfigError
 from jaxrl_scale.fit.data import curve_from_rows
 from jaxrl_scale.fit.forecast import OnlineForecast
 from jaxrl_scale.models import lora

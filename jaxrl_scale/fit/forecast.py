@@ -28,8 +28,8 @@ import warnings
 
 import numpy as np
 
-from jaxrl_scale.config import ForecastConfig
 from jaxrl_scale.fit import Curve, CurveDataError, bootstrap_sigmoid, clean_curve
+from jaxrl_scale.fit.config import ForecastConfig
 from jaxrl_scale.fit.curves import sigmoid
 from jaxrl_scale.fit.decline import Decline, detect_decline
 from jaxrl_scale.fit.extrapolation import early_cut

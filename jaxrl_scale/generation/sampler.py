@@ -24,7 +24,8 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from jaxrl_scale.config import ConfigError, SamplerConfig, check_sampling, check_thinking_budget
+from jaxrl_scale.configbase import ConfigError
+from jaxrl_scale.generation.config import SamplerConfig, check_sampling, check_thinking_budget
 from jaxrl_scale.models.policy import KVCache, Policy, no_routes
 from jaxrl_scale.parallel.sharding import LOGICAL_RULES, state_shardings, traced_on
 

@@ -27,13 +27,13 @@ import socket
 import sys
 import threading
 import time
+from typing import TYPE_CHECKING
 
 import jax
 import numpy as np
 import zmq
 from flax import nnx
 
-from jaxrl_scale.config import ExperimentConfig
 from jaxrl_scale.generation.sampler import Interruption, Sampling
 from jaxrl_scale.hosts.hub import ROLLOUT_FIELDS, address, encode_batch
 from jaxrl_scale.hosts.weights import WeightClient
@@ -43,6 +43,9 @@ from jaxrl_scale.parallel import sharding
 from jaxrl_scale.rl.generator import WaveGenerator
 from jaxrl_scale.rl.rollout import score_rollout
 from jaxrl_scale.tasks import make_task
+
+if TYPE_CHECKING:  # the root config composes every part's section
+    from jaxrl_scale.config import ExperimentConfig
 
 
 class Rejoin(Exception):

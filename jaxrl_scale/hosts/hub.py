@@ -36,19 +36,22 @@ import socket
 import sys
 import threading
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax
 import numpy as np
 import zmq
 from jax.experimental import multihost_utils
 
-from jaxrl_scale.config import ExperimentConfig
 from jaxrl_scale.generation.sampler import Rollout
 from jaxrl_scale.hosts.weights import WeightServer
 from jaxrl_scale.parallel import distributed
 from jaxrl_scale.rl.curriculum import Curriculum
 from jaxrl_scale.rl.rollout import Rollouts, Scored
+
+if TYPE_CHECKING:  # the root config composes every part's section
+    from jaxrl_scale.config import ExperimentConfig
+
 
 ROLLOUT_FIELDS = tuple(f for f in Rollout.__dataclass_fields__)
 

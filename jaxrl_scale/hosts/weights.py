@@ -35,7 +35,7 @@ import zmq
 from jax.experimental import transfer
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from jaxrl_scale.config import ModelConfig
+from jaxrl_scale.models.config import ModelConfig
 from jaxrl_scale.models.policy import for_generation
 
 AXIS = "rows"

@@ -23,7 +23,8 @@ from jax.sharding import Mesh
 from safetensors import SafetensorError, safe_open
 from safetensors.numpy import save_file
 
-from jaxrl_scale.config import ModelConfig, RopeScalingConfig, asset_path
+from jaxrl_scale.configbase import asset_path
+from jaxrl_scale.models.config import ModelConfig, RopeScalingConfig
 from jaxrl_scale.models.lora import LoRAParam, adapted_modules, init_adapters, merged_kernel
 from jaxrl_scale.models.moe import MoE
 from jaxrl_scale.models.policy import Policy

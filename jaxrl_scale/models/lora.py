@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxrl_scale.config import LORA_TARGETS, ModelConfig
+from jaxrl_scale.models.config import LORA_TARGETS, ModelConfig
 from jaxrl_scale.models.layers import dense
 
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}

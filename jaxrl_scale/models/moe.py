@@ -34,7 +34,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import PartitionSpec
 
-from jaxrl_scale.config import ModelConfig
+from jaxrl_scale.models.config import ModelConfig
 from jaxrl_scale.parallel.sharding import constrain_rows, row_axes
 
 PROJECTIONS = ("gate", "up", "down")

@@ -22,7 +22,8 @@ from flax import nnx
 from safetensors import SafetensorError, safe_open
 from safetensors.numpy import save_file
 
-from jaxrl_scale.config import LORA_TARGETS, ConfigError, LoRAConfig, ModelConfig
+from jaxrl_scale.configbase import ConfigError
+from jaxrl_scale.models.config import LORA_TARGETS, LoRAConfig, ModelConfig
 from jaxrl_scale.models.hf import CheckpointError
 from jaxrl_scale.models.lora import PROJECTIONS
 

@@ -15,8 +15,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxrl_scale.config import ModelConfig, RopeScalingConfig
 from jaxrl_scale.models import attention, lora
+from jaxrl_scale.models.config import ModelConfig, RopeScalingConfig
 from jaxrl_scale.models.layers import dense
 from jaxrl_scale.models.moe import MoE
 from jaxrl_scale.parallel.sharding import constrain_rows

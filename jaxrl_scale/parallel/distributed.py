@@ -30,7 +30,8 @@ import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
-from jaxrl_scale.config import ConfigError, DistributedConfig
+from jaxrl_scale.configbase import ConfigError
+from jaxrl_scale.parallel.config import DistributedConfig
 from jaxrl_scale.parallel.sharding import replicated
 
 ENV = ("JAXRL_COORDINATOR", "JAXRL_NUM_PROCESSES", "JAXRL_PROCESS_ID")

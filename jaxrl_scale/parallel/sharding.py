@@ -11,13 +11,19 @@ from __future__ import annotations
 import contextlib
 import math
 from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
 import jax
 import numpy as np
 from flax import nnx
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
-from jaxrl_scale.config import ConfigError, ExperimentConfig, MeshConfig
+from jaxrl_scale.configbase import ConfigError
+from jaxrl_scale.parallel.config import MeshConfig
+
+if TYPE_CHECKING:  # the root config composes every part's section
+    from jaxrl_scale.config import ExperimentConfig
+
 
 MESH_AXES = ("data", "fsdp", "expert", "tensor")
 

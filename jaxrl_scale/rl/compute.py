@@ -34,7 +34,7 @@ from collections.abc import Sequence
 
 import jax
 
-from jaxrl_scale.config import ModelConfig
+from jaxrl_scale.models.config import ModelConfig
 
 
 def matmul_params(cfg: ModelConfig) -> int:

@@ -22,12 +22,13 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxrl_scale.config import ConfigError, ExperimentConfig
+from jaxrl_scale.configbase import ConfigError
 from jaxrl_scale.generation.engine import Finished, SlotEngine
 from jaxrl_scale.generation.sampler import (
     Interruption,
@@ -43,6 +44,9 @@ from jaxrl_scale.generation.sampler import (
 from jaxrl_scale.parallel import distributed, sharding
 from jaxrl_scale.rl.curriculum import Curriculum
 from jaxrl_scale.rl.pipeline import ParamsForChunk
+
+if TYPE_CHECKING:  # the root config composes every part's section
+    from jaxrl_scale.config import ExperimentConfig
 
 
 def wave_prompts(cfg: ExperimentConfig, repeat: int, batch_ways: int, n_prompts: int) -> int:

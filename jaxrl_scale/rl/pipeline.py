@@ -47,8 +47,9 @@ from typing import Any
 
 import jax
 
-from jaxrl_scale.config import ConfigError, PipelineConfig
+from jaxrl_scale.configbase import ConfigError
 from jaxrl_scale.rl.buffer import RolloutBuffer, oldest_version
+from jaxrl_scale.rl.config import PipelineConfig
 
 ParamsForChunk = Callable[[int], tuple[int, Any]]
 Producer = Callable[..., Any]  # (params_for_chunk, key, *, oldest: int) -> batch

@@ -27,12 +27,12 @@ from __future__ import annotations
 import dataclasses
 import time
 import warnings
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax
 import numpy as np
 
-from jaxrl_scale.config import ConfigError, ExperimentConfig
+from jaxrl_scale.configbase import ConfigError
 from jaxrl_scale.generation.sampler import (
     INTERRUPTED,
     Interruption,
@@ -49,6 +49,9 @@ from jaxrl_scale.rl.generator import EngineBatches, WaveGenerator, batch_chunks,
 from jaxrl_scale.rl.packing import PackedBatch, PackGeometry, padded_layout
 from jaxrl_scale.rl.pipeline import ParamsForChunk
 from jaxrl_scale.rl.step import Batch
+
+if TYPE_CHECKING:  # the root config composes every part's section
+    from jaxrl_scale.config import ExperimentConfig
 
 
 @dataclasses.dataclass(frozen=True)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import TYPE_CHECKING
 
 import jax
 import jax.numpy as jnp
@@ -14,11 +15,11 @@ import optax
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
-from jaxrl_scale.config import ExperimentConfig, LossConfig, OptimConfig
 from jaxrl_scale.models.lora import merge_policy
 from jaxrl_scale.models.moe import rerouted
 from jaxrl_scale.models.policy import completion_logprobs, route_shapes, token_logprobs
 from jaxrl_scale.parallel.sharding import LOGICAL_RULES, replicated, traced_on
+from jaxrl_scale.rl.config import LossConfig, OptimConfig
 from jaxrl_scale.rl.losses import (
     combine_sums,
     loss_sums,
@@ -27,6 +28,9 @@ from jaxrl_scale.rl.losses import (
     packed_loss_weights,
 )
 from jaxrl_scale.rl.packing import PackedBatch, packed_logprobs
+
+if TYPE_CHECKING:  # the root config composes every part's section
+    from jaxrl_scale.config import ExperimentConfig
 
 
 @jax.tree_util.register_dataclass

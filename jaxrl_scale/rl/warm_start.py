@@ -13,7 +13,7 @@ from __future__ import annotations
 import jax
 import numpy as np
 
-from jaxrl_scale.config import WarmStartConfig
+from jaxrl_scale.rl.config import WarmStartConfig
 from jaxrl_scale.rl.step import make_optimizer, sft_step
 
 WINDOW = 50  # steps in the running mean compared with the target loss

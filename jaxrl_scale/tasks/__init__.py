@@ -38,7 +38,7 @@ def make_task(cfg, *, seed: int, tokenizer=None):
         )
     m = cfg.math
     if not m.data:
-        from jaxrl_scale.config import ConfigError
+        from jaxrl_scale.configbase import ConfigError
 
         raise ConfigError(
             "task.math.data: the math task needs a file or dataset (--set task.math.data=...)"

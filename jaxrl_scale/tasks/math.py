@@ -30,8 +30,8 @@ from pathlib import Path
 
 import numpy as np
 
-from jaxrl_scale.config import MathConfig
 from jaxrl_scale.models.tokenizer import Tokenizer
+from jaxrl_scale.tasks.config import MathConfig
 
 DEFAULT_TEMPLATE = MathConfig.template  # one definition, in the config
 MAX_ANSWER_CHARS = 512
