@@ -41,7 +41,7 @@ PROMPT = 256
 
 def memory_curve(config: str, lengths=LENGTHS) -> dict[int, dict]:
     from jaxrl_scale.config import load_config
-    from jaxrl_scale.memory import train_step_memory
+    from jaxrl_scale.memory.train_step import train_step_memory
     from jaxrl_scale.parallel import sharding
 
     out = {}
@@ -80,7 +80,7 @@ def admission_curve(config: str, devices=(4, 8, 16), prompt_len: int = 1024) -> 
     from flax import nnx
 
     from jaxrl_scale.config import MeshConfig, load_config
-    from jaxrl_scale.memory import _interruption
+    from jaxrl_scale.memory.generator import _interruption
     from jaxrl_scale.models.policy import Policy, for_generation
     from jaxrl_scale.parallel import sharding
     from jaxrl_scale.rl.generator import engine

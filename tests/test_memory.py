@@ -10,7 +10,8 @@ from flax import nnx
 
 from jaxrl_scale.cli import main
 from jaxrl_scale.config import load_config
-from jaxrl_scale.memory import plan, resolve_model, train_step_memory
+from jaxrl_scale.memory import plan, resolve_model
+from jaxrl_scale.memory.train_step import train_step_memory
 from jaxrl_scale.models import lora
 from jaxrl_scale.models.policy import Policy, for_generation
 from jaxrl_scale.parallel import sharding

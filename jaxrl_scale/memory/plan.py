@@ -1,0 +1,154 @@
+"""`plan(cfg)`: every program a run puts on each device, planned on the meshes the run builds,
+and the verdict against the memory pool."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING, Any
+
+import jax
+
+from jaxrl_scale.memory.abstract import (
+    GIB,
+    attention_program,
+    default_mem_fraction,
+    experts_program,
+    task_prompt_len,
+)
+from jaxrl_scale.memory.generator import (
+    bound_temporaries,
+    evaluate_memory,
+    generate_memory,
+    generator_devices,
+    prefill_memory,
+)
+from jaxrl_scale.memory.hosts import group_mesh, plan_hosts
+from jaxrl_scale.memory.report import advice
+from jaxrl_scale.memory.train_step import train_step_memory
+from jaxrl_scale.parallel import sharding
+from jaxrl_scale.rl.rollout import decodes_with_copy
+
+if TYPE_CHECKING:  # the root config composes every part's section
+    from jaxrl_scale.config import ExperimentConfig
+
+
+def plan(
+    cfg: ExperimentConfig,
+    *,
+    prompt_len: int | None = None,
+    device_memory_gib: float | None = None,
+    mem_fraction: float | None = None,
+) -> dict[str, Any]:
+    """Every program's per-device bytes on the config's meshes, what each set of devices
+    holds at once, whether that fits the memory pool (`device_memory_gib` x `mem_fraction`,
+    when given), and for what does not, its biggest term and the settings that shrink it.
+
+    The generator's devices hold, at once: its parameter copies, the slots' decode state,
+    the working memory of whichever of its programs runs (a decode chunk, or the admission /
+    prefill that starts rows), and a held-out evaluation (its waves are decoded beside the
+    generator, which keeps its slots; in threaded pipeline_rl the two run concurrently, so
+    the plan always adds them, an upper bound elsewhere)."""
+    source = "--prompt-len"
+    if prompt_len is None:
+        prompt_len, source = task_prompt_len(cfg)
+    if prompt_len < 1:
+        raise ValueError(f"prompt length must be >= 1, got {prompt_len}")
+    if mem_fraction is not None and not 0 < mem_fraction <= 1:
+        raise ValueError(f"--mem-fraction must be in (0, 1], got {mem_fraction}")
+    attention_note = attention_program(cfg, prompt_len)
+    if jax.default_backend() == "cpu" and cfg.model.attention in ("cudnn", "splash"):
+        # The fused kernels do not compile for CPU (splash only interpreted): the blockwise
+        # attention, whose memory is linear in T as theirs is, stands in for them.
+        cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, attention="blockwise"))
+    planned, experts_note = experts_program(cfg)
+    cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, moe_matmul=planned))
+    mesh, gen_mesh = sharding.make_meshes(cfg)
+    if cfg.hosts.generator_groups:  # each group's own mesh, planned on devices like theirs
+        gen_mesh = group_mesh(cfg)  # (a generator job decodes in static waves)
+        cfg = dataclasses.replace(cfg, sampler=dataclasses.replace(cfg.sampler, batching="static"))
+    sharding.check_divisible(cfg, mesh, gen_mesh)
+    gmesh = gen_mesh or mesh
+    copy = decodes_with_copy(cfg, gen_mesh)
+    # A copy of its own: new weights are placed while the generator may still decode with
+    # the ones it has (pipeline_rl), or while the source still holds them (every mode), so
+    # two copies sit on its devices; never three (`pipeline.ParamsSource`).
+    copies = 2 if copy else 1
+    own_devices = gen_mesh is not None
+    # Evaluation after a step decodes with the generator's newest copy, that step's (the
+    # first, before the generator starts, makes one of its own): no copy beside them.
+    own_copy = False
+
+    def programs(cfg):
+        return {
+            "train_step": train_step_memory(cfg, mesh, prompt_len),
+            "generate": generate_memory(
+                cfg, gmesh, prompt_len, copy=copy, copies=copies, own_devices=own_devices
+            ),
+            "prefill": prefill_memory(cfg, gmesh, prompt_len, copy=copy),
+            "evaluate": evaluate_memory(cfg, gmesh, prompt_len, copy=copy, own_copy=own_copy),
+        }
+
+    report = {
+        "sequence_length": prompt_len + cfg.sampler.max_new_tokens,
+        "prompt_len": prompt_len,
+        "prompt_len_from": source,
+        "max_new_tokens": cfg.sampler.max_new_tokens,
+        "train_mesh": dict(mesh.shape),
+        "generate_mesh": dict(gmesh.shape),
+        "attention": attention_note,
+        **({"experts": experts_note} if experts_note else {}),
+        **programs(cfg),
+    }
+    if jax.default_backend() == "cpu" and cfg.model.dtype != "float32":
+        # The CPU compiler has no bf16 matmuls: it converts their operands (every layer's
+        # weights, the whole KV cache) to float32 copies that an accelerator never makes. The
+        # same program in float32 has no such copies and activations twice as wide: its
+        # temporaries are a second upper bound. Report the smaller one. (A bfloat16 LoRA
+        # base is widened with it, or its kernels would be cast to float32 copies there.)
+        m = cfg.model
+        lora_f32 = dataclasses.replace(m.lora, base_dtype="float32")
+        wide = programs(
+            dataclasses.replace(cfg, model=dataclasses.replace(m, dtype="float32", lora=lora_f32))
+        )
+        for name in ("train_step", "generate", "prefill"):
+            bound_temporaries(report[name], wide[name]["temporaries_bytes"])
+        report["prefill"]["extra_bytes"] = min(
+            report["prefill"]["extra_bytes"], wide["prefill"]["extra_bytes"]
+        )
+        ev, wide_ev = report["evaluate"], wide["evaluate"]
+        ev["working_bytes_as_compiled"] = ev["working_bytes"]
+        ev["working_bytes"] = min(ev["working_bytes"], wide_ev["working_bytes"])
+        ev["per_device_bytes"] = (
+            ev["parameters_bytes"] + ev["decode_state_bytes"] + ev["working_bytes"]
+        )
+    report["generator"] = generator_devices(report)
+    names = ["train_step", "generator"]
+    if cfg.hosts.generator_groups:
+        plan_hosts(report, cfg, mesh, prompt_len)
+        names = ["trainer_host", "generator"]
+    elif gen_mesh is None:
+        # One set of devices: the train state stays while the generator works (pipeline_rl:
+        # the train step runs at once too).
+        train = report["train_step"]
+        if cfg.pipeline.mode == "pipeline_rl":
+            both = train["per_device_bytes"]
+        else:
+            both = train["parameters_bytes"] + train["optimizer_state_bytes"]
+        report["train_and_generate"] = {
+            "per_device_bytes": both + report["generator"]["per_device_bytes"],
+            "concurrent": cfg.pipeline.mode == "pipeline_rl",
+        }
+        names = ["train_step", "train_and_generate"]
+    if device_memory_gib is not None:
+        fraction = mem_fraction if mem_fraction is not None else default_mem_fraction()
+        pool = int(device_memory_gib * fraction * GIB)
+        report["device_memory_bytes"] = int(device_memory_gib * GIB)
+        report["mem_fraction"] = fraction
+        report["pool_bytes"] = pool
+        for name in names:
+            part = report[name]
+            part["fits"] = part["per_device_bytes"] <= pool
+            if not part["fits"]:
+                part["advice"] = advice(name, part, cfg, report)
+        report["fits"] = all(report[name]["fits"] for name in names)
+    return report
