@@ -30,8 +30,10 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import functools
+import inspect
 import sys
 import time
+import types
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -475,3 +477,16 @@ def _progress(row: dict[str, Any], total: int) -> None:
         print("\r" + line.ljust(100), end="\n" if "eval_pass_rate" in row else "", flush=True)
     elif "eval_pass_rate" in row:
         print(line, flush=True)
+
+
+class _TrainModule(types.ModuleType):
+    """This module, callable as its `train`: the package's public face offers
+    `jaxrl_scale.train(cfg, out)`, and Python binds a submodule on its package by the
+    submodule's name, so `jaxrl_scale.train` is this module whichever was imported first."""
+
+    def __call__(self, cfg: ExperimentConfig, out: str | Path, **kwargs) -> list[dict[str, Any]]:
+        return train(cfg, out, **kwargs)
+
+
+__signature__ = inspect.signature(train)
+sys.modules[__name__].__class__ = _TrainModule
