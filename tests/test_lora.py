@@ -356,22 +356,22 @@ def test_run_starts_from_a_peft_adapter_on_a_hugging_face_base(tmp_path):
 
 def test_rank_zero_reproduces_the_numbers_from_before_lora(tmp_path):
     """model.lora.rank = 0 is the code path from before LoRA existed: the same run's metrics
-    as rows saved by that commit (tests/fixtures/make_rank0_reference.py), bit for bit on the
-    platform they were computed on (float bits are not portable across jax versions or CPU
-    kinds); to float32 rounding elsewhere."""
-    import platform
-
+    as rows saved by that commit (tests/fixtures/make_rank0_reference.py). Counts (tokens
+    sampled, rows kept) are equal; floats agree to what XLA's CPU code keeps across processor
+    kinds, whose vector widths and cache blocking sum in other orders. Measured with
+    --xla_cpu_max_isa: AVX-512 reproduces the rows bit for bit, AVX2 within 6e-4 relative
+    (grad_norm, loss) and 3e-7 absolute (mismatch, approx_kl, ~1e-7 values); the same tokens
+    are sampled on both."""
     ref = json.loads((FIXTURES / "rank0_reference.json").read_text())
     # The reference trained padded steps (packing came later; auto may pack these batches).
     overrides = [*ref["overrides"], "model.lora.rank=0", "train.packing=false"]
     rows = train(load_config(TINY_CONFIG, overrides), tmp_path)
-    same_platform = ref["platform"] == {"jax": jax.__version__, "machine": platform.machine()}
     assert len(rows) == len(ref["rows"])
     for got, want in zip(rows, ref["rows"], strict=True):
         assert set(want) <= set(got)
         for key, value in want.items():
-            if same_platform or isinstance(value, int):
-                assert got[key] == value, (want["step"], key)
+            if isinstance(value, float):
+                assert got[key] == pytest.approx(value, rel=2e-3, abs=2e-6), (want["step"], key)
             else:
-                assert got[key] == pytest.approx(value, rel=1e-4, abs=1e-6), (want["step"], key)
+                assert got[key] == value, (want["step"], key)
     assert any(r.get("grad_norm", 0) > 0 for r in rows)  # the run learned something
