@@ -42,13 +42,20 @@ def _value_and_grads(implementation, block, case, cotangent):
     return out, grads
 
 
-@pytest.mark.parametrize("block", [4, 16, 64])
-def test_blockwise_equals_stored_scores_in_values_and_gradients(block):
+@functools.cache
+def _stored_scores_case():
+    """(case, the queries that see a key, cotangent, stored-scores values and gradients): one
+    reference for every block size."""
     case = _random_case(0)
     seen = np.asarray(attention.slot_mask(case[3], case[4]).any(-1))  # [B, T]
-    assert not seen.all() and seen.any()  # the case has queries that see nothing
     cotangent = jax.random.normal(jax.random.key(1), case[0].shape) * seen[:, :, None, None]
-    want, want_g = _value_and_grads("xla", 512, case, cotangent)
+    return case, seen, cotangent, *_value_and_grads("xla", 512, case, cotangent)
+
+
+@pytest.mark.parametrize("block", [4, 16, 64])
+def test_blockwise_equals_stored_scores_in_values_and_gradients(block):
+    case, seen, cotangent, want, want_g = _stored_scores_case()
+    assert not seen.all() and seen.any()  # the case has queries that see nothing
     got, got_g = _value_and_grads("blockwise", block, case, cotangent)
     np.testing.assert_allclose(got[seen], want[seen], atol=2e-6)
     np.testing.assert_array_equal(np.asarray(got)[~seen], 0.0)  # zeros, not NaN
@@ -95,11 +102,12 @@ def test_blockwise_stores_nothing_quadratic():
         grad = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
         return grad.lower(*shapes).compile().memory_analysis().temp_size_in_bytes
 
-    xla = temp("xla", 4096) / temp("xla", 1024)
-    blockwise = temp("blockwise", 4096) / temp("blockwise", 1024)
+    temps = {(i, t): temp(i, t) for i in ("xla", "blockwise") for t in (1024, 4096)}
+    xla = temps["xla", 4096] / temps["xla", 1024]
+    blockwise = temps["blockwise", 4096] / temps["blockwise", 1024]
     assert xla > 10, xla
     assert blockwise < 6, blockwise
-    assert temp("blockwise", 4096) < temp("xla", 4096) / 8
+    assert temps["blockwise", 4096] < temps["xla", 4096] / 8
 
 
 def _collectives_in_loops(hlo: str) -> tuple[int, list[str]]:
@@ -313,18 +321,23 @@ VARIANTS = {  # configurations that must compute the stored-scores reference's n
 }
 
 
-@pytest.mark.parametrize("variant", list(VARIANTS))
-def test_model_variants_match_the_reference_in_logprobs_and_gradients(tiny_model_config, variant):
-    """token_logprobs on left-padded rows and completion_logprobs (the group-shared prompt, per-row
-    positions): values and parameter gradients equal the unscanned, stored-scores model's."""
-    base = dataclasses.replace(tiny_model_config, attention="xla", qk_norm=True)
-    cfg = dataclasses.replace(base, **VARIANTS[variant])
-    ref, model = init_policy(base, seed=6), init_policy(cfg, seed=6)
-    prompts, prompt_mask, completions, mask = _grouped_rows(cfg.vocab_size)
+def _variant_rows(vocab):
+    """The grouped rows as full rows, their mask, and which of their tokens are scored."""
+    prompts, prompt_mask, completions, mask = _grouped_rows(vocab)
     rows = np.concatenate([np.repeat(prompts, 2, axis=0), completions], axis=1)
     row_mask = np.concatenate([np.repeat(prompt_mask, 2, axis=0), mask], axis=1)
     # A row's first real token has no context (it is scored from a padding slot): not compared.
     scored = row_mask & np.pad(row_mask[:, :-1], ((0, 0), (1, 0)))
+    return rows, row_mask, scored
+
+
+@functools.cache
+def _logprobs_and_gradients(cfg):
+    """(token_logprobs of the rows, completion_logprobs of the groups, parameter gradients of
+    their weighted sum) of the policy `cfg` (seed 6): computed once per config, so every
+    variant compares with one run of the reference."""
+    prompts, prompt_mask, completions, mask = _grouped_rows(cfg.vocab_size)
+    rows, row_mask, scored = _variant_rows(cfg.vocab_size)
     w_rows = jax.random.normal(jax.random.key(1), rows.shape) * scored
     w_completions = jax.random.normal(jax.random.key(2), completions.shape) * mask
 
@@ -334,15 +347,27 @@ def test_model_variants_match_the_reference_in_logprobs_and_gradients(tiny_model
         return jnp.sum(full * w_rows) + jnp.sum(shared * w_completions), (full, shared)
 
     grad = nnx.jit(nnx.value_and_grad(loss, has_aux=True))
-    (_, (want_full, want_shared)), want_g = grad(ref)
-    (_, (got_full, got_shared)), got_g = grad(model)
+    (_, (full, shared)), grads = grad(init_policy(cfg, seed=6))
+    return np.asarray(full), np.asarray(shared), [np.asarray(g) for g in jax.tree.leaves(grads)]
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_model_variants_match_the_reference_in_logprobs_and_gradients(tiny_model_config, variant):
+    """token_logprobs on left-padded rows and completion_logprobs (the group-shared prompt, per-row
+    positions): values and parameter gradients equal the unscanned, stored-scores model's."""
+    base = dataclasses.replace(tiny_model_config, attention="xla", qk_norm=True)
+    cfg = dataclasses.replace(base, **VARIANTS[variant])
+    mask = _grouped_rows(cfg.vocab_size)[3]
+    scored = _variant_rows(cfg.vocab_size)[2]
+    want_full, want_shared, want_g = _logprobs_and_gradients(base)
+    got_full, got_shared, got_g = _logprobs_and_gradients(cfg)
     np.testing.assert_allclose(
         np.where(scored, got_full, 0), np.where(scored, want_full, 0), atol=2e-5
     )
     np.testing.assert_allclose(
         np.where(mask, got_shared, 0), np.where(mask, want_shared, 0), atol=2e-5
     )
-    for a, b in zip(jax.tree.leaves(got_g), jax.tree.leaves(want_g), strict=True):
+    for a, b in zip(got_g, want_g, strict=True):
         np.testing.assert_allclose(a, b, atol=5e-5)
 
 

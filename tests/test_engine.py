@@ -89,7 +89,8 @@ def test_a_reused_slot_sees_nothing_of_its_previous_occupant(qwen2):
     assert len(done) == len(PROMPTS)
     seq = np.stack([np.concatenate([f.prompt, f.tokens]) for f in done])
     mask = np.stack([np.concatenate([f.prompt_mask, np.ones(N_NEW, bool)]) for f in done])
-    want = token_logprobs(qwen2, jnp.asarray(seq), mask_bt=jnp.asarray(mask))[:, 16:]
+    full = nnx.jit(lambda model, seq, mask: token_logprobs(model, seq, mask_bt=mask))
+    want = full(qwen2, jnp.asarray(seq), jnp.asarray(mask))[:, 16:]  # one compiled program
     got = np.stack([f.logp for f in done])
     keep = np.stack([f.mask for f in done]) > 0
     assert keep.sum() > len(PROMPTS)
@@ -342,7 +343,7 @@ def _engine_on(model, mesh, *, slots):
 ADMISSION_SCRIPT = """
 import json, jax
 from flax import nnx
-from jaxrl_scale.rl.generator import engine
+from jaxrl_scale.generation import engine
 from jaxrl_scale.parallel import sharding
 from jaxrl_scale.config import MeshConfig, ModelConfig
 from jaxrl_scale.models.policy import Policy

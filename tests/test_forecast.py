@@ -52,12 +52,12 @@ def test_not_identifiable_before_the_inflection_then_converges_to_the_true_ceili
 
 def test_budget_is_projected_from_the_spend_so_far_unless_configured():
     compute, rate = _stream()
-    forecaster = OnlineForecast(ForecastConfig(every=1, bootstrap=100), total_steps=100)
+    forecaster = OnlineForecast(ForecastConfig(every=1, bootstrap=200), total_steps=100)
     forecaster.observe(0, 0.0, R0)
     for step in range(1, 7):  # 6 evals at steps 1..6, compute = step * C_MID / 4
         fields = forecaster.observe(step, compute[step - 1], rate[step - 1])
     assert fields["forecast_budget"] == pytest.approx(100 * C_MID / 4)
-    fixed = OnlineForecast(ForecastConfig(every=1, budget=5e13, bootstrap=100), total_steps=100)
+    fixed = OnlineForecast(ForecastConfig(every=1, budget=5e13, bootstrap=200), total_steps=100)
     fixed.observe(0, 0.0, R0)
     for step in range(1, 7):
         fields = fixed.observe(step, compute[step - 1], rate[step - 1])
@@ -66,7 +66,7 @@ def test_budget_is_projected_from_the_spend_so_far_unless_configured():
 
 def test_refits_every_m_evaluations_only():
     compute, rate = _stream()
-    forecaster = OnlineForecast(ForecastConfig(every=3, bootstrap=100), total_steps=24)
+    forecaster = OnlineForecast(ForecastConfig(every=3, bootstrap=200), total_steps=24)
     forecaster.observe(0, 0.0, R0)
     due = [
         forecaster.observe(i + 1, c, r) is not None
@@ -92,11 +92,14 @@ def test_stop_when_the_remaining_gain_is_small():
     assert stopped_at > 4
     message = forecaster.should_stop()
     assert "forecast.stop_when_gain_below" in message and "stopping" in message
-    # Without the option nothing stops.
-    never = OnlineForecast(ForecastConfig(every=1, bootstrap=100), total_steps=40)
+    # Without the option nothing stops, not even on the forecast that stopped the run above
+    # (the same evaluations up to there, refitted alike).
+    never = OnlineForecast(ForecastConfig(every=1, bootstrap=200), total_steps=40)
     never.observe(0, 0.0, R0)
-    for step, (c, r) in enumerate(zip(compute, rate, strict=True), start=1):
+    seen = zip(compute[:stopped_at], rate[:stopped_at], strict=True)
+    for step, (c, r) in enumerate(seen, start=1):
         never.observe(step, c, r)
+    assert never.last == forecaster.last
     assert never.should_stop() is None
 
 

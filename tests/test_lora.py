@@ -90,7 +90,7 @@ def test_lora_from_yaml_overrides_and_groups():
 
 def test_lora_policy_starts_equal_to_its_base():
     base = Policy(_tiny(0), rngs=nnx.Rngs(params=3))
-    adapted = Policy(_tiny(8), rngs=nnx.Rngs(params=3))
+    adapted = Policy(_tiny(4), rngs=nnx.Rngs(params=3))
     _, frozen, adapters = lora.split_policy(adapted, adapted.cfg)
     for x, y in zip(jax.tree.leaves(nnx.state(base)), jax.tree.leaves(frozen), strict=True):
         np.testing.assert_array_equal(x, y)  # the same base as a rank-0 policy of this seed
@@ -205,6 +205,13 @@ def _objective(model: Policy, batch: Batch, group_size: int):
     return loss
 
 
+def _adapter_grads(graphdef, adapters, frozen, batch: Batch, group_size: int):
+    """dL/d(adapters) of `_objective`, one compiled program (op by op, each op would compile
+    on its own): the tests that take it of the same config and batch compile it once."""
+    loss = lambda a, f: _objective(lora.merge_policy(graphdef, a, f), batch, group_size)  # noqa: E731
+    return jax.jit(jax.grad(loss))(adapters, frozen)
+
+
 def test_adapter_gradients_are_the_full_gradient_projected():
     """At B = 0, dL/dB = s A^T dL/dW (W's full fine-tuning gradient) and dL/dA = 0: the
     adapted forward and its backward, checked against the rank-0 model's own gradient."""
@@ -212,12 +219,10 @@ def test_adapter_gradients_are_the_full_gradient_projected():
     batch = _batch(cfg)
     full = Policy(_tiny(0), rngs=nnx.Rngs(params=1))
     graphdef0, params0 = nnx.split(full)
-    g_full = jax.grad(lambda p: _objective(nnx.merge(graphdef0, p), batch, 2))(params0)
+    g_full = jax.jit(jax.grad(lambda p: _objective(nnx.merge(graphdef0, p), batch, 2)))(params0)
     adapted = Policy(cfg, rngs=nnx.Rngs(params=1))
     graphdef, frozen, adapters = lora.split_policy(adapted, cfg)
-    g_lora = jax.grad(lambda a: _objective(lora.merge_policy(graphdef, a, frozen), batch, 2))(
-        adapters
-    )
+    g_lora = _adapter_grads(graphdef, adapters, frozen, batch, 2)
     flat_full, flat_lora = dict(nnx.to_flat_state(g_full)), dict(nnx.to_flat_state(g_lora))
     flat_a = dict(nnx.to_flat_state(adapters))
     checked = 0
@@ -238,7 +243,7 @@ def test_adapter_gradients_are_the_full_gradient_projected():
 
 @pytest.mark.parametrize("micro_batches", [1, 2])
 def test_train_step_updates_the_adapters_alone(micro_batches):
-    cfg = _tiny(4)
+    cfg = _tiny(4, alpha=8)  # test_adapter_gradients_...: the same gradient program
     batch = _batch(cfg, p=2, g=2)
     graphdef, frozen, adapters = lora.split_policy(Policy(cfg, rngs=nnx.Rngs(params=2)), cfg)
     frozen_before = [np.asarray(x) for x in jax.tree.leaves(frozen)]
@@ -260,11 +265,16 @@ def test_train_step_updates_the_adapters_alone(micro_batches):
         if float(jnp.abs(v.get_value()).max()) > 0
     }
     assert "lora_b" in moved  # B left zero: the first step's gradient reaches B
+
     # The same update, computed without the train step: one AdamW step on the gradient.
-    loss_fn = lambda a: _objective(lora.merge_policy(graphdef, a, frozen), batch, 2)  # noqa: E731
-    grads = jax.grad(loss_fn)(adapters)
-    updates, _ = tx.update(grads, tx.init(adapters), adapters)
-    expected = optax.apply_updates(adapters, updates)
+    grads = _adapter_grads(graphdef, adapters, frozen, batch, 2)
+
+    @jax.jit  # one program (op by op, each op would compile on its own)
+    def adamw_step(grads, adapters):
+        updates, _ = tx.update(grads, tx.init(adapters), adapters)
+        return optax.apply_updates(adapters, updates)
+
+    expected = adamw_step(grads, adapters)
     for x, y in zip(jax.tree.leaves(expected), jax.tree.leaves(new.params), strict=True):
         np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-6)
 
@@ -298,9 +308,16 @@ def _adapter_bytes(cfg: ModelConfig) -> int:
     return 4 * r * per_layer * cfg.num_layers
 
 
+# The two LoRA runs' shared settings, so that the second reuses the first's compiled programs
+# (model, warm start, eval, train step). One warm-start step: a second compiles its step again
+# (the optimizer state comes back in other shardings than tx.init's), and neither test looks at
+# the warm start.
+LORA_RUN = ["model.lora.rank=4", "model.matmul_precision=highest", "warm_start.steps=1"]
+
+
 def test_pipeline_rl_run_sends_adapters_only_and_logprobs_match(tmp_path):
-    cfg = load_config(TINY_CONFIG, [*FAST, "model.lora.rank=4", "pipeline.mode=pipeline_rl",
-                                    "train.steps=3", "model.matmul_precision=highest"])  # fmt: skip
+    cfg = load_config(TINY_CONFIG, [*FAST, *LORA_RUN, "pipeline.mode=pipeline_rl",
+                                    "train.steps=3"])  # fmt: skip
     rows = train(cfg, tmp_path)
     steps = [r for r in rows if r["step"] > 0]
     assert len(steps) == 3
@@ -317,7 +334,7 @@ def test_lora_checkpoint_exports_and_refuses_another_base(tmp_path):
     from jaxrl_scale.rl.checkpoint import CheckpointMismatch
     from jaxrl_scale.train import setup
 
-    args = [*FAST, "model.lora.rank=4", "pipeline.mode=sync", "train.steps=2", "checkpoint.every=2"]
+    args = [*FAST, *LORA_RUN, "pipeline.mode=sync", "train.steps=2", "checkpoint.every=2"]
     train(load_config(TINY_CONFIG, args), tmp_path)
     run = setup(load_config(TINY_CONFIG, args), tmp_path)  # the same base: resumes
     assert run.resumed and run.start.step == 2

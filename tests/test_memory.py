@@ -18,12 +18,19 @@ from jaxrl_scale.parallel import sharding
 from jaxrl_scale.rl.step import Batch, compile_run_step, init_train_state, make_optimizer
 
 TINY = "configs/tiny_arithmetic.yaml"
-# A longer completion than the demo's, so activations are the biggest term.
-LONG = ["sampler.max_new_tokens=64", "train.prompts_per_step=8", "train.group_size=8"]
+# A longer completion than the demo's, so activations are the biggest term; one layer (a
+# plan's bytes scale with the layers, its compile time too) unless a test says otherwise.
+LONG = [
+    "sampler.max_new_tokens=64", "train.prompts_per_step=8", "train.group_size=8",
+    "model.num_layers=1",
+]  # fmt: skip
+# Parameters and optimizer state split over 8 devices: the plan several tests share (the
+# programs compiled once, the same again from the persistent compilation cache).
+SHARDED = ["mesh.data=1", "mesh.fsdp=8", *LONG]
 
 
 def test_json_reports_both_programs_and_the_parameters_match_real_shards(capsys):
-    overrides = ["mesh.data=1", "mesh.fsdp=8", *LONG]
+    overrides = SHARDED
     assert (
         main(["memory", "--config", TINY, "--json", *sum((["--set", o] for o in overrides), [])])
         == 0
@@ -54,8 +61,8 @@ def test_json_reports_both_programs_and_the_parameters_match_real_shards(capsys)
 
 def test_a_config_that_does_not_fit_exits_1_and_names_the_biggest_term(capsys, monkeypatch):
     monkeypatch.delenv("XLA_PYTHON_CLIENT_MEM_FRACTION", raising=False)
-    args = ["memory", "--config", TINY, "--set", "mesh.data=-1", "--device-memory", "0.0001"]
-    assert main(args + [f"--set={o}" for o in LONG]) == 1
+    args = ["memory", "--config", TINY, "--device-memory", "0.0001"]
+    assert main(args + [f"--set={o}" for o in SHARDED]) == 1
     out = capsys.readouterr().out
     assert "memory pool: 0.1 MiB per device = 0.1 MiB x 0.75" in out
     assert "train step: " in out and ", fits: NO" in out
@@ -73,9 +80,10 @@ def _temporaries(overrides):
 
 
 def test_the_named_knobs_shrink_the_train_step():
-    base = ["mesh.data=1", "model.num_layers=4"]
+    base = ["mesh.data=1"]
     assert _temporaries([*base, "train.micro_batches=4"]) < 0.6 * _temporaries(base)
-    scanned = [*base, "model.num_layers=8", "model.hidden_size=256", "model.scan_layers=true"]
+    # Two layers, the fewest whose scan has stored activations for remat to drop.
+    scanned = [*base, "model.num_layers=2", "model.scan_layers=true"]
     assert _temporaries([*scanned, "model.remat=full"]) < 0.5 * _temporaries(scanned)
 
 
@@ -93,8 +101,15 @@ def test_plan_rejects_a_bad_prompt_length():
         plan(load_config(TINY, ["mesh.data=1"]), prompt_len=0)
 
 
+# Blocks of 4 positions: a prompt (8) spans two, a LONG row (8 + 64) eighteen, so `auto`
+# compiles the blockwise attention wherever a plan attends but in decoding (one query).
+BLOCKS = ["mesh.data=1", "model.attention_block_size=4", *LONG]
+
+
 def test_procedural_prompt_length_is_measured():
-    report = plan(load_config(TINY, ["mesh.data=1", "model.attention=splash"]))
+    # Splash is planned as blockwise on CPU: the programs of the auto plan on BLOCKS in
+    # test_the_plan_says_which_attention_it_compiled.
+    report = plan(load_config(TINY, [*BLOCKS, "model.attention=splash"]))
     assert report["prompt_len"] % 8 == 0 and 0 < report["prompt_len"] <= 16
     assert "arithmetic prompts" in report["prompt_len_from"]
     assert np.isfinite(report["train_step"]["per_device_bytes"])
@@ -164,7 +179,7 @@ def test_the_generator_plan_covers_the_live_buffers_of_a_real_run(tmp_path):
 
     cfg = load_config(TINY_CONFIG, [
         *FAST, "mesh.data=4", "pipeline.generator_devices=4", "sampler.slots=16",
-        "sampler.max_new_tokens=128", "model.hidden_size=64", "model.num_layers=2",
+        "sampler.max_new_tokens=128", "model.hidden_size=64", "model.num_layers=1",
         "train.steps=2", "train.eval_every=2", "task.num_eval=32", "train.eval_samples=4",
         "pipeline.lockstep=true", "warm_start.steps=0",
     ])  # fmt: skip
@@ -198,8 +213,10 @@ def test_the_plan_covers_admission_evaluation_and_the_pool(capsys, monkeypatch):
     the engine's admission (whichever needs more), the slots' state, the parameter copies
     and held-out evaluation, in waves bounded by sampler.slots; the verdict is against the
     pool JAX gets (XLA_PYTHON_CLIENT_MEM_FRACTION of the device, 0.75 unless set)."""
-    overrides = ["pipeline.generator_devices=4", "mesh.data=4", "sampler.slots=16",
-                 "task.num_eval=40", "train.eval_samples=4", *LONG]  # fmt: skip
+    # The trainer's layout and the generator's programs of the float32 plan in
+    # test_bf16_generator_on_its_own_devices_reports_its_copy_and_the_smaller_bound.
+    overrides = ["pipeline.generator_devices=4", "mesh.data=1", "mesh.fsdp=4",
+                 "sampler.slots=16", "task.num_eval=40", "train.eval_samples=4", *LONG]  # fmt: skip
     cfg = load_config(TINY, overrides)
     report = plan(cfg, prompt_len=8)
     gen, ev, first = report["generator"], report["evaluate"], report["prefill"]
@@ -229,10 +246,10 @@ def test_the_plan_covers_admission_evaluation_and_the_pool(capsys, monkeypatch):
 
 
 def test_the_plan_says_which_attention_it_compiled():
-    long = plan(load_config(TINY, ["mesh.data=1", "model.attention_block_size=8", *LONG]))
+    long = plan(load_config(TINY, BLOCKS))
     assert long["attention"].startswith("auto compiled as blockwise on cpu")
     assert "a GPU runs cudnn" in long["attention"]
-    short = plan(load_config(TINY, ["mesh.data=1"]))  # every key in one block
+    short = plan(load_config(TINY, SHARDED))  # every key in one block (72 of 512)
     assert short["attention"].startswith("auto compiled as xla")
 
 
@@ -290,7 +307,7 @@ def test_the_plan_compiles_the_train_step_a_run_builds(extra):
     """Rank 0 plans today's program; with LoRA, the run's (the base a non-donated argument
     of its own, the adapters the train state): the same bytes as compiling the step from
     the real arrays a run makes."""
-    cfg = load_config(TINY, ["mesh.data=1", "mesh.fsdp=8", *LONG, *extra])
+    cfg = load_config(TINY, [*SHARDED, *extra])
     mesh, _ = sharding.make_meshes(cfg)
     planned = train_step_memory(cfg, mesh, 8)
     run = _run_train_step(cfg, 8)
@@ -303,8 +320,8 @@ def test_lora_plan_counts_base_adapters_and_their_optimizer_state_by_hand():
     """On a batch-only mesh (every parameter whole on each device): the adapters are float32
     A and B of the shapes above, Adam's two moments are over them alone, the base holds its
     layer kernels in bfloat16 and everything else as full fine-tuning does."""
-    full_cfg = load_config(TINY, ["mesh.data=8"])
-    cfg = load_config(TINY, ["mesh.data=8", *LORA])
+    full_cfg = load_config(TINY, ["mesh.data=8", *LONG])
+    cfg = load_config(TINY, ["mesh.data=8", *LONG, *LORA])
     mesh, _ = sharding.make_meshes(cfg)
     full = train_step_memory(full_cfg, mesh, 8)
     planned = train_step_memory(cfg, mesh, 8)
@@ -330,7 +347,7 @@ def test_lora_plan_counts_base_adapters_and_their_optimizer_state_by_hand():
 def test_lora_holds_less_per_device_than_full_fine_tuning_on_fsdp_8(capsys):
     """Where the parameters' state is what a device holds most of (a wider model, short
     rows), LoRA's whole plan is smaller; its adapters' optimizer state is a sliver."""
-    wide = ["model.hidden_size=256", "model.intermediate_size=1024", "model.num_layers=4"]
+    wide = ["model.hidden_size=256", "model.intermediate_size=1024", "model.num_layers=1"]
     short = ["train.prompts_per_step=8", "train.group_size=8"]
     overrides = ["mesh.data=1", "mesh.fsdp=8", *wide, *short]
     full = plan(load_config(TINY, overrides), prompt_len=8)
@@ -353,10 +370,11 @@ def test_lora_generator_holds_one_base_and_adapter_copies(own):
     adapter copies in flight (pipeline_rl). Beside the trainer it shares the base's buffers
     but for those `for_generation` narrows (here the untied embedding): counted from real
     arrays, by which buffers are new."""
-    layout = ["pipeline.generator_devices=4", "mesh.fsdp=4"] if own else ["mesh.fsdp=8"]
+    # The trainer on 4 devices either way (its programs compiled once for both).
+    layout = ["pipeline.generator_devices=4", "mesh.fsdp=4"] if own else ["mesh.fsdp=4"]
     cfg = load_config(TINY, [
         "mesh.data=1", *layout, "sampler.slots=16", "model.dtype=bfloat16",
-        "model.tie_embeddings=false", *LORA,
+        "model.tie_embeddings=false", "model.num_layers=1", *LORA,
     ])  # fmt: skip
     report = plan(cfg, prompt_len=8)
     gen = report["generate"]
@@ -387,7 +405,8 @@ def test_a_peft_adapter_fixes_the_planned_rank_and_targets(tmp_path):
     a run does (only q and v here: A [D, r] and B [r, H E] or [r, K E] per layer)."""
     config = {"peft_type": "LORA", "r": 2, "lora_alpha": 4, "target_modules": ["q_proj", "v_proj"]}
     (tmp_path / "adapter_config.json").write_text(json.dumps(config))
-    cfg = resolve_model(load_config(TINY, ["mesh.data=8", f"model.lora.init_from={tmp_path}"]))
+    lora_from = f"model.lora.init_from={tmp_path}"
+    cfg = resolve_model(load_config(TINY, ["mesh.data=8", *LONG, lora_from]))
     assert cfg.model.lora.rank == 2 and cfg.model.lora.projections == ("q_proj", "v_proj")
     mesh, _ = sharding.make_meshes(cfg)
     m = cfg.model

@@ -1,4 +1,5 @@
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -27,14 +28,25 @@ def _naive_logprobs(model, tokens, temperature=1.0, mask=None):
     return jnp.pad(picked, ((0, 0), (1, 0)))
 
 
+# The model's forward as one compiled program (its ops one by one compile one program each;
+# test_jit_matches_eager compares the two).
+_forward = nnx.jit(lambda model, tokens, mask=None: model(tokens, mask_bt=mask))
+
+
+@functools.cache
+def _pretrained(arch):
+    """(the fixture checkpoint of `arch`, loaded once; the transformers reference arrays)."""
+    model, _ = load_pretrained(HF_FIXTURES / arch)
+    return model, load_file(str(HF_FIXTURES / arch / "reference.safetensors"))
+
+
 # --------------------------------------------------------------------------- HF parity
 
 
 @pytest.mark.parametrize("arch", ARCHES)
 def test_logits_match_transformers_reference(arch):
-    model, _ = load_pretrained(HF_FIXTURES / arch)
-    ref = load_file(str(HF_FIXTURES / arch / "reference.safetensors"))
-    logits = np.asarray(model(jnp.asarray(ref["tokens"])))
+    model, ref = _pretrained(arch)
+    logits = np.asarray(_forward(model, jnp.asarray(ref["tokens"])))
     assert logits.dtype == np.float32
     assert logits.shape == ref["logits"].shape
     assert np.abs(logits - ref["logits"]).max() < 1e-4
@@ -43,10 +55,9 @@ def test_logits_match_transformers_reference(arch):
 
 @pytest.mark.parametrize("arch", ARCHES)
 def test_left_padded_rows_match_transformers_reference(arch):
-    model, _ = load_pretrained(HF_FIXTURES / arch)
-    ref = load_file(str(HF_FIXTURES / arch / "reference.safetensors"))
+    model, ref = _pretrained(arch)
     mask = ref["padded_mask"].astype(bool)
-    logits = np.asarray(model(jnp.asarray(ref["padded_tokens"]), mask_bt=jnp.asarray(mask)))
+    logits = np.asarray(_forward(model, jnp.asarray(ref["padded_tokens"]), jnp.asarray(mask)))
     assert np.isfinite(logits).all()
     assert np.abs(logits - ref["padded_logits"])[mask].max() < 1e-4
 
@@ -56,7 +67,9 @@ def test_padding_does_not_change_real_tokens(tiny_model_config):
     tokens = jnp.array([[5, 9, 11, 3, 7]])
     padded = jnp.array([[0, 0, 5, 9, 11, 3, 7]])
     mask = jnp.array([[0, 0, 1, 1, 1, 1, 1]])
-    np.testing.assert_allclose(model(padded, mask_bt=mask)[:, 2:], model(tokens), atol=1e-5)
+    np.testing.assert_allclose(
+        _forward(model, padded, mask)[:, 2:], _forward(model, tokens), atol=1e-5
+    )
 
 
 def test_llama3_rope_scaling_by_hand():
@@ -75,12 +88,22 @@ def test_llama3_rope_scaling_by_hand():
 # --------------------------------------------------------------------------- log-probs
 
 
+@functools.cache
+def _naive_qwen3_logprobs():
+    """The qwen3 fixture's tokens and their log-probs at temperature 0.7 from the whole
+    log-softmax (one reference for every chunk size)."""
+    model, ref = _pretrained("qwen3")
+    tokens = jnp.asarray(ref["tokens"])
+    return tokens, nnx.jit(functools.partial(_naive_logprobs, temperature=0.7))(model, tokens)
+
+
 @pytest.mark.parametrize("chunk", [1, 4, 7, 64])
 def test_token_logprobs_match_full_log_softmax(chunk):
-    model, _ = load_pretrained(HF_FIXTURES / "qwen3")
-    tokens = jnp.asarray(load_file(str(HF_FIXTURES / "qwen3" / "reference.safetensors"))["tokens"])
-    got = token_logprobs(model, tokens, chunk_size=chunk, temperature=0.7)
-    want = _naive_logprobs(model, tokens, temperature=0.7)
+    model, _ = _pretrained("qwen3")
+    tokens, want = _naive_qwen3_logprobs()
+    got = nnx.jit(functools.partial(token_logprobs, chunk_size=chunk, temperature=0.7))(
+        model, tokens
+    )
     assert got.shape == tokens.shape and got.dtype == jnp.float32
     assert np.all(np.asarray(got[:, 0]) == 0)
     np.testing.assert_allclose(got, want, atol=1e-5)
@@ -94,8 +117,8 @@ def test_token_logprobs_gradient_matches_naive(tiny_model_config):
     def loss(fn):
         return lambda m: jnp.sum(fn(m) * weights)
 
-    g_chunked = nnx.grad(loss(lambda m: token_logprobs(m, tokens, chunk_size=3)))(model)
-    g_naive = nnx.grad(loss(lambda m: _naive_logprobs(m, tokens)))(model)
+    g_chunked = nnx.jit(nnx.grad(loss(lambda m: token_logprobs(m, tokens, chunk_size=3))))(model)
+    g_naive = nnx.jit(nnx.grad(loss(lambda m: _naive_logprobs(m, tokens))))(model)
     for a, b in zip(jax.tree.leaves(g_chunked), jax.tree.leaves(g_naive), strict=True):
         np.testing.assert_allclose(a, b, atol=1e-5)
 
@@ -122,19 +145,23 @@ def test_completion_logprobs_share_the_prompt_and_match_full_rows(tiny_model_con
     row_mask = np.concatenate([np.repeat(prompt_mask, 3, axis=0), mask], axis=1)
     weights = jax.random.normal(jax.random.key(3), completions.shape) * mask
 
-    @nnx.jit
     def shared(m):
         return completion_logprobs(m, prompts, prompt_mask, completions, mask, temperature=0.8)
 
-    @nnx.jit
     def full(m):  # every row on its own, naive log-softmax over the whole vocabulary
         return _naive_logprobs(m, jnp.asarray(rows), 0.8, jnp.asarray(row_mask))[:, 5:]
 
-    got, want = shared(model), full(model)
+    def value_and_grad(logprobs):  # the log-probs and the gradient, one program
+        def loss(m):
+            logp = logprobs(m)
+            return jnp.sum(logp * weights), logp
+
+        (_, logp), grads = nnx.jit(nnx.value_and_grad(loss, has_aux=True))(model)
+        return logp, grads
+
+    (got, g_shared), (want, g_full) = value_and_grad(shared), value_and_grad(full)
     assert got.shape == completions.shape and got.dtype == jnp.float32
     np.testing.assert_allclose(np.where(mask, got, 0), np.where(mask, want, 0), atol=1e-5)
-    g_shared = nnx.jit(nnx.grad(lambda m: jnp.sum(shared(m) * weights)))(model)
-    g_full = nnx.jit(nnx.grad(lambda m: jnp.sum(full(m) * weights)))(model)
     for a, b in zip(jax.tree.leaves(g_shared), jax.tree.leaves(g_full), strict=True):
         np.testing.assert_allclose(a, b, atol=2e-5)
 
@@ -188,9 +215,9 @@ def test_parameters_stay_float32_under_bf16_compute(tiny_model_config):
     model = init_policy(cfg)
     assert {p.dtype for p in jax.tree.leaves(nnx.state(model, nnx.Param))} == {jnp.dtype("float32")}
     tokens = jnp.arange(12).reshape(2, 6)
-    logits = model(tokens)
+    logits = _forward(model, tokens)
     assert logits.dtype == jnp.float32
-    ref = init_policy(tiny_model_config)(tokens)
+    ref = _forward(init_policy(tiny_model_config), tokens)
     np.testing.assert_allclose(logits, ref, atol=0.05)  # bf16 compute, close but not exact
 
 

@@ -84,12 +84,13 @@ def test_grouped_and_dense_experts_equal_a_per_token_loop_with_their_gradients()
     weights, experts = route(jnp.asarray(logits), K, normalize=True)
     want = _np_experts(x, np.asarray(weights), np.asarray(experts), *kernels)
     args = (jnp.asarray(x), weights, experts, *map(jnp.asarray, kernels))
-    for fn in (experts_dense, experts_ragged, experts_tiled, experts_scan):
-        np.testing.assert_allclose(np.asarray(fn(*args)), want, rtol=1e-4, atol=1e-5)
-    # Tiles of 4 rows: experts' groups span several tiles, and some tiles are padding.
-    for fn in (experts_tiled, experts_scan):
-        tiny = fn(*args, tile=4)
-        np.testing.assert_allclose(np.asarray(tiny), want, rtol=1e-4, atol=1e-5)
+    # Every forward in one compiled program (op by op, each op would compile on its own);
+    # then tiles of 4 rows: experts' groups span several tiles, and some tiles are padding.
+    forwards = [experts_dense, experts_ragged, experts_tiled, experts_scan]
+    forwards += [functools.partial(fn, tile=4) for fn in (experts_tiled, experts_scan)]
+    outs = jax.jit(lambda *a: [fn(*a) for fn in forwards])(*args)
+    for out in outs:
+        np.testing.assert_allclose(np.asarray(out), want, rtol=1e-4, atol=1e-5)
     # Gradients (inputs, routing weights, every expert's matrices) agree too.
     probe = jnp.asarray(np.random.default_rng(2).normal(size=(N, D)), jnp.float32)
 
@@ -98,9 +99,9 @@ def test_grouped_and_dense_experts_equal_a_per_token_loop_with_their_gradients()
 
     diff = (0, 1, 2, 3, 4)
     flat = (args[0], args[1], *args[3:])
-    dense = jax.grad(loss(experts_dense), argnums=diff)(*flat)
-    for fn in (experts_ragged, experts_tiled, functools.partial(experts_scan, tile=4)):
-        grouped = jax.grad(loss(fn), argnums=diff)(*flat)
+    fns = (experts_dense, experts_ragged, experts_tiled, functools.partial(experts_scan, tile=4))
+    dense, *others = jax.jit(lambda *a: [jax.grad(loss(fn), argnums=diff)(*a) for fn in fns])(*flat)
+    for grouped in others:
         for a, b in zip(dense, grouped, strict=True):
             assert float(jnp.abs(a).max()) > 0
             np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-4, atol=1e-5)
@@ -149,10 +150,20 @@ def test_an_moe_policy_trains_with_rl(tmp_path, replay):
     moe = ["model.architecture=qwen3_moe", "model.qk_norm=true", "model.num_experts=4"]
     moe += ["model.num_experts_per_tok=2", "model.moe_intermediate_size=16"]
     moe += ["model.mlp_only_layers=[0]", "model.num_layers=2", "train.steps=2"]
+    # One warm-start step: its step compiles again on a second call (the optimizer state
+    # comes back in other shardings than tx.init's), and the RL part is what is checked here.
+    moe += ["warm_start.steps=1"]
     if replay:  # the experts ride from the slot engine on expert-parallel generator devices
         # through the packed batch to an fsdp x expert trainer
         moe += ["model.router_replay=true", "train.packing=true", "pipeline.generator_devices=4"]
         moe += ["mesh.data=1", "mesh.fsdp=2", "mesh.expert=2"]
+        # Rows of 48 hold any 2 groups (a prompt of <= 8 and 4 x 4 tokens): every batch packs
+        # into one bucket of 4 rows, one compiled step (rows of 24 needed 5 -> 8 rows at first).
+        moe += ["train.pack_length=48"]
+        # Rollouts decode on the slot engine; the static path only evaluates, with fixed
+        # weights, for which chunks change nothing but compile decode again (its state comes
+        # back from the first chunk in other shardings): one chunk.
+        moe += ["sampler.chunk_size=0"]
     rows = train(load_config(TINY_CONFIG, [*FAST, *moe]), tmp_path)
     assert [r["step"] for r in rows] == [0, 1, 2]  # the slot engine decoded, the step trained
     assert all(np.isfinite(r["loss"]) and r["gen_tokens"] > 0 for r in rows[1:])
@@ -163,17 +174,35 @@ def test_an_moe_policy_trains_with_rl(tmp_path, replay):
         assert "router_differs" not in rows[1]
 
 
-def test_policy_gradients_reach_the_router_and_agree_between_matmuls():
+@pytest.fixture(scope="module")
+def one_device_grads():
+    """matmul -> (parameters, loss function, tokens, loss, gradients): an 8-expert policy's
+    summed token log-probs and their gradients on one device, computed once per matmul for
+    the tests below, which compare the matmuls (the same parameters under each) and the
+    meshes against them."""
     from flax import nnx
 
     from jaxrl_scale.models.policy import init_policy, token_logprobs
 
-    cfg = _tiny_moe()
-    tokens = jax.random.randint(jax.random.key(0), (2, 9), 0, 32)
-    grads = {}
-    for matmul in ("dense", "ragged", "tiled"):
-        model = init_policy(dataclasses.replace(cfg, moe_matmul=matmul), seed=3)
-        grads[matmul] = nnx.grad(lambda m: jnp.sum(token_logprobs(m, tokens)))(model)
+    tokens = jax.random.randint(jax.random.key(0), (8, 6), 0, 32)
+    done = {}
+
+    def get(matmul):
+        if matmul not in done:
+            graphdef, state = nnx.split(init_policy(_tiny_moe(num_experts=8, moe_matmul=matmul), 1))
+
+            def loss(state, tokens):
+                return jnp.sum(token_logprobs(nnx.merge(graphdef, state), tokens))
+
+            want, want_grads = jax.jit(jax.value_and_grad(loss))(state, tokens)
+            done[matmul] = (state, loss, tokens, want, want_grads)
+        return done[matmul]
+
+    return get
+
+
+def test_policy_gradients_reach_the_router_and_agree_between_matmuls(one_device_grads):
+    grads = {m: one_device_grads(m)[-1] for m in ("dense", "ragged", "tiled")}
     router = grads["dense"]["layers"][1]["mlp"]["router_kernel"].get_value()
     assert float(jnp.abs(router).max()) > 1e-6
     for other in ("ragged", "tiled"):
@@ -205,11 +234,12 @@ def test_a_data_parallel_moe_forward_keeps_each_shard_on_its_rows(matmul):
     rows = sharding.batch_sharding(mesh)
     run = jax.jit(forward, in_shardings=(sharding.replicated(mesh), rows), out_shardings=rows)
     placed = (jax.device_put(state, sharding.replicated(mesh)), jax.device_put(tokens, rows))
-    hlo = run.lower(*placed).compile().as_text()
+    compiled = run.lower(*placed).compile()  # the program inspected is the one that runs
+    hlo = compiled.as_text()
     for collective in ("all-gather", "all-to-all", "all-reduce", "collective-permute"):
         assert collective not in hlo, collective
-    want = nnx.merge(graphdef, state)(tokens)
-    np.testing.assert_allclose(np.asarray(run(*placed)), np.asarray(want), atol=1e-5)
+    want = jax.jit(lambda s, t: nnx.merge(graphdef, s)(t))(state, tokens)  # one device
+    np.testing.assert_allclose(np.asarray(compiled(*placed)), np.asarray(want), atol=1e-5)
 
 
 def test_a_qwen3_moe_config_without_its_expert_fields_is_named(tmp_path):
@@ -235,10 +265,7 @@ def test_lora_on_an_moe_keeps_the_router_float32_and_says_what_it_adapts():
 
     lora = LoRAConfig(rank=2, targets=("all",), base_dtype="bfloat16")
     with pytest.warns(UserWarning, match="routed layers' experts stay frozen"):
-        cfg = ModelConfig(
-            architecture="qwen3_moe", qk_norm=True, num_experts=4, num_experts_per_tok=2,
-            moe_intermediate_size=8, mlp_only_layers=(0,), lora=lora,
-        )  # fmt: skip
+        cfg = _tiny_moe(mlp_only_layers=(0,), lora=lora)  # 2 layers: dense, then routed
     _, frozen, _ = split_policy(Policy(cfg, rngs=nnx.Rngs(0)), cfg)
     moe = frozen["layers"][1]["mlp"]
     assert moe["router_kernel"].get_value().dtype == jnp.float32
@@ -265,7 +292,10 @@ def _near_tie(model, sign: float, eps: float = 1e-3):
     return model
 
 
-def _replay_rollout():
+@pytest.fixture(scope="module")
+def replay_rollout():
+    """(sampler, trainer, rollout): the near-tie pair and the sampler's rollout, built once
+    for the tests below (which read them and change none of them)."""
     from jaxrl_scale.generation.sampler import generate
     from jaxrl_scale.models.policy import init_policy
 
@@ -282,36 +312,42 @@ def _real(ro):
     return np.concatenate([np.asarray(ro.prompt_mask), completion], axis=1)
 
 
-def test_the_sampler_records_the_experts_its_forward_chose():
-    sampler, _, ro = _replay_rollout()
+def test_the_sampler_records_the_experts_its_forward_chose(replay_rollout):
+    from flax import nnx
+
+    sampler, _, ro = replay_rollout
     assert ro.routes.dtype == np.uint8
     assert ro.routes.shape == (4, 8 + 6, 2, 1)  # [B, L + N, routed layers, K]
     tokens = jnp.concatenate([ro.prompt_tokens, ro.completion_tokens], axis=1)
     real = _real(ro)
-    _, chosen = sampler.hidden_states(tokens, mask_bt=jnp.asarray(real), return_routes=True)
+    forward = nnx.jit(lambda m, t, mask: m.hidden_states(t, mask_bt=mask, return_routes=True))
+    _, chosen = forward(sampler, tokens, jnp.asarray(real))
     recorded, chosen = np.asarray(ro.routes)[real], np.asarray(chosen)[real]
     np.testing.assert_array_equal(recorded, chosen)
     assert 0 < np.mean(recorded == 0) < 1  # the near-tie sends tokens both ways
 
 
-def test_router_replay_makes_trainer_logprobs_equal_the_samplers():
+def test_router_replay_makes_trainer_logprobs_equal_the_samplers(replay_rollout):
     """The trainer's router breaks the near-tie the other way: without replay every token
     goes to the other expert and its log-prob moves; with the sampler's experts replayed the
     trainer scores exactly what the sampler sampled, padded and packed alike."""
+    from flax import nnx
+
     from jaxrl_scale.models.moe import rerouted
     from jaxrl_scale.models.policy import completion_logprobs
     from jaxrl_scale.rl.packing import pack, packed_logprobs, unpack
     from jaxrl_scale.rl.step import Batch
 
-    _, trainer, ro = _replay_rollout()
+    _, trainer, ro = replay_rollout
     sampled = np.asarray(ro.completion_mask) > 0
     behavior = np.asarray(ro.behavior_logp)
     args = (trainer, ro.prompt_tokens, ro.prompt_mask, ro.completion_tokens)
     mask_bn = jnp.arange(6)[None, :] < ro.lengths[:, None]
-    fresh = np.asarray(completion_logprobs(*args, mask_bn))
+    scores = nnx.jit(completion_logprobs, static_argnames="return_routes")  # as the step does
+    fresh = np.asarray(scores(*args, mask_bn))
     assert np.abs(fresh - behavior)[sampled].max() > 1e-2  # routing flipped: a real mismatch
 
-    replayed, chosen = completion_logprobs(*args, mask_bn, routes=ro.routes, return_routes=True)
+    replayed, chosen = scores(*args, mask_bn, routes=ro.routes, return_routes=True)
     np.testing.assert_allclose(np.asarray(replayed)[sampled], behavior[sampled], atol=2e-5)
     flipped = np.asarray(rerouted(chosen, ro.routes[:, 8:]))  # [B, N, routed layers]
     assert flipped[sampled].mean() > 0.9  # the trainer alone would route them elsewhere
@@ -319,29 +355,28 @@ def test_router_replay_makes_trainer_logprobs_equal_the_samplers():
     host = jax.tree.map(np.asarray, ro)
     batch = Batch.from_rollout(host, np.ones(4), np.ones(4, bool), xp=np)
     packed, _ = pack(batch, 1, row_len=32)
-    logp_rs = packed_logprobs(trainer, jax.tree.map(jnp.asarray, packed))
+    logp_rs = nnx.jit(packed_logprobs)(trainer, jax.tree.map(jnp.asarray, packed))
     np.testing.assert_allclose(unpack(logp_rs, packed, 6)[sampled], behavior[sampled], atol=2e-5)
 
 
-def test_the_train_step_reports_how_often_replay_overrode_the_trainers_router():
+def test_the_train_step_reports_how_often_replay_overrode_the_trainers_router(replay_rollout):
     import optax
     from flax import nnx
 
     from jaxrl_scale.config import LossConfig
-    from jaxrl_scale.rl.step import Batch, init_train_state, train_step
+    from jaxrl_scale.rl.step import Batch, compile_train_step, init_train_state
 
-    _, trainer, ro = _replay_rollout()
+    _, trainer, ro = replay_rollout
     graphdef, params = nnx.split(trainer)
     tx = optax.sgd(0.0)
+    step = compile_train_step(graphdef, tx, group_size=1, loss_cfg=LossConfig(), temperature=1.0)
     adv = jnp.asarray([1.0, -1.0, 0.5, -0.5])
     metrics = {}
     for replay in (True, False):
         batch = Batch.from_rollout(ro if replay else dataclasses.replace(ro, routes=None),
                                    adv, jnp.ones(4, bool))  # fmt: skip
-        _, metrics[replay] = train_step(
-            init_train_state(params, tx), batch, graphdef=graphdef, tx=tx, group_size=1,
-            loss_cfg=LossConfig(), temperature=1.0,
-        )  # fmt: skip
+        state = init_train_state(jax.tree.map(jnp.copy, params), tx)  # the step donates it
+        _, metrics[replay] = step(state, batch)
     assert float(metrics[True]["router_differs"]) > 0.9
     assert float(metrics[True]["router_differs_tokens"]) >= float(metrics[True]["router_differs"])
     assert float(metrics[True]["mismatch"]) < 2e-5  # the trainer's log-probs are the sampler's
@@ -349,13 +384,13 @@ def test_the_train_step_reports_how_often_replay_overrode_the_trainers_router():
     assert "router_differs" not in metrics[False]  # nothing replayed, nothing to report
 
 
-def test_the_slot_engine_records_the_same_experts_as_static_decoding():
+def test_the_slot_engine_records_the_same_experts_as_static_decoding(replay_rollout):
     from flax import nnx
 
     from jaxrl_scale.generation.engine import SlotEngine
     from jaxrl_scale.generation.sampler import Sampling, generate
 
-    sampler, _, _ = _replay_rollout()
+    sampler, _, _ = replay_rollout
     static = generate(sampler, REPLAY_PROMPTS, max_new_tokens=6, temperature=0.0)
     engine = SlotEngine(nnx.graphdef(sampler), slots=2, prompt_len=8, n_new=6, repeat=1,
                         sampling=Sampling(0.0), eos_ids=(), pad_id=0, model_cfg=sampler.cfg,
@@ -372,24 +407,17 @@ def test_the_slot_engine_records_the_same_experts_as_static_decoding():
 
 
 @pytest.mark.parametrize("matmul", ["tiled", "ragged", "scan"])
-def test_expert_parallel_layers_equal_one_device_with_each_shard_holding_its_experts(matmul):
+def test_expert_parallel_layers_equal_one_device_with_each_shard_holding_its_experts(
+    matmul, one_device_grads
+):
     """An `expert` mesh axis: each shard holds E / 4 experts' matrices (never gathered), the
     rows come to them and go back inside the compiled step, and loss and gradients equal one
     device's; with fsdp and tensor beside it too (and then a share of the other weights)."""
-    from flax import nnx
-
     from jaxrl_scale.config import MeshConfig
-    from jaxrl_scale.models.policy import init_policy, token_logprobs
     from jaxrl_scale.parallel import sharding
 
     cfg = _tiny_moe(num_experts=8, moe_matmul=matmul)
-    graphdef, state = nnx.split(init_policy(cfg, seed=1))
-    tokens = jax.random.randint(jax.random.key(0), (8, 6), 0, 32)
-
-    def loss(state, tokens):
-        return jnp.sum(token_logprobs(nnx.merge(graphdef, state), tokens))
-
-    want, want_grads = jax.value_and_grad(loss)(state, tokens)
+    state, loss, tokens, want, want_grads = one_device_grads(matmul)
     for shape in (dict(data=2, expert=4), dict(data=1, fsdp=2, expert=2, tensor=2)):
         mesh = sharding.make_mesh(MeshConfig(**shape))
 
@@ -399,8 +427,8 @@ def test_expert_parallel_layers_equal_one_device_with_each_shard_holding_its_exp
 
         layout = sharding.state_shardings(state, mesh)
         rows = sharding.batch_sharding(mesh)
-        run = jax.jit(on_mesh, in_shardings=(layout, rows))
         placed = (jax.device_put(state, layout), jax.device_put(tokens, rows))
+        run = jax.jit(on_mesh, in_shardings=(layout, rows)).lower(*placed).compile()
         gate = placed[0]["layers"][0]["mlp"]["gate_kernel"].get_value()
         assert gate.addressable_shards[0].data.shape[0] == 8 // shape["expert"]
         # Outside the experts, on an FSDP mesh an expert shard is one more FSDP shard:
@@ -410,7 +438,7 @@ def test_expert_parallel_layers_equal_one_device_with_each_shard_holding_its_exp
         split = fsdp * shape["expert"] if fsdp > 1 else 1
         assert q.addressable_shards[0].data.shape[0] == cfg.hidden_size // split
         if shape["expert"] == 4:  # the experts' matrices are never gathered whole
-            hlo = run.lower(*placed).compile().as_text()
+            hlo = run.as_text()  # the program that runs below
             gathered = [ln for ln in hlo.splitlines() if "all-gather" in ln and "[8,16,8]" in ln]
             assert not gathered, gathered[:2]
         got, grads = run(*placed)

@@ -170,8 +170,12 @@ def test_a_packed_step_equals_the_padded_step(kind, aggregation):
 
 
 def test_blockwise_attention_honours_the_packed_mask_in_the_step():
-    batch = _batch(prompts=4, seed=1)
-    packed, _ = pack(batch, G, row_len=40)
+    """Rows of 40 in blocks of 8: segments, and completions within them, start and end inside
+    blocks and span block edges, and the last row ends in blocks of padding alone. The padded
+    step is test_a_packed_step_equals_the_padded_step[cispo-prompt]'s (one compiled program)."""
+    batch = _batch()
+    packed, stats = pack(batch, G, row_len=40)
+    assert stats.rows == 3 and stats.segments >= 6
     loss = LossConfig(kind="cispo", aggregation="prompt")
     want, want_grads = _run(batch, loss)
     got, got_grads = _run(packed, loss, attention="blockwise")
@@ -187,6 +191,7 @@ def test_a_packed_run_trains_like_the_padded_run_and_reports_its_padding(tmp_pat
     def run(name, *extra):
         small = ["train.prompts_per_step=8", "train.group_size=8", "train.steps=2"]
         small += ["task.num_eval=16", "pipeline.mode=sync", "forecast.every=0"]
+        small += ["sampler.chunk_size=0"]  # see test_packed_batches_waiting_in_a_checkpoint_...
         return train(load_config("asset:demo.yaml", [*small, *extra]), tmp_path / name)
 
     padded = run("padded", "train.packing=false")
@@ -240,6 +245,11 @@ def test_packed_batches_waiting_in_a_checkpoint_come_back_packed(tmp_path):
     overrides = ["train.prompts_per_step=8", "train.group_size=8", "train.steps=2"]
     overrides += ["task.num_eval=16", "forecast.every=0", "train.packing=true"]
     overrides += ["pipeline.mode=ppo_off_policy", "checkpoint.every=1"]
+    # One decode chunk: these modes decode every chunk with the same weights, so chunks change
+    # no token, but a second chunk compiles decode again (the first returns its state in other
+    # shardings). As in test_a_packed_run_trains_like_the_padded_run_..., whose programs these
+    # runs reuse.
+    overrides += ["sampler.chunk_size=0"]
     cfg = load_config("asset:demo.yaml", overrides)
     train(cfg, tmp_path)
     # As if the run had died after step 1's checkpoint: policy 1's second batch is waiting.

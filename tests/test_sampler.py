@@ -24,6 +24,7 @@ from jaxrl_scale.models.policy import for_generation, token_logprobs
 from jaxrl_scale.parallel import sharding
 
 PROMPTS = [[5, 6, 7], [10, 11, 12, 13, 14, 15, 16, 17, 18, 19], [30], [40, 41, 42, 43, 44]]
+N = 12  # new tokens: the tests decoding PROMPTS share its compiled prefill (and decode)
 
 
 @pytest.fixture(scope="module")
@@ -31,33 +32,39 @@ def qwen2():
     return load_pretrained(HF_FIXTURES / "qwen2")[0]
 
 
-def _greedy_reference(model, prompt, n):
+_argmax_forward = nnx.jit(lambda m, t: jnp.argmax(m(t), axis=-1))
+
+
+def _greedy_reference(model, prompt, n, width):
     """Argmax of a full forward pass (no cache) at each step. The buffer is right-padded to a
-    fixed width, which causal attention makes invisible to the positions already filled."""
-    forward = nnx.jit(lambda m, t: jnp.argmax(m(t), axis=-1))
-    buf = np.zeros((1, len(prompt) + n), np.int32)
+    fixed `width` (one compiled forward for every prompt), which causal attention makes
+    invisible to the positions already filled."""
+    buf = np.zeros((1, width), np.int32)
     buf[0, : len(prompt)] = prompt
     for i in range(len(prompt), len(prompt) + n):
-        buf[0, i] = int(forward(model, jnp.asarray(buf))[0, i - 1])
-    return list(buf[0, len(prompt) :])
+        buf[0, i] = int(_argmax_forward(model, jnp.asarray(buf))[0, i - 1])
+    return list(buf[0, len(prompt) : len(prompt) + n])
 
 
 @pytest.mark.parametrize("arch", ["qwen2", "llama"])
 def test_greedy_equals_stepwise_argmax_of_full_forward(arch):
     model, _ = load_pretrained(HF_FIXTURES / arch)
-    ro = generate(model, PROMPTS, max_new_tokens=10, temperature=0.0)
+    ro = generate(model, PROMPTS, max_new_tokens=N, temperature=0.0)
+    width = max(map(len, PROMPTS)) + N
     for i, prompt in enumerate(PROMPTS):
-        assert list(np.asarray(ro.completion_tokens[i])) == _greedy_reference(model, prompt, 10)
+        want = _greedy_reference(model, prompt, N, width)
+        assert list(np.asarray(ro.completion_tokens[i])) == want
     assert ro.finish_names() == ["length"] * 4
     assert np.all(np.asarray(ro.completion_mask) == 1)
 
 
 def test_behaviour_logprobs_equal_recomputed_token_logprobs(qwen2):
-    ro = generate(qwen2, PROMPTS, max_new_tokens=12, temperature=0.7, key=jax.random.key(3))
+    ro = generate(qwen2, PROMPTS, max_new_tokens=N, temperature=0.7, key=jax.random.key(3))
     # Recompute on the finished sequences: left-padded prompt + completion, one forward pass.
     seq = jnp.concatenate([ro.prompt_tokens, ro.completion_tokens], axis=1)
     mask = jnp.concatenate([ro.prompt_mask, jnp.ones_like(ro.completion_mask, bool)], axis=1)
-    want = token_logprobs(qwen2, seq, mask_bt=mask, temperature=0.7)[:, ro.prompt_tokens.shape[1] :]
+    score = nnx.jit(lambda m, t, mask: token_logprobs(m, t, mask_bt=mask, temperature=0.7))
+    want = score(qwen2, seq, mask)[:, ro.prompt_tokens.shape[1] :]
     assert float(jnp.abs(want - ro.behavior_logp).max()) < 1e-5
     assert np.all(np.asarray(ro.versions) == 0)
 
@@ -66,7 +73,7 @@ def test_behaviour_logprobs_equal_recomputed_token_logprobs(qwen2):
 def test_generator_parameters_in_the_compute_dtype_sample_the_same_tokens(arch):
     model, _ = load_pretrained(HF_FIXTURES / arch, dtype="bfloat16")
     graphdef, params = nnx.split(model)
-    kw = dict(max_new_tokens=12, temperature=1.0, key=jax.random.key(5))
+    kw = dict(max_new_tokens=N, temperature=1.0, key=jax.random.key(5))
     want = generate(model, PROMPTS, **kw)
     gen = for_generation(params, model.cfg)
     kept = {"final_norm", "attn_norm", "mlp_norm", "q_norm", "k_norm", "lm_head"}
@@ -84,7 +91,7 @@ def test_generator_parameters_in_the_compute_dtype_sample_the_same_tokens(arch):
 
 
 def test_chunked_decoding_gives_the_same_tokens(qwen2):
-    kw = dict(max_new_tokens=12, temperature=1.0, key=jax.random.key(7))
+    kw = dict(max_new_tokens=N, temperature=1.0, key=jax.random.key(7))
     whole = generate(qwen2, PROMPTS, **kw)
     for chunk in (1, 5):
         part = generate(qwen2, PROMPTS, chunk_size=chunk, **kw)
@@ -93,9 +100,9 @@ def test_chunked_decoding_gives_the_same_tokens(qwen2):
 
 
 def test_same_key_same_samples_other_key_differs(qwen2):
-    a = generate(qwen2, PROMPTS, max_new_tokens=8, key=jax.random.key(1))
-    b = generate(qwen2, PROMPTS, max_new_tokens=8, key=jax.random.key(1))
-    c = generate(qwen2, PROMPTS, max_new_tokens=8, key=jax.random.key(2))
+    a = generate(qwen2, PROMPTS, max_new_tokens=N, key=jax.random.key(1))
+    b = generate(qwen2, PROMPTS, max_new_tokens=N, key=jax.random.key(1))
+    c = generate(qwen2, PROMPTS, max_new_tokens=N, key=jax.random.key(2))
     np.testing.assert_array_equal(a.completion_tokens, b.completion_tokens)
     assert not np.array_equal(a.completion_tokens, c.completion_tokens)
 
@@ -112,13 +119,13 @@ def test_in_flight_weight_swap_keeps_cache_and_tags_versions(qwen2):
         prompt_len=tokens.shape[1],
     )
     state = prefill(
-        graphdef, params, tokens, mask, jax.random.key(0), n_new=10, interruption=None, mesh=None
+        graphdef, params, tokens, mask, jax.random.key(0), n_new=N, interruption=None, mesh=None
     )
     state = decode(graphdef, params, state, 0, 4, **static)  # 4 tokens from version 0
-    state = decode(graphdef, newer, state, 1, 10, **static)  # the rest from version 1
+    state = decode(graphdef, newer, state, 1, N, **static)  # the rest from version 1
     swapped = to_rollout(tokens, mask, state)
-    np.testing.assert_array_equal(swapped.versions, np.array([[0] * 4 + [1] * 6] * 4))
-    unswapped = generate(qwen2, PROMPTS, max_new_tokens=10, temperature=0.0)
+    np.testing.assert_array_equal(swapped.versions, np.array([[0] * 4 + [1] * (N - 4)] * 4))
+    unswapped = generate(qwen2, PROMPTS, max_new_tokens=N, temperature=0.0)
     np.testing.assert_array_equal(
         swapped.completion_tokens[:, :4], unswapped.completion_tokens[:, :4]
     )
@@ -127,10 +134,10 @@ def test_in_flight_weight_swap_keeps_cache_and_tags_versions(qwen2):
 
 def test_eos_stops_rows_and_nothing_is_generated_past_it(qwen2):
     greedy = np.asarray(
-        generate(qwen2, PROMPTS, max_new_tokens=10, temperature=0.0).completion_tokens
+        generate(qwen2, PROMPTS, max_new_tokens=N, temperature=0.0).completion_tokens
     )
     eos = int(greedy[1, 2])  # row 1 emits this at step 2 (and maybe earlier in other rows)
-    ro = generate(qwen2, PROMPTS, max_new_tokens=10, temperature=0.0, eos_ids=[eos], pad_id=1)
+    ro = generate(qwen2, PROMPTS, max_new_tokens=N, temperature=0.0, eos_ids=[eos], pad_id=1)
     tokens, mask = np.asarray(ro.completion_tokens), np.asarray(ro.completion_mask)
     for i in range(len(PROMPTS)):
         hits = np.flatnonzero(greedy[i] == eos)
@@ -141,7 +148,7 @@ def test_eos_stops_rows_and_nothing_is_generated_past_it(qwen2):
             assert np.all(tokens[i, stop + 1 :] == 1) and np.all(mask[i, stop + 1 :] == 0)
             assert mask[i, stop] == 1 and int(ro.lengths[i]) == stop + 1
         else:
-            assert ro.finish_names()[i] == "length" and int(ro.lengths[i]) == 10
+            assert ro.finish_names()[i] == "length" and int(ro.lengths[i]) == N
 
 
 def test_forced_interruption_inserts_the_text_at_the_drawn_budget(qwen2):
@@ -177,7 +184,7 @@ def test_forced_interruption_inserts_the_text_at_the_drawn_budget(qwen2):
 def test_a_row_that_closes_its_thinking_itself_is_never_interrupted(qwen2):
     """The budget is on thinking only. Greedy rows are deterministic, so the marker is taken
     from a reference decode: rows that sample it before the budget answer on untouched."""
-    n, budget = 12, 5
+    n, budget = N, 5
     reference = np.asarray(
         generate(qwen2, PROMPTS, max_new_tokens=n, temperature=0.0).completion_tokens
     )

@@ -1,6 +1,7 @@
 """The train step on hand-built batches: accumulation, skipped updates, the KL reference."""
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -47,10 +48,16 @@ def _setup(n_prompts=2):
 
 def _full_logprobs(graphdef, params, prompts, prompt_mask, tokens, mask):
     """Completion log-probs with every row run on its own (no prompt sharing)."""
-    rows = jnp.concatenate([jnp.asarray(prompts), jnp.asarray(tokens)], axis=1)
-    row_mask = jnp.concatenate([jnp.asarray(prompt_mask), jnp.asarray(mask)], axis=1)
+    arrays = map(jnp.asarray, (prompts, prompt_mask, tokens, mask))
+    return np.asarray(_row_logprobs(graphdef, params, *arrays))
+
+
+@functools.partial(jax.jit, static_argnums=0)  # one program per batch shape, for every test
+def _row_logprobs(graphdef, params, prompts, prompt_mask, tokens, mask):
+    rows = jnp.concatenate([prompts, tokens], axis=1)
+    row_mask = jnp.concatenate([prompt_mask, mask], axis=1)
     logp = token_logprobs(nnx.merge(graphdef, params), rows, mask_bt=row_mask)
-    return np.asarray(logp[:, prompts.shape[1] :])
+    return logp[:, prompts.shape[1] :]
 
 
 def _step(graphdef, tx, loss, **kw):

@@ -12,10 +12,14 @@ from jaxrl_scale.fit.report import run_curve
 from jaxrl_scale.rl.metrics import read_metrics
 from jaxrl_scale.sweep import mean_curve
 
+# conftest.FAST's policy and batch shapes, padded train steps (no packing) and 8 evaluations
+# after step 0: the sweep runs the train steps the other FAST runs compile, and its fits the
+# 8-point programs of tests/test_forecast.py and tests/test_cli.py's online forecast.
 TOY = """base: {tiny}
 model: {{hidden_size: 32, intermediate_size: 64, num_layers: 1}}
 task: {{num_train: 64, num_eval: 8, arithmetic: {{max_digits: 1}}}}
-train: {{prompts_per_step: 4, group_size: 4, steps: 6, eval_every: 1, eval_samples: 2}}
+train: {{prompts_per_step: 4, group_size: 4, steps: 8, eval_every: 1, eval_samples: 2,
+         packing: false}}
 warm_start: {{steps: 20}}
 sampler: {{max_new_tokens: 4}}
 pipeline: {{mode: sync}}

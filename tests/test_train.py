@@ -80,7 +80,9 @@ def test_sync_runs_with_one_seed_are_identical(tmp_path):
 
 
 class _SlowWorker:
-    """A rollout worker whose batches take 0.2 s longer (delegates everything else)."""
+    """A rollout worker whose batches take 0.5 s longer (delegates everything else): two such
+    batches outlast the trainer's first step, which traces its program (about 0.4 s here), so
+    the generator cannot get two versions ahead while it does."""
 
     def __init__(self, worker):
         self.worker = worker
@@ -89,7 +91,7 @@ class _SlowWorker:
         return getattr(self.worker, name)
 
     def rollouts(self, params_for_chunk, key, **kw):
-        time.sleep(0.2)
+        time.sleep(0.5)
         return self.worker.rollouts(params_for_chunk, key, **kw)
 
 
@@ -226,32 +228,33 @@ def test_resume_after_sigkill_matches_an_uninterrupted_run(mode, tmp_path):
     cmd = [sys.executable, "-m", "jaxrl_scale.cli", "train", "--config", str(TINY)]
     for o in [*FAST, *overrides]:
         cmd += ["--set", o]
-    env = {**os.environ, "XLA_FLAGS": ""}
+    # The uninterrupted run goes first, in this process. The run that is killed is a process
+    # of its own that sees the same 8 CPU devices (conftest's XLA_FLAGS): it runs the very
+    # programs this one compiled, handed over by the session's persistent compilation cache.
+    # It is resumed here, from what it left on disk, as `train` resumes any run directory.
+    env = dict(os.environ)
     killed, whole = tmp_path / "killed", tmp_path / "whole"
-    log = open(tmp_path / "whole.log", "w")  # noqa: SIM115  closed by the process's end
-    uninterrupted = subprocess.Popen(  # alongside the run that is killed
-        [*cmd, "--out", str(whole)], env=env, stdout=log, stderr=subprocess.STDOUT
-    )
+    train(_cfg(*overrides), whole)
     proc = subprocess.Popen(
         [*cmd, "--out", str(killed)], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
     )
-    deadline = time.time() + 240
-    while time.time() < deadline and not (killed / "checkpoints" / "4").exists():
-        if proc.poll() is not None:
-            break
-        time.sleep(0.02)
-    proc.send_signal(signal.SIGKILL)
-    proc.wait(timeout=30)
+    try:
+        deadline = time.time() + 240
+        while time.time() < deadline and not (killed / "checkpoints" / "4").exists():
+            if proc.poll() is not None:
+                break
+            time.sleep(0.02)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=30)
     assert proc.returncode == -signal.SIGKILL, "the run finished before it could be killed"
     steps_before = [r["step"] for r in read_metrics(killed)]
     assert steps_before[-1] < steps
     saved = max(int(p.name) for p in (killed / "checkpoints").iterdir() if p.name.isdigit())
-    subprocess.run(
-        [*cmd, "--out", str(killed)], env=env, check=True, capture_output=True, timeout=300
-    )
-    code = uninterrupted.wait(timeout=300)
-    log.close()
-    assert code == 0, (tmp_path / "whole.log").read_text()[-2000:]
+    train(_cfg(*overrides), killed)  # resumes from the newest checkpoint
     rows_killed, rows_whole = read_metrics(killed), read_metrics(whole)
     assert [r["step"] for r in rows_killed] == list(range(steps + 1))  # nothing lost or repeated
     strip = lambda r: {k: v for k, v in r.items() if k not in TIMING}  # noqa: E731
@@ -349,19 +352,17 @@ def test_repeated_non_finite_updates_abort_with_a_clear_error(tmp_path):
 
 
 def test_warm_start_stops_at_its_target_loss(tmp_path):
-    from flax import nnx
-
-    from jaxrl_scale.models.policy import Policy
     from jaxrl_scale.rl.warm_start import warm_start
-    from jaxrl_scale.tasks import make_task
 
     cfg = _cfg()
-    graphdef, params = nnx.split(Policy(cfg.model, rngs=nnx.Rngs(params=cfg.seed)))
-    task = make_task(cfg.task, seed=cfg.seed)
+    # The policy, its task and their placement as a run warm-starts them (the programs the
+    # runs above compiled).
+    run_parts = setup(cfg, tmp_path)
+    params, worker = run_parts.start.train.params, run_parts.worker
 
     def run(target):
         settings = dataclasses.replace(cfg.warm_start, steps=60, target_loss=target)
-        return warm_start(params, graphdef, task, settings, seed=cfg.seed)[1]
+        return warm_start(params, worker.graphdef, worker.task, settings, seed=cfg.seed)[1]
 
     assert len(run(0)) == 60  # no target: every step
     stopped = run(1.7)  # the 50-step mean passes 1.7 between steps 55 and 60 (measured)
@@ -419,7 +420,7 @@ def test_train_cli_prints_the_run(tmp_path, capsys):
 def test_a_run_records_its_config_and_version_and_reruns_from_it(tmp_path):
     from jaxrl_scale.cli import main
 
-    cfg = _cfg("pipeline.mode=sync", "train.steps=2", "seed=3")
+    cfg = _cfg("pipeline.mode=sync", "train.steps=2", "seed=1")  # test_sweep's second seed
     rows = train(cfg, tmp_path / "first")
     recorded = tmp_path / "first" / "config.yaml"
     assert recorded.read_text().startswith(f"# jaxrl-scale {jaxrl_scale.__version__}, ")
@@ -431,43 +432,12 @@ def test_a_run_records_its_config_and_version_and_reruns_from_it(tmp_path):
     assert strip(read_metrics(tmp_path / "again")) == strip(rows)
 
 
-def test_rl_raises_the_reward_on_its_training_prompts(tmp_path):
-    """A guard on the sign of the whole loop (advantages, loss, optimizer): from a weak warm
-    start on 1-digit sums, RL lifts the reward on the prompts it trains on."""
-    cfg = load_config(
-        TINY,
-        [
-            "model.hidden_size=64",
-            "model.intermediate_size=128",
-            "model.num_layers=1",
-            "task.arithmetic.max_digits=1",
-            "task.arithmetic.ops=+",
-            "task.num_train=64",
-            "task.num_eval=8",
-            "train.prompts_per_step=16",
-            "train.group_size=8",
-            "train.steps=80",
-            "train.eval_every=0",
-            "warm_start.steps=40",
-            "optim.learning_rate=1e-3",
-            "curriculum.no_positive_resampling=false",
-            "pipeline.mode=sync",
-            "checkpoint.every=0",
-            "mesh.data=1",
-        ],
-    )
-    rows = train(cfg, tmp_path)
-    rewards = [r["reward_mean"] for r in rows[1:]]
-    first, last = np.mean(rewards[:8]), np.mean(rewards[-8:])
-    assert last - first >= 0.05, (first, last)  # measured: 0.20 -> 0.27
-
-
-@pytest.mark.slow
-def test_rl_raises_the_held_out_pass_rate(tmp_path):
-    """From the demo's starting policy (warm-started on noisy demonstrations), 45 CISPO steps in
-    `sync` mode lift the held-out mean@4 pass rate by at least 0.1 (the demo's curve gains
-    about 0.2 by step 45; about half a minute on 2 CPU cores). The shipped tiny config's
-    longer run is benchmarks/bench_learning.py."""
+@pytest.fixture(scope="module")
+def demo_run(tmp_path_factory):
+    """The demo's starting policy (warm-started on noisy demonstrations) trained by 45 CISPO
+    steps in `sync` mode, the held-out mean@4 pass rate measured before and after on 256
+    prompts: the rows of one run for both tests that RL learns (about half a minute on 2 CPU
+    cores)."""
     cfg = load_config(
         "asset:demo.yaml",
         [
@@ -479,7 +449,24 @@ def test_rl_raises_the_held_out_pass_rate(tmp_path):
             "mesh.data=1",
         ],
     )
-    rows = train(cfg, tmp_path)
-    evals = [r["eval_pass_rate"] for r in rows if "eval_pass_rate" in r]
+    return train(cfg, tmp_path_factory.mktemp("demo"))
+
+
+def test_rl_raises_the_reward_on_its_training_prompts(demo_run):
+    """A guard on the sign of the whole loop (advantages, loss, optimizer): from the demo's
+    weak starting policy (it puts about half its probability on the right answers), RL lifts
+    the reward on the prompts it trains on."""
+    rewards = [r["reward_mean"] for r in demo_run[1:]]
+    first, last = np.mean(rewards[:8]), np.mean(rewards[-8:])
+    assert last - first >= 0.05, (first, last)  # measured: 0.48 -> 0.65
+
+
+@pytest.mark.slow
+def test_rl_raises_the_held_out_pass_rate(demo_run):
+    """From the demo's starting policy (warm-started on noisy demonstrations), 45 CISPO steps in
+    `sync` mode lift the held-out mean@4 pass rate by at least 0.1 (the demo's curve gains
+    about 0.2 by step 45). The shipped tiny config's longer run is
+    benchmarks/bench_learning.py."""
+    evals = [r["eval_pass_rate"] for r in demo_run if "eval_pass_rate" in r]
     assert len(evals) == 2
     assert evals[-1] - evals[0] >= 0.1, evals
