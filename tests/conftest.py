@@ -2,13 +2,8 @@
 
 import os
 
-# XLA's backend optimisation level 0: the suite's cost is compiling thousands of small
-# programs, whose run time is tiny. Level 0 compiles them 25-30% faster (the fit and attention
-# tests, measured); what the tests check (equalities between programs, against references,
-# memory from buffer assignment) does not depend on it. Runs outside the tests are untouched.
 os.environ["XLA_FLAGS"] = (
-    os.environ.get("XLA_FLAGS", "")
-    + " --xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0"
+    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
 ).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # One persistent XLA compilation cache per test session (a fresh folder each run, inherited by
