@@ -24,6 +24,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.numpy import save_file
 
 from jaxrl_scale.configbase import asset_path
+from jaxrl_scale.models.chat import load_chat_template
 from jaxrl_scale.models.config import ModelConfig, RopeScalingConfig
 from jaxrl_scale.models.lora import LoRAParam, adapted_modules, init_adapters, merged_kernel
 from jaxrl_scale.models.moe import MoE
@@ -248,7 +249,8 @@ def _read_json(file: Path) -> dict[str, Any]:
 
 
 def load_tokenizer(path: str | Path) -> Tokenizer:
-    """tokenizer.json plus special ids from generation_config.json / config.json."""
+    """tokenizer.json plus special ids from generation_config.json / config.json, and the chat
+    template (with its special token strings) when the folder has one."""
     path = Path(path)
     file = path / "tokenizer.json"
     if not file.exists():
@@ -264,8 +266,16 @@ def load_tokenizer(path: str | Path) -> Tokenizer:
     if eos is None:
         raise CheckpointError(f"{path}: no eos_token_id in generation_config.json or config.json")
     eos_ids = eos if isinstance(eos, list) else [eos]
+    try:
+        chat_template = load_chat_template(path)
+    except (ValueError, OSError) as e:
+        raise CheckpointError(str(e)) from None
     return Tokenizer(
-        backend, eos_ids=eos_ids, pad_id=hf.get("pad_token_id"), bos_id=hf.get("bos_token_id")
+        backend,
+        eos_ids=eos_ids,
+        pad_id=hf.get("pad_token_id"),
+        bos_id=hf.get("bos_token_id"),
+        chat_template=chat_template,
     )
 
 
