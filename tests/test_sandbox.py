@@ -1,0 +1,309 @@
+"""The sandbox against hostile programs, and the code task's scoring on top of it.
+
+Each attack must end within its time bound with a non-ok status (so it scores 0), leave this
+process and its files alive, and leak nothing. Limits are small so the file runs in seconds on a
+shared 2-core machine: at most 8 processes per run, 1 CPU second, 2 s wall clock.
+"""
+
+import json
+import os
+import socket
+import stat
+import time
+
+import pytest
+
+from jaxrl_scale.models.tokenizer import CharTokenizer
+from jaxrl_scale.tasks.code import CodeDataError, CodeTask, last_code_block, normalise_output
+from jaxrl_scale.tasks.sandbox import LEVELS, Sandbox, SandboxLimits, SandboxUnavailable
+
+LIMITS = SandboxLimits(
+    wall_seconds=2.0,
+    cpu_seconds=1,
+    memory_bytes=256 << 20,
+    max_processes=8,
+    max_output_bytes=64 << 10,
+    disk_bytes=8 << 20,
+)
+TOK = CharTokenizer("0123456789")
+
+
+@pytest.fixture(scope="module")
+def sandbox():
+    with Sandbox(LIMITS, workers=2) as s:
+        yield s
+
+
+def run_bounded(sandbox, program, stdin="", bound=5.0):
+    start = time.monotonic()
+    result = sandbox.run(program, stdin)
+    assert time.monotonic() - start < bound, result
+    assert os.getpid() > 0  # still here
+    return result
+
+
+def test_isolation_level_is_reported(sandbox):
+    print(f"isolation on this machine: {sandbox.isolation}")
+    assert sandbox.isolation in LEVELS
+    if os.geteuid() == 0 and sandbox.isolation != LEVELS[0]:
+        pytest.fail(f"root on Linux should get namespaces, got {sandbox.isolation}")
+
+
+def test_a_plain_run(sandbox):
+    r = sandbox.run("import sys\nprint(sys.stdin.read()[::-1])", "abc")
+    assert (r.stdout, r.status, r.returncode) == ("cba\n", "ok", 0)
+    r = sandbox.run("raise SystemExit(3)")
+    assert (r.status, r.returncode) == ("error", 3)
+    r = sandbox.run("import sys; print(len(sys.stdin.read()))", "x" * 3_000_000)  # > pipe buffer
+    assert r.stdout == "3000000\n"
+
+
+def test_the_run_sees_no_trainer_environment_or_files(sandbox, monkeypatch):
+    monkeypatch.setenv("JAXRL_TEST_SECRET", "hunter2")
+    program = (
+        "import os, glob\n"
+        "print(sorted(os.environ.items()))\n"
+        "for p in glob.glob('/proc/*/environ'):\n"
+        "    try: print(open(p, 'rb').read())\n"
+        "    except OSError: pass\n"
+        "print(os.getcwd(), os.listdir('/'))\n"
+    )
+    r = run_bounded(sandbox, program)
+    assert r.status == "ok" and "hunter2" not in r.stdout and "JAXRL" not in r.stdout
+    if sandbox.isolation.startswith("namespaces"):
+        assert "work" in r.stdout and "'home'" not in r.stdout and "'proc'" not in r.stdout
+
+
+def test_infinite_loop(sandbox):
+    r = run_bounded(sandbox, "while True:\n    pass\n", bound=4.0)
+    assert r.status == "timeout"
+
+
+def test_sleeping_past_the_wall_clock(sandbox):
+    r = run_bounded(sandbox, "import time\ntime.sleep(60)\n", bound=4.0)
+    assert r.status == "timeout" and r.returncode is None
+    assert 1.9 < r.seconds < 4.0
+
+
+def test_fork_bomb(sandbox):
+    program = (
+        "import os, time\n"
+        "n = 0\n"
+        "for _ in range(10_000):\n"
+        "    try:\n"
+        "        if os.fork() == 0:\n"
+        "            time.sleep(30)\n"
+        "            os._exit(0)\n"
+        "        n += 1\n"
+        "    except OSError:\n"
+        "        break\n"
+        "print(n, flush=True)\n"
+        "while True: os.fork() if False else time.sleep(1)\n"
+    )
+    r = run_bounded(sandbox, program, bound=5.0)
+    assert r.status == "timeout"
+    assert int(r.stdout) < LIMITS.max_processes  # the process limit held
+    after = sandbox.run("print('alive')")
+    assert after.stdout == "alive\n"  # no leftovers hold this worker's process count
+
+
+def test_fork_bomb_that_spins(sandbox):
+    program = (
+        "import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass\n"
+    )
+    r = run_bounded(sandbox, program, bound=5.0)
+    assert r.status != "ok"
+    assert sandbox.run("print(1)").stdout == "1\n"
+
+
+def test_memory_bomb(sandbox):
+    r = run_bounded(sandbox, "x = bytearray(8 << 30)\n")
+    assert r.status == "memory"
+    r = run_bounded(sandbox, "x = []\nwhile True:\n    x.append(bytearray(16 << 20))\n")
+    assert r.status == "memory"
+
+
+def test_a_gigabyte_of_output(sandbox):
+    program = "import sys\nb = 'x' * (1 << 20)\nfor _ in range(1024):\n    sys.stdout.write(b)\n"
+    r = run_bounded(sandbox, program, bound=4.0)
+    assert r.status == "output_limit" and len(r.stdout) == LIMITS.max_output_bytes
+    r = run_bounded(sandbox, program.replace("stdout", "stderr"), bound=4.0)
+    assert r.status == "ok" and len(r.stderr_tail) <= 4096  # stderr: only its tail is kept
+
+
+def test_writing_and_deleting_files_outside_its_directory(sandbox, tmp_path):
+    secret = tmp_path / "private"
+    secret.mkdir(mode=0o700)
+    canary = secret / "canary.txt"
+    canary.write_text("alive")
+    canary.chmod(0o600)
+    trainer_file = os.path.join(os.getcwd(), "sandbox-was-here.txt")
+    program = (
+        "import os, shutil\n"
+        f"for path in [{str(canary)!r}, {trainer_file!r}, '/usr/x', '/etc/passwd', '/bin/sh']:\n"
+        "    for act in (lambda: open(path, 'w').write('pwned'), lambda: os.remove(path)):\n"
+        "        try:\n"
+        "            act(); print('did', path)\n"
+        "        except OSError:\n"
+        "            pass\n"
+        f"shutil.rmtree({str(tmp_path)!r}, ignore_errors=True)\n"
+        "open('mine.txt', 'w').write('ok'); print(open('mine.txt').read())\n"
+    )
+    r = run_bounded(sandbox, program)
+    assert r.status == "ok" and "did" not in r.stdout and r.stdout.endswith("ok\n"), r
+    assert canary.read_text() == "alive" and stat.S_IMODE(canary.stat().st_mode) == 0o600
+    assert not os.path.exists(trainer_file)
+    assert os.path.exists("/bin/sh")
+
+
+def test_writing_a_file_past_the_size_limit(sandbox):
+    program = "f = open('big', 'wb')\nwhile True:\n    f.write(b'x' * (1 << 20))\n"
+    assert run_bounded(sandbox, program).status != "ok"
+
+
+def test_no_network(sandbox):
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen()
+    listener.settimeout(0.5)
+    port = listener.getsockname()[1]
+    program = (
+        "import socket\n"
+        f"s = socket.create_connection(('127.0.0.1', {port}), timeout=1)\n"
+        "s.sendall(b'leak')\n"
+        "print('connected')\n"
+    )
+    try:
+        r = run_bounded(sandbox, program)
+        assert r.status == "error" and "connected" not in r.stdout
+        with pytest.raises(TimeoutError):
+            listener.accept()
+    finally:
+        listener.close()
+
+
+def test_killing_its_parent_and_everyone_else(sandbox):
+    for program in (
+        "import os, signal\nos.kill(os.getppid(), signal.SIGKILL)\nprint('done')",
+        "import os, signal\nos.kill(-1, signal.SIGKILL)\nprint('done')",
+        "import os, signal\nos.killpg(0, signal.SIGKILL)\nprint('done')",
+    ):
+        r = run_bounded(sandbox, program)
+        assert r.status != "ok" and "done" not in r.stdout  # it may not signal, or only itself
+        assert sandbox.run("print(1)").stdout == "1\n"  # the sandbox (and this process) lives
+
+
+def test_many_runs_at_once(sandbox):
+    jobs = [(f"print({i} * 2)", "") for i in range(12)] + [("while True: pass", "")]
+    results = sandbox.run_many(jobs)
+    assert [r.stdout for r in results[:12]] == [f"{i * 2}\n" for i in range(12)]
+    assert results[-1].status == "timeout"
+
+
+def test_unisolated_runs_need_an_opt_in():
+    with pytest.raises(SandboxUnavailable, match="allow_unisolated"):
+        Sandbox(LIMITS, isolation="rlimits", workers=1)
+    with Sandbox(LIMITS, isolation="rlimits", allow_unisolated=True, workers=1) as s:
+        assert s.run("print(2)").stdout == "2\n"
+    with pytest.raises(ValueError, match="isolation"):
+        Sandbox(LIMITS, isolation="docker")
+
+
+# ---- the code task ------------------------------------------------------------------------
+
+
+def write_rows(path, rows):
+    path.write_text("\n".join(r if isinstance(r, str) else json.dumps(r) for r in rows) + "\n")
+    return str(path)
+
+
+ADD = {
+    "prompt": "Read two integers and print their sum.",
+    "tests": [
+        {"input": "1 2\n", "output": "3\n"},
+        {"input": "5 5\n", "output": "10"},
+        {"input": "-1 1\n", "output": "0\n"},
+    ],
+    "solution": "a, b = map(int, input().split())\nprint(a + b)",
+}
+FN = {
+    "prompt": "Return the square of x.",
+    "fn_name": "square",
+    "tests": [{"args": [3], "output": 9}, {"args": [-2], "output": 4}],
+}
+
+
+def fenced(code, language="python"):
+    return f"Here you go:\n```{language}\n{code}\n```\n"
+
+
+@pytest.fixture(scope="module")
+def task(sandbox, tmp_path_factory):
+    folder = tmp_path_factory.mktemp("code")
+    data = write_rows(folder / "train.jsonl", [ADD, FN, ADD])
+    held_out = write_rows(folder / "eval.jsonl", [ADD])
+    return CodeTask(data=data, eval_data=held_out, tokenizer=TOK, num_eval=1, sandbox=sandbox)
+
+
+def test_code_blocks_and_output_comparison():
+    text = "```python\nprint(1)\n```\nthen\n```\nprint(2)\n```\n```cpp\nint main(){}\n```"
+    assert last_code_block(text) == "print(2)"  # last python/unlabelled block; cpp ignored
+    assert last_code_block("no code") is None
+    assert last_code_block("```python\nprint(1)\n") is None  # never closed
+    assert normalise_output("\n 3  \n4\t\n\n") == "3\n4"
+
+
+def test_right_wrong_and_partial_scores(task, sandbox, tmp_path):
+    add = next(e for e in task.train_examples if "fn_name" not in e)
+    right = fenced("a, b = map(int, input().split())\nprint(a + b)")
+    assert task.score(right, add) == 1.0
+    assert task.score(fenced("print(3)"), add) == 0.0
+    assert task.score("print(3)", add) == 0.0  # no block
+    assert task.score(fenced("print(0)") + "\n" + right, add) == 1.0  # the last block wins
+    assert task.score(right + fenced("print(0)"), add) == 0.0
+    partial = CodeTask(
+        data=write_rows(tmp_path / "d.jsonl", [ADD, ADD]),
+        tokenizer=TOK,
+        num_eval=1,
+        partial_credit=True,
+        sandbox=sandbox,
+    )
+    assert partial.score(fenced("print(3)"), add) == pytest.approx(1 / 3)
+    assert partial.score(fenced("while True: pass"), add) == 0.0
+
+
+def test_function_call_tests(task):
+    fn = next(e for e in task.train_examples if "fn_name" in e)
+    assert task.score(fenced("def square(x):\n    print('noise')\n    return x * x"), fn) == 1.0
+    solution = "class Solution:\n    def square(self, x):\n        return x ** 2"
+    assert task.score(fenced(solution), fn) == 1.0
+    assert task.score(fenced("def square(x):\n    return x + x"), fn) == 0.0
+
+
+def test_score_many_stats_and_demonstration(task):
+    add = next(e for e in task.train_examples if "fn_name" not in e)
+    task.stats()
+    completions = [task.demonstration(add), "nothing", fenced("import time\ntime.sleep(9)")]
+    assert task.score_many(completions, [add] * 3) == [1.0, 0.0, 0.0]
+    stats = task.stats()
+    assert stats["code_runs"] == 6 and stats["code_timeouts"] == 3
+    assert stats["code_no_block"] == 1 and stats["code_seconds"] > 0
+    assert task.stats()["code_runs"] == 0  # reset
+    with pytest.raises(ValueError, match="solution"):
+        task.demonstration(next(e for e in task.train_examples if "fn_name" in e))
+
+
+@pytest.mark.parametrize(
+    ("row", "message"),
+    [
+        ("{not json", "2: not valid JSON"),
+        ({"tests": [{"input": "", "output": ""}]}, "2: missing or empty 'prompt'"),
+        ({"prompt": "p", "tests": []}, "2: 'tests' must be a non-empty list"),
+        ({"prompt": "p", "tests": [{"input": 1, "output": "1"}]}, r"2: tests\[0\] needs"),
+        ({"prompt": "p", "fn_name": "f", "tests": [{"args": 1, "output": 1}]}, r"2: tests\[0\]"),
+    ],
+)
+def test_malformed_rows_name_file_and_line(tmp_path, sandbox, row, message):
+    path = write_rows(tmp_path / "bad.jsonl", [ADD, row])
+    with pytest.raises(CodeDataError, match=f"bad.jsonl:{message}"):
+        CodeTask(data=path, tokenizer=TOK, num_eval=1, sandbox=sandbox)
