@@ -58,7 +58,7 @@ def serve(args) -> None:
 
     cfg = _model_cfg(args)
     mesh = sharding.make_mesh(MeshConfig(data=1, fsdp=2, tensor=1), jax.devices()[:2])
-    model = sharding.init_sharded(lambda: Policy(cfg, rngs=nnx.Rngs(params=0)), mesh)
+    model = sharding.init_sharded(lambda rngs: Policy(cfg, rngs=rngs), mesh, 0)
     server = WeightServer(mesh, cfg, 2, host="127.0.0.1", timeout=600)
     server.publish(0, nnx.split(model)[1])
     Path(args.serve).write_text(json.dumps(server.address))

@@ -390,10 +390,13 @@ def test_scanned_layers_compile_one_layer():
 
 
 def test_long_sequence_gradient_on_cpu(tiny_model_config):
-    """A 4k-token row through a small model: blockwise + remat + scanned layers give the
-    stored-scores model's log-probs and gradients."""
+    """A 4k-token row through a small model (two query heads on one key/value head, so the
+    stored scores, [2, T, T] per layer, are cheap to run): blockwise + remat + scanned layers
+    give the stored-scores model's log-probs and gradients."""
     t = 4096
-    base = dataclasses.replace(tiny_model_config, attention="xla", vocab_size=128)
+    base = dataclasses.replace(
+        tiny_model_config, attention="xla", vocab_size=128, num_heads=2, num_kv_heads=1
+    )
     cfg = dataclasses.replace(base, attention="blockwise", remat="full", scan_layers=True)
     tokens = jax.random.randint(jax.random.key(0), (1, t), 1, base.vocab_size)
     mask = jnp.arange(t)[None] >= 100  # left padding

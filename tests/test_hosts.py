@@ -44,7 +44,7 @@ def test_pulled_weights_equal_the_generation_copy_in_another_layout(
     n = trainer.data * trainer.fsdp * trainer.tensor
     mesh = sharding.make_mesh(trainer, devices[:n])
     gen_mesh = sharding.make_mesh(generator, devices[4:])
-    model = sharding.init_sharded(lambda: Policy(cfg, rngs=nnx.Rngs(params=3)), mesh)
+    model = sharding.init_sharded(lambda rngs: Policy(cfg, rngs=rngs), mesh, 3)
     _, params = nnx.split(model)
     gen_devices = gen_mesh.devices.size
     server = WeightServer(mesh, cfg, gen_devices, host="127.0.0.1", timeout=10)

@@ -42,7 +42,7 @@ def test_json_reports_both_programs_and_the_parameters_match_real_shards(capsys)
         assert report[name]["per_device_bytes"] > report[name]["arguments_bytes"] > 0
     # Independently: the bytes of one device's shard of every parameter, from real arrays.
     mesh, _ = sharding.make_meshes(cfg)
-    model = sharding.init_sharded(lambda: Policy(cfg.model, rngs=nnx.Rngs(params=0)), mesh)
+    model = sharding.init_sharded(lambda rngs: Policy(cfg.model, rngs=rngs), mesh, 0)
     real = sum(x.addressable_shards[0].data.nbytes for x in jax.tree.leaves(nnx.state(model)))
     assert report["train_step"]["parameters_bytes"] == real
     assert report["train_step"]["optimizer_state_bytes"] >= 2 * real  # Adam's two moments
@@ -275,7 +275,7 @@ def _run_train_step(cfg, prompt_len: int) -> dict[str, int]:
     """The train step exactly as a run builds it (`train.setup`: real arrays, split by
     `lora.split_policy`, `init_train_state`, the run's shardings), compiled: XLA's bytes."""
     mesh, _ = sharding.make_meshes(cfg)
-    model = sharding.init_sharded(lambda: Policy(cfg.model, rngs=nnx.Rngs(params=0)), mesh)
+    model = sharding.init_sharded(lambda rngs: Policy(cfg.model, rngs=rngs), mesh, 0)
     graphdef, frozen, params = lora.split_policy(model, cfg.model)
     tx = make_optimizer(cfg.optim, total_steps=cfg.train.steps)
     state = init_train_state(params, tx)
@@ -320,8 +320,11 @@ def test_lora_plan_counts_base_adapters_and_their_optimizer_state_by_hand():
     """On a batch-only mesh (every parameter whole on each device): the adapters are float32
     A and B of the shapes above, Adam's two moments are over them alone, the base holds its
     layer kernels in bfloat16 and everything else as full fine-tuning does."""
-    full_cfg = load_config(TINY, ["mesh.data=8", *LONG])
-    cfg = load_config(TINY, ["mesh.data=8", *LONG, *LORA])
+    # The full fine-tuning step is test_micro_batches_keep_their_rows_split_over_the_devices'
+    # eight-device one (micro-batches change no state's bytes).
+    batch_only = ["mesh.data=8", "train.micro_batches=4", *LONG]
+    full_cfg = load_config(TINY, batch_only)
+    cfg = load_config(TINY, [*batch_only, *LORA])
     mesh, _ = sharding.make_meshes(cfg)
     full = train_step_memory(full_cfg, mesh, 8)
     planned = train_step_memory(cfg, mesh, 8)
@@ -379,9 +382,7 @@ def test_lora_generator_holds_one_base_and_adapter_copies(own):
     report = plan(cfg, prompt_len=8)
     gen = report["generate"]
     mesh, gen_mesh = sharding.make_meshes(cfg)
-    model = sharding.init_sharded(
-        lambda: Policy(cfg.model, rngs=nnx.Rngs(params=0)), gen_mesh or mesh
-    )
+    model = sharding.init_sharded(lambda rngs: Policy(cfg.model, rngs=rngs), gen_mesh or mesh, 0)
     _, frozen, params = lora.split_policy(model, cfg.model)
     base = for_generation(frozen, cfg.model, copy=False)
     adapters = for_generation(params, cfg.model)
@@ -417,12 +418,12 @@ def test_a_peft_adapter_fixes_the_planned_rank_and_targets(tmp_path):
 
 
 def test_a_packed_plan_compiles_the_packed_step_and_its_token_budget_sets_the_activations(capsys):
-    packed = [*LONG, "mesh.data=8", "train.packing=true"]
+    packed = [*SHARDED, "train.packing=true"]
     cfg = load_config(TINY, packed)
     mesh, _ = sharding.make_meshes(cfg)
     part = train_step_memory(cfg, mesh, 8)
     # Rows of 2 x (8 + 64) = 144 positions hold 2 completions at the budget: 8 prompts x 8
-    # completions need 32 rows, already a multiple of the 8 devices.
+    # completions need 32 rows, already a multiple of the 8 batch shards (mesh.fsdp).
     assert part["packed"] == {
         "row_len": 144, "rows": 32, "rows_per_micro_batch": 32, "micro_batches": 1,
     }  # fmt: skip
@@ -435,14 +436,14 @@ def test_a_packed_plan_compiles_the_packed_step_and_its_token_budget_sets_the_ac
     assert small["temporaries_bytes"] < 0.5 * part["temporaries_bytes"]
     # packing: auto (the default) plans the padded step it takes for completions at the
     # budget; with a budget below the padded micro-step (8 rows x 72) it always packs.
-    auto = train_step_memory(load_config(TINY, [*LONG, "mesh.data=8"]), mesh, 8)
+    auto = train_step_memory(load_config(TINY, SHARDED), mesh, 8)
     assert "packed" not in auto and auto["auto_padded"]
     assert auto["positions_per_micro_batch_per_shard"] == 8 * 72
-    auto_budget = [*LONG, "mesh.data=8", "train.tokens_per_micro_batch=144"]
+    auto_budget = [*SHARDED, "train.tokens_per_micro_batch=144"]
     assert train_step_memory(load_config(TINY, auto_budget), mesh, 8)["packed"] == small["packed"]
     # A budget above the padded micro-step: auto may take either, and a packed micro-step
     # (8 rows of 144 per device) holds twice the padded one's positions: the plan is packed.
-    big = [*LONG, "mesh.data=8", "train.tokens_per_micro_batch=1152"]
+    big = [*SHARDED, "train.tokens_per_micro_batch=1152"]
     larger = train_step_memory(load_config(TINY, big), mesh, 8)
     assert larger["positions_per_micro_batch_per_shard"] == 1152 and "packed" in larger
     assert larger["per_device_bytes"] > auto["per_device_bytes"]

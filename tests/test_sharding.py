@@ -31,7 +31,7 @@ def test_make_mesh_shapes_and_errors():
 
 def test_sharded_init_places_params_by_logical_axes(tiny_model_config):
     mesh = sharding.make_mesh(MESH_222)
-    model = sharding.init_sharded(lambda: Policy(tiny_model_config, rngs=nnx.Rngs(params=4)), mesh)
+    model = sharding.init_sharded(lambda rngs: Policy(tiny_model_config, rngs=rngs), mesh, 4)
     attn = model.layers[0].attn
     assert attn.q_kernel[...].sharding.spec == P("fsdp", "tensor", None)
     assert model.layers[0].mlp.down_kernel[...].sharding.spec == P("tensor", "fsdp")
@@ -50,7 +50,7 @@ def test_sharded_init_places_params_by_logical_axes(tiny_model_config):
 def test_axis_that_does_not_divide_stays_replicated(tiny_model_config):
     # 4 query heads split over tensor=4; 2 kv heads do not, so k_kernel keeps its heads whole.
     mesh = sharding.make_mesh(MeshConfig(data=2, fsdp=1, tensor=4))
-    model = sharding.init_sharded(lambda: Policy(tiny_model_config, rngs=nnx.Rngs(0)), mesh)
+    model = sharding.init_sharded(lambda rngs: Policy(tiny_model_config, rngs=rngs), mesh, 0)
     assert model.layers[0].attn.k_kernel[...].sharding.spec == P("fsdp", None, None)
     assert model.layers[0].attn.q_kernel[...].sharding.spec == P("fsdp", "tensor", None)
 

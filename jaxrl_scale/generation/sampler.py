@@ -242,7 +242,7 @@ def prefill(
             budget_key, (b,), interruption.think_min, interruption.think_max + 1, jnp.int32
         )
     zeros = jnp.zeros((b, n_new))
-    return DecodeState(
+    state = DecodeState(
         cache=cache,
         h_bd=h_btd[:, -1],
         tokens=jnp.zeros((b, n_new), jnp.int32),
@@ -262,6 +262,9 @@ def prefill(
         key=key,
         routes=routes,
     )
+    # Every row-indexed leaf split over the batch axes, as decode returns them: a state laid
+    # out otherwise would compile the second chunk's decode again for its new placement.
+    return jax.tree.map(lambda x: _constrain_batch(x, mesh, 0) if x.ndim else x, state)
 
 
 def prompt_routes(cfg, chosen_pltk, n_new: int):

@@ -113,13 +113,22 @@ def state_shardings(state: nnx.State, mesh: Mesh) -> nnx.State:
     return jax.tree.map(one, state, is_leaf=lambda x: isinstance(x, nnx.Variable))
 
 
-def init_sharded(make_module: Callable[[], nnx.Module], mesh: Mesh) -> nnx.Module:
-    """Shapes first: eval_shape -> shardings -> jit(init, out_shardings), so parameters are
-    created already sharded and a model too big for one device never lands on one."""
-    abstract = nnx.eval_shape(make_module)
+def init_sharded(
+    make_module: Callable[[nnx.Rngs], nnx.Module], mesh: Mesh, seed: int
+) -> nnx.Module:
+    """`make_module(nnx.Rngs(params=seed))`, built sharded. Shapes first: eval_shape ->
+    shardings -> jit(init, out_shardings), so parameters are created already sharded and a
+    model too big for one device never lands on one. The seed's key is the program's argument,
+    not a constant in it: every seed runs one program (cached across runs and processes)."""
+
+    def make(key):
+        return make_module(nnx.Rngs(params=key))
+
+    key = jax.random.key(seed)
+    abstract = nnx.eval_shape(make, key)
     graphdef, abstract_state = nnx.split(abstract)
     shardings = state_shardings(abstract_state, mesh)
-    state = jax.jit(lambda: nnx.state(make_module()), out_shardings=shardings)()
+    state = jax.jit(lambda key: nnx.state(make(key)), out_shardings=shardings)(key)
     return nnx.merge(graphdef, state)
 
 
