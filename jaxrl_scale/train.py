@@ -40,7 +40,6 @@ from typing import Any
 
 import jax
 import numpy as np
-from flax import nnx
 
 import jaxrl_scale
 from jaxrl_scale.config import ExperimentConfig, dump_config
@@ -88,8 +87,14 @@ class Run:
     frozen: Any = None  # a LoRA policy's base (lora.py): read by the step, never donated
 
 
-def setup(cfg: ExperimentConfig, out: str | Path, *, resume: bool = True) -> Run:
-    """Build a run's parts from its config, resuming from `out`'s newest checkpoint."""
+def setup(cfg: ExperimentConfig, out: str | Path, *, resume: bool = True, task=None) -> Run:
+    """Build a run's parts from its config, resuming from `out`'s newest checkpoint. `task`:
+    a user's task object (tasks.Task) in place of the one task.name names."""
+    if task is not None and cfg.hosts.generator_groups:
+        raise ConfigError(
+            "train(task=...): a task object cannot reach generator jobs on other hosts; name "
+            "it by import path in task.name (importable on every host) instead"
+        )
     # ---------------------------------------------------------------- processes and meshes
     distributed.initialize(cfg.distributed)  # several processes: jax.distributed first
     out = Path(out)
@@ -107,12 +112,12 @@ def setup(cfg: ExperimentConfig, out: str | Path, *, resume: bool = True) -> Run
         )
         cfg = dataclasses.replace(cfg, model=dataclasses.replace(model.cfg, init_from=m.init_from))
     else:
-        model = sharding.init_sharded(lambda: Policy(m, rngs=nnx.Rngs(params=cfg.seed)), mesh)
+        model = sharding.init_sharded(lambda rngs: Policy(m, rngs=rngs), mesh, cfg.seed)
     # With LoRA, `params` are the adapters and `frozen` the base (lora.py); else frozen is None.
     graphdef, frozen, params = lora.split_policy(model, cfg.model)
     if cfg.model.lora.init_from:
         params = load_adapter(cfg.model.lora.init_from, params, cfg.model)
-    task = make_task(cfg.task, seed=cfg.seed, tokenizer=tokenizer)
+    task = make_task(cfg.task, seed=cfg.seed, tokenizer=tokenizer, task=task)
     worker = RolloutWorker(cfg, task, graphdef, mesh=mesh, gen_mesh=gen_mesh, frozen=frozen)
     if distributed.is_main():  # the resolved config reruns the run: --config RUN/config.yaml
         stamp = f"jaxrl-scale {jaxrl_scale.__version__}, {datetime.datetime.now():%Y-%m-%d %H:%M}"
@@ -201,9 +206,12 @@ def setup(cfg: ExperimentConfig, out: str | Path, *, resume: bool = True) -> Run
     )
 
 
-def train(cfg: ExperimentConfig, out: str | Path, *, resume: bool = True) -> list[dict[str, Any]]:
-    """Train with RL per `cfg`, writing metrics, TensorBoard logs and checkpoints under `out`."""
-    return train_run(setup(cfg, out, resume=resume))
+def train(
+    cfg: ExperimentConfig, out: str | Path, *, resume: bool = True, task=None
+) -> list[dict[str, Any]]:
+    """Train with RL per `cfg`, writing metrics, TensorBoard logs and checkpoints under `out`.
+    `task`: your own task object (`jaxrl_scale.tasks.Task`), in place of task.name's."""
+    return train_run(setup(cfg, out, resume=resume, task=task))
 
 
 def train_run(run: Run) -> list[dict[str, Any]]:
@@ -213,23 +221,23 @@ def train_run(run: Run) -> list[dict[str, Any]]:
     metrics_log = MetricsWriter(
         run.out, resume_step=start.step if run.resumed else None, enabled=distributed.is_main()
     )
-    forecaster = OnlineForecast(cfg.forecast, cfg.train.steps, seed=cfg.seed)
+    forecasts = _Forecasts(cfg, worker.task)  # the eval curve's, and each domain's
     rows: list[dict[str, Any]] = []
     # ---------------------------------------------------------------- warm start, step-0 eval
     if run.resumed:
         if distributed.is_main():  # the log as trimmed just above: only process 0 reads it
             rows_so_far = read_metrics(run.out)
-            forecaster.replay(curve_from_rows(rows_so_far, x=cfg.forecast.x, clean=False))
+            forecasts.replay(rows_so_far)
     else:
         if cfg.warm_start.steps:
             params, _ = warm_start(train_state.params, worker.graphdef, worker.task,
                                    cfg.warm_start, seed=cfg.seed, frozen=run.frozen)  # fmt: skip
             train_state = run.new_train_state(params)  # a KL reference is this policy
-        rate, sd = worker.evaluate_with_sd(train_state.params, jax.random.fold_in(key, 10**9))
-        forecaster.observe(0, 0.0, rate, sd)
+        evaluation = worker.evaluate_row(train_state.params, jax.random.fold_in(key, 10**9))
+        forecasts.observe(0, 0.0, evaluation)
         rows.append({**dict.fromkeys(("step", "policy_version", "staleness_max"), 0),
                      "compute_flops": 0.0, "device_seconds": 0.0, "tokens": 0,
-                     "eval_pass_rate": rate, "eval_sampling_sd": sd})  # fmt: skip
+                     **evaluation})  # fmt: skip
         metrics_log.write(rows[-1])
     # ---------------------------------------------------------------- the loop
     clock = RunClock(run.devices, seconds=totals["device_seconds"])  # from the first RL step
@@ -239,18 +247,17 @@ def train_run(run: Run) -> list[dict[str, Any]]:
     unlogged: _Step | None = None  # a step dispatched but not yet read back
     curriculum, step = start.curriculum, start.step
 
-    def finish(record: _Step, ended: float, evaluation: tuple | None = None) -> dict[str, Any]:
+    def finish(record: _Step, ended: float, evaluation: dict | None = None) -> dict[str, Any]:
         row = _row(record, ended, totals, clock, cfg, evaluation)
         row["weight_update_bytes"] = update_bytes
         if evaluation is not None and distributed.is_main():
-            x, (rate, sd) = row[cfg.forecast.x], evaluation
-            row.update(forecaster.observe(record.step, x, rate, sd) or {})
+            row.update(forecasts.observe(record.step, row[cfg.forecast.x], evaluation))
         metrics_log.write(row)
         rows.append(row)
         if distributed.is_main():
             _progress(row, cfg.train.steps)
             if "forecast_status" in row:
-                print(forecaster.last.describe(), flush=True)
+                print(forecasts.overall.last.describe(), flush=True)
         return row
 
     def save() -> None:
@@ -286,19 +293,17 @@ def train_run(run: Run) -> list[dict[str, Any]]:
             # Read now (no later step to overlap with), once: the row below reuses it.
             unlogged = dataclasses.replace(unlogged, metrics=jax.device_get(metrics))
             _check_finite(unlogged.metrics, step, cfg.train.max_nonfinite)
-            evaluation = None  # (pass rate, sampling sd)
+            evaluation = None  # eval_pass_rate, eval_sampling_sd (and per domain)
             if on_eval:
                 with clock.excluded():
                     eval_key = jax.random.fold_in(key, 10**9 + step)
                     # The generator's newest copy is this step's: no copy of its own beside it.
                     newest = None if source is None else source.newest()
                     placed = newest[1] if newest is not None and newest[0] == step else None
-                    evaluation = worker.evaluate_with_sd(
-                        train_state.params, eval_key, placed=placed
-                    )
+                    evaluation = worker.evaluate_row(train_state.params, eval_key, placed=placed)
             finish(unlogged, time.perf_counter(), evaluation)
             unlogged = None
-            if evaluation is not None and _should_stop(forecaster):
+            if evaluation is not None and _should_stop(forecasts.overall):
                 break
             if on_save:
                 save()
@@ -362,6 +367,35 @@ def _feeder(cfg: ExperimentConfig, worker: RolloutWorker, params, start: RunStat
         resumed=start.pending,
     )
     return source, feeder
+
+
+class _Forecasts:
+    """The online forecast of the eval curve, and of each domain's for a mixture (its fields
+    in the row suffixed /<domain>). Only the overall forecast can stop the run. Main thread."""
+
+    def __init__(self, cfg: ExperimentConfig, task):
+        self.cfg = cfg
+        self.overall = OnlineForecast(cfg.forecast, cfg.train.steps, seed=cfg.seed)
+        domains = getattr(task, "components", None) or {}
+        self.domains = {
+            d: OnlineForecast(cfg.forecast, cfg.train.steps, seed=cfg.seed) for d in domains
+        }
+
+    def replay(self, rows: list[dict]) -> None:
+        x = self.cfg.forecast.x
+        self.overall.replay(curve_from_rows(rows, x=x, clean=False))
+        for d, forecast in self.domains.items():
+            forecast.replay(curve_from_rows(rows, x=x, y=f"eval_pass_rate/{d}", clean=False))
+
+    def observe(self, step: int, x: float, evaluation: dict) -> dict:
+        """The forecast fields for the row of an evaluation (none when no refit is due)."""
+        fields = {}
+        for d, forecast in [("", self.overall), *self.domains.items()]:
+            suffix = f"/{d}" if d else ""
+            rate = evaluation[f"eval_pass_rate{suffix}"]
+            got = forecast.observe(step, x, rate, evaluation[f"eval_sampling_sd{suffix}"]) or {}
+            fields.update({f"{k}{suffix}": v for k, v in got.items()})
+        return fields
 
 
 def _should_stop(forecaster: OnlineForecast) -> bool:
@@ -447,7 +481,7 @@ def _row(s: _Step, ended: float, totals: dict, clock: RunClock, cfg, evaluation)
     if cfg.hosts.generator_groups:  # rows lost generator groups had in flight (drawn again)
         row["lost_rows"] = totals["lost_rows"]
     if evaluation is not None:
-        row["eval_pass_rate"], row["eval_sampling_sd"] = evaluation
+        row.update(evaluation)
     return row
 
 

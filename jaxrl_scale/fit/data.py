@@ -169,7 +169,8 @@ def curve_from_rows(
     """The one reader from logged rows (metrics.jsonl objects, CSV/JSONL rows) to a curve.
 
     `sd` names a column with each eval's known sampling sd ("auto": `eval_sampling_sd`, which
-    this trainer logs, when y is `eval_pass_rate`); it is used when every point has it.
+    this trainer logs, when y is `eval_pass_rate`; `eval_sampling_sd/<d>` for a mixture's
+    domain `eval_pass_rate/<d>`); it is used when every point has it.
 
     Rows lacking x or y (training steps without an evaluation) are skipped. The R0 rule: rows
     at zero compute (a run's evaluation before any RL) are measurements of R0, which is their
@@ -180,7 +181,9 @@ def curve_from_rows(
     """
     where = where or [f"{name}: row {i + 1}" for i in range(len(rows))]
     if sd == "auto":
-        sd = "eval_sampling_sd" if y == "eval_pass_rate" else None
+        # eval_pass_rate's is eval_sampling_sd; a domain's (eval_pass_rate/<d>) has its own
+        prefix = "eval_pass_rate"
+        sd = "eval_sampling_sd" + y[len(prefix) :] if y.startswith(prefix) else None
     cs, rs, steps, sds = [], [], [], []
     for loc, row in zip(where, rows, strict=True):
         cx, ry = _number(row.get(x), f"{loc}: {x}"), _number(row.get(y), f"{loc}: {y}")

@@ -42,7 +42,7 @@ from jaxrl_scale.models.policy import Policy, for_generation
 from jaxrl_scale.parallel import sharding
 from jaxrl_scale.rl.generator import WaveGenerator
 from jaxrl_scale.rl.rollout import score_rollout
-from jaxrl_scale.tasks import make_task
+from jaxrl_scale.tasks import make_scorer, make_task
 
 if TYPE_CHECKING:  # the root config composes every part's section
     from jaxrl_scale.config import ExperimentConfig
@@ -232,7 +232,7 @@ def _generation_base(cfg: ExperimentConfig, m, mesh):
 
         model, _ = load_pretrained(m.init_from, mesh=mesh, seed=cfg.seed, **m.runtime_fields())
     else:
-        model = sharding.init_sharded(lambda: Policy(m, rngs=nnx.Rngs(params=cfg.seed)), mesh)
+        model = sharding.init_sharded(lambda rngs: Policy(m, rngs=rngs), mesh, cfg.seed)
     _, frozen, _ = lora.split_policy(model, m)
     return for_generation(frozen, m, copy=False)
 
@@ -244,6 +244,7 @@ def run_generator(cfg: ExperimentConfig, group: int) -> int:
     model_cfg, graphdef, abstract, tokenizer = _model(cfg)
     base = _generation_base(cfg, model_cfg, mesh)
     task = make_task(cfg.task, seed=cfg.seed, tokenizer=tokenizer)
+    scorer = make_scorer(cfg.task, task)  # the verifier's thread pool, as the trainer's
     tok = task.tokenizer
     longest = max(len(tok.encode(e["prompt"])) for e in task.train_examples + task.eval_examples)
     waves = WaveGenerator(cfg, graphdef, tok, Interruption.from_config(cfg.sampler, tok),
@@ -281,7 +282,7 @@ def run_generator(cfg: ExperimentConfig, group: int) -> int:
                     continue
                 print(f"{name}: generating batch {work['batch']}", flush=True)
                 try:
-                    frames = _make_batch(cfg, task, waves, weights, work, run_key, sampling,
+                    frames = _make_batch(cfg, scorer, waves, weights, work, run_key, sampling,
                                          base)  # fmt: skip
                 except Rejoin:
                     break
@@ -298,12 +299,13 @@ def run_generator(cfg: ExperimentConfig, group: int) -> int:
 
 
 def _make_batch(
-    cfg, task, waves, weights: Weights, work: dict, run_key, sampling, base=None
+    cfg, scorer, waves, weights: Weights, work: dict, run_key, sampling, base=None
 ) -> list[bytes]:
     """Generate and score one assigned batch; its frames for the hub. `base`: a LoRA run's
     base, under the adapters the trainer sends."""
     start = time.perf_counter()
     g = cfg.train.group_size
+    task = scorer.task
     examples = [task.train_examples[i] for i in work["indices"]]
     schedule, swap_at = work["schedule"], work["swap_at"]
 
@@ -323,7 +325,7 @@ def _make_batch(
         repeat=g,
         with_fill=True,
     )
-    scored = score_rollout(cfg, task, ro, examples, reference=bool(cfg.loss.kl_coef))
+    scored = score_rollout(cfg, scorer, ro, examples, reference=bool(cfg.loss.kl_coef))
     arrays = {
         f: np.asarray(getattr(scored.ro, f))
         for f in ROLLOUT_FIELDS

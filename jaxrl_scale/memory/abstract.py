@@ -32,13 +32,15 @@ DEFAULT_PROMPT_LEN = 1024  # tokens of a math prompt when --prompt-len does not 
 # The share of a GPU's memory JAX takes for its pool when XLA_PYTHON_CLIENT_MEM_FRACTION is
 # not set (it preallocates it at start-up): what a plan compares with on a GPU.
 JAX_GPU_MEM_FRACTION = 0.75
+PROCEDURAL = ("arithmetic", "countdown")  # tasks whose prompts are generated, not read
 
 
 def task_prompt_len(cfg: ExperimentConfig) -> tuple[int, str]:
     """(prompt slots, where the number comes from). A procedural task's prompts are generated
     and measured (padded to a multiple of 8, as the sampler pads); a dataset's are not read."""
-    if cfg.task.name == "math":
-        return DEFAULT_PROMPT_LEN, "default for math; set --prompt-len"
+    names = [c.name for c in cfg.task.mixture] or [cfg.task.name]
+    if any(n not in PROCEDURAL for n in names):  # a dataset: its prompts are not read
+        return DEFAULT_PROMPT_LEN, f"default for {cfg.task.name}; set --prompt-len"
     from jaxrl_scale.tasks import make_task
 
     task = make_task(cfg.task, seed=cfg.seed)

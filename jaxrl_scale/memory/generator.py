@@ -142,14 +142,15 @@ def prefill_memory(cfg: ExperimentConfig, mesh, prompt_len: int, *, copy: bool) 
 def evaluate_memory(
     cfg: ExperimentConfig, mesh, prompt_len: int, *, copy: bool, own_copy: bool
 ) -> dict[str, Any]:
-    """Held-out evaluation on the generator's devices: waves of task.num_eval prompts x
+    """Held-out evaluation on the generator's devices: waves of the held-out prompts x
     train.eval_samples rows (`rollout.wave_prompts`), each prefilled and decoded to the end.
     Its total: the wave's decode state, the larger of its two programs' working memory and,
     with `own_copy`, the parameter copy it decodes with (beside those the generator holds;
     with LoRA, on the trainer's devices: adapters on the trainer's base)."""
     graphdef, params = abstract_params(cfg, mesh, generation=copy)
     k, n_new = cfg.train.eval_samples, cfg.sampler.max_new_tokens
-    prompts = wave_prompts(cfg, k, sharding.batch_ways(mesh), cfg.task.num_eval)
+    held_out = cfg.task.num_eval * max(1, len(cfg.task.mixture))  # a mixture: each domain's
+    prompts = wave_prompts(cfg, k, sharding.batch_ways(mesh), held_out)
     first = _wave_prefill(cfg, graphdef, params, mesh, prompts, prompt_len, k)
     state = abstract_slots(cfg.model, prompts * k, prompt_len, n_new, mesh)
     temperature = cfg.train.eval_temperature
@@ -163,7 +164,7 @@ def evaluate_memory(
     working = max(first["temporaries_bytes"], chunk["temporaries_bytes"] + chunk["outputs_bytes"])
     out = {
         "rows_per_wave": prompts * k,
-        "waves": -(-cfg.task.num_eval // prompts),
+        "waves": -(-held_out // prompts),
         "decode_state_bytes": state_bytes,
         "working_bytes": working,
         "parameters_bytes": params_bytes if own_copy else 0,

@@ -49,6 +49,7 @@ from jaxrl_scale.rl.generator import EngineBatches, WaveGenerator, batch_chunks,
 from jaxrl_scale.rl.packing import PackedBatch, PackGeometry, padded_layout
 from jaxrl_scale.rl.pipeline import ParamsForChunk
 from jaxrl_scale.rl.step import Batch
+from jaxrl_scale.tasks import Scorer, make_scorer
 
 if TYPE_CHECKING:  # the root config composes every part's section
     from jaxrl_scale.config import ExperimentConfig
@@ -84,6 +85,7 @@ class RolloutWorker:
         frozen=None,  # a LoRA base (lora.py): params given to this worker are then adapters
     ):
         self.cfg, self.task, self.tok, self.graphdef = cfg, task, task.tokenizer, graphdef
+        self.scorer = make_scorer(cfg.task, task)  # the verifier's thread pool
         if cfg.model.vocab_size < self.tok.vocab_size:
             raise ConfigError(
                 f"model.vocab_size: {cfg.model.vocab_size} is below the task tokenizer's "
@@ -212,7 +214,7 @@ class RolloutWorker:
                 repeat=g,
                 with_fill=True,
             )
-        scored = score_rollout(self.cfg, self.task, ro, examples, reference=self.reference)
+        scored = score_rollout(self.cfg, self.scorer, ro, examples, reference=self.reference)
         self.curriculum.update(indices, scored.pass_rates)
         seconds = time.perf_counter() - start
         return self.assemble(scored, indices, self._curriculum_snapshot(), seconds)
@@ -253,7 +255,14 @@ class RolloutWorker:
         return self.evaluate_with_sd(params, key)[0]
 
     def evaluate_with_sd(self, params, key, *, placed=None) -> tuple[float, float]:
-        """(mean@k pass rate on the held-out split, its sampling sd; see `sampling_sd`).
+        """(mean@k pass rate on the held-out split, its sampling sd; see `sampling_sd`)."""
+        row = self.evaluate_row(params, key, placed=placed)
+        return row["eval_pass_rate"], row["eval_sampling_sd"]
+
+    def evaluate_row(self, params, key, *, placed=None) -> dict[str, float]:
+        """The metrics of a held-out evaluation: `eval_pass_rate` (mean@k) and its sampling
+        sd `eval_sampling_sd` (see `sampling_sd`), and for a mixture of domains the same over
+        each domain's prompts (`eval_pass_rate/<domain>`, `eval_sampling_sd/<domain>`).
         `placed`: the same parameters already as the generator decodes them (the newest
         published copy), evaluated without placing another copy beside the generator's."""
         k = self.cfg.train.eval_samples
@@ -268,9 +277,15 @@ class RolloutWorker:
             repeat=k,
         )
         texts = completion_texts(self.tok, ro)
-        scores = [self.task.score(t, examples[i // k]) for i, t in enumerate(texts)]
-        scores = np.asarray(scores, float).reshape(len(examples), k)
-        return float(scores.mean()), sampling_sd(scores)
+        scores = self.scorer(texts, [examples[i // k] for i in range(len(texts))]).rewards
+        scores = scores.reshape(len(examples), k)
+        row = {"eval_pass_rate": float(scores.mean()), "eval_sampling_sd": sampling_sd(scores)}
+        domains = np.array([e.get("domain") for e in examples], dtype=object)
+        for d in dict.fromkeys(domains.tolist()) if domains[0] is not None else ():
+            mine = scores[domains == d]
+            row[f"eval_pass_rate/{d}"] = float(mine.mean())
+            row[f"eval_sampling_sd/{d}"] = sampling_sd(mine)
+        return row
 
 
 @dataclasses.dataclass(frozen=True)
@@ -291,18 +306,23 @@ def completion_texts(tok, ro: Rollout) -> list[str]:
     return [tok.decode(t[:n]) for t, n in zip(tokens, lengths, strict=True)]
 
 
-def score_rollout(cfg: ExperimentConfig, task, ro: Rollout, examples, *, reference: bool) -> Scored:
-    """Decode and score `ro`'s completions of `examples` (G consecutive rows each, then any
-    rows that only filled up the last wave), with the statistics of its rows: lengths, the
-    generation's FLOPs (fill rows' decode included, as they were computed), rewards."""
-    g, tok = cfg.train.group_size, task.tokenizer
+def score_rollout(
+    cfg: ExperimentConfig, scorer: Scorer, ro: Rollout, examples, *, reference: bool
+) -> Scored:
+    """Decode and score (`scorer`, over its task) `ro`'s completions of `examples` (G
+    consecutive rows each, then any rows that only filled up the last wave), with the
+    statistics of its rows: lengths, the generation's FLOPs (fill rows' decode included, as
+    they were computed), rewards, their named parts and the samples scoring failed on."""
+    g, tok = cfg.train.group_size, scorer.task.tokenizer
     rows, fill = len(examples) * g, None
     if ro.lengths.shape[0] > rows:  # rows decoded only to fill the last wave up
         fill = jax.tree.map(lambda x: x[rows:], ro)
         ro = jax.tree.map(lambda x: x[:rows], ro)
     texts = completion_texts(tok, ro)
     lengths = distributed.to_host(ro.lengths)
-    rewards = np.array([task.score(t, examples[i // g]) for i, t in enumerate(texts)])
+    start = time.perf_counter()
+    scores = scorer(texts, [examples[i // g] for i in range(len(texts))])
+    rewards = scores.rewards
     finish, versions, prompt_mask = (
         distributed.to_host(x) for x in (ro.finish_reason, ro.versions, ro.prompt_mask)
     )
@@ -316,6 +336,8 @@ def score_rollout(cfg: ExperimentConfig, task, ro: Rollout, examples, *, referen
         "gen_tokens": int(lengths.sum()),
         **batch_flops(cfg.model, prompt_lens, lengths, reference=reference),
         "gen_fill_rows": 0 if fill is None else int(fill.lengths.shape[0]),
+        **scores.stats(),  # reward/<part>, reward_errors, reward_timeouts, think_unclosed
+        "score_seconds": time.perf_counter() - start,
     }
     if fill is not None:  # compute spent, nothing to train on: on the x-axis
         fill_lengths, fill_mask = map(distributed.to_host, (fill.lengths, fill.prompt_mask))

@@ -6,14 +6,21 @@ task.train_examples, task.eval_examples         # lists of example dicts with a 
 task.score("46", {"prompt": "12+34=", "answer": 46})  -> 1.0
 
 arithmetic and countdown bring a character tokenizer (used unless one is passed); math takes
-the model's tokenizer.
+the model's tokenizer. Your own task: `task.name: package.module:factory` with `task.args`, or
+the object itself (`make_task(cfg, seed=0, task=obj)`), per the `Task` protocol (tasks/user.py).
+Scoring runs in `scoring.Scorer` (a thread pool, a timeout per sample, errors counted).
 """
 
 from __future__ import annotations
 
+import dataclasses
+
 from jaxrl_scale.tasks.arithmetic import ArithmeticTask
 from jaxrl_scale.tasks.countdown import CountdownTask
 from jaxrl_scale.tasks.math import MathTask
+from jaxrl_scale.tasks.mixture import MixtureTask
+from jaxrl_scale.tasks.scoring import Scorer, strip_think
+from jaxrl_scale.tasks.user import Task, UserTask
 
 TASKS = {"arithmetic": ArithmeticTask, "countdown": CountdownTask, "math": MathTask}
 
@@ -25,8 +32,24 @@ def get_task(name: str, **kwargs):
     return TASKS[name](**kwargs)
 
 
-def make_task(cfg, *, seed: int, tokenizer=None):
-    """The task a TaskConfig describes; `tokenizer` (the model's) replaces a built-in one."""
+def make_task(cfg, *, seed: int, tokenizer=None, task=None):
+    """The task a TaskConfig describes; `tokenizer` (the model's) replaces a built-in one.
+    `task`: a user's object (the `Task` protocol), taken in place of `cfg.name`'s."""
+    if cfg.name == "mixture" and task is None:  # each domain's task, one tokenizer for all
+        parts = {}
+        for c in cfg.mixture:
+            one = dataclasses.replace(cfg, name=c.name, args=dict(c.args), mixture=())
+            parts[c.label] = make_task(one, seed=seed, tokenizer=tokenizer)
+            tokenizer = tokenizer or parts[c.label].tokenizer
+        return MixtureTask(parts, {c.label: c.weight for c in cfg.mixture}, seed=seed)
+    if task is not None or cfg.imported:
+        from jaxrl_scale.tasks import user
+
+        label = type(task).__name__ if task is not None else cfg.name
+        obj = task if task is not None else user.build(cfg.name, cfg.args)
+        return UserTask(
+            obj, tokenizer=tokenizer, num_train=cfg.num_train, num_eval=cfg.num_eval, label=label
+        )
     common = dict(num_train=cfg.num_train, num_eval=cfg.num_eval, seed=seed, tokenizer=tokenizer)
     if cfg.name == "arithmetic":
         a = cfg.arithmetic
@@ -54,4 +77,28 @@ def make_task(cfg, *, seed: int, tokenizer=None):
     )
 
 
-__all__ = ["TASKS", "ArithmeticTask", "CountdownTask", "MathTask", "get_task", "make_task"]
+def make_scorer(cfg, task) -> Scorer:
+    """The scorer a TaskConfig sets up for `task` (task.score_workers, score_timeout, ...)."""
+    return Scorer(
+        task,
+        workers=cfg.score_workers,
+        timeout=cfg.score_timeout,
+        strip_think=cfg.strip_think,
+        weights=cfg.reward_weights,
+    )
+
+
+__all__ = [
+    "TASKS",
+    "ArithmeticTask",
+    "CountdownTask",
+    "MathTask",
+    "MixtureTask",
+    "Scorer",
+    "Task",
+    "UserTask",
+    "get_task",
+    "make_scorer",
+    "make_task",
+    "strip_think",
+]

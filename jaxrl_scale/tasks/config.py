@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Literal
+from typing import Any
 
 from jaxrl_scale.configbase import require
 
@@ -62,19 +62,93 @@ class MathConfig:
         require(self.verify_timeout > 0, "task.math.verify_timeout", "must be > 0")
 
 
+BUILTIN = ("arithmetic", "countdown", "math", "mixture")  # tasks/__init__.py's make_task
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class MixtureComponent:
+    """One domain of task.mixture: a task (built-in, set by its task.<name> section, or an
+    import path with `args`), its share of the training prompts, the domain it is logged as."""
+
+    name: str
+    weight: float = 1.0
+    args: dict[str, Any] = dataclasses.field(default_factory=dict)
+    domain: str | None = None  # default: the name (an import path's factory name)
+
+    @property
+    def label(self) -> str:
+        return self.domain or self.name.rpartition(":")[2]
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class TaskConfig:
     """The verifiable task (see jaxrl_scale/tasks): what every task has, then one section per
-    task; only the section `name` picks is read."""
+    built-in task; only the section `name` picks is read."""
 
-    name: Literal["arithmetic", "countdown", "math"] = "arithmetic"
-    num_train: int = 512  # prompts in the training pool (math: 0 = every row)
-    num_eval: int = 64  # held-out prompts
+    # A built-in task, or your own as an import path 'package.module:factory' called with
+    # `args` (tasks/user.py).
+    name: str = "arithmetic"
+    args: dict[str, Any] = dataclasses.field(default_factory=dict)
+    num_train: int = 512  # prompts in the training pool (math and your own: 0 = every row)
+    num_eval: int = 64  # held-out prompts (your own task's: at most this many)
+    # Scoring (tasks/scoring.py): threads that run the verifier, seconds a sample may take
+    # before it scores 0 (counted in reward_timeouts), the thinking cut off before scoring,
+    # weights of a scorer's named parts (default 1 each).
+    score_workers: int = 8
+    score_timeout: float = 30.0
+    strip_think: bool = True
+    reward_weights: dict[str, float] = dataclasses.field(default_factory=dict)
+    # name: mixture: the domains and their weights (tasks/mixture.py), e.g.
+    # [{name: math, weight: 1}, {name: code, weight: 1}]
+    mixture: tuple[MixtureComponent, ...] = ()
     arithmetic: ArithmeticConfig = dataclasses.field(default_factory=ArithmeticConfig)
     countdown: CountdownConfig = dataclasses.field(default_factory=CountdownConfig)
     math: MathConfig = dataclasses.field(default_factory=MathConfig)
 
+    @property
+    def imported(self) -> bool:
+        """Whether `name` is an import path (the user's task) rather than a built-in."""
+        return ":" in self.name
+
     def __post_init__(self):
+        require(
+            self.name in BUILTIN or self.imported,
+            "task.name",
+            f"{self.name!r} is neither a built-in task ({', '.join(BUILTIN)}) nor an import "
+            "path 'package.module:factory'",
+        )
+        require(
+            not self.args or self.imported,
+            "task.args",
+            f"only a task given by import path takes args; the built-in {self.name!r} is set "
+            f"by task.{self.name}.*",
+        )
+        self._check_mixture()
         require(self.num_train >= 0, "task.num_train", "must be >= 0")
-        require(self.num_train >= 1 or self.name == "math", "task.num_train", "must be >= 1")
+        require(
+            self.num_train >= 1 or self.name == "math" or self.imported,
+            "task.num_train",
+            "must be >= 1",
+        )
         require(self.num_eval >= 1, "task.num_eval", "must be >= 1")
+        require(self.score_workers >= 1, "task.score_workers", "must be >= 1")
+        require(self.score_timeout > 0, "task.score_timeout", "must be > 0")
+
+    def _check_mixture(self) -> None:
+        if self.name != "mixture":
+            require(not self.mixture, "task.mixture", "is read only with task.name: mixture")
+            return
+        require(bool(self.mixture), "task.mixture", "a mixture needs its components")
+        for i, c in enumerate(self.mixture):
+            key = f"task.mixture[{i}]"
+            require(
+                c.name != "mixture" and (c.name in BUILTIN or ":" in c.name),
+                f"{key}.name",
+                f"{c.name!r} is neither a built-in task nor 'package.module:factory'",
+            )
+            require(c.weight > 0, f"{key}.weight", f"must be > 0, got {c.weight}")
+            require(not c.args or ":" in c.name, f"{key}.args", "only for an import path")
+            require("/" not in c.label, f"{key}.domain", "a domain's name has no '/'")
+        labels = [c.label for c in self.mixture]
+        dupes = sorted({d for d in labels if labels.count(d) > 1})
+        require(not dupes, "task.mixture", f"domains {dupes} repeat: give each a `domain`")
