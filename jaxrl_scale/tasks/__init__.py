@@ -59,6 +59,14 @@ def make_task(cfg, *, seed: int, tokenizer=None, task=None):
         return CountdownTask(
             numbers=c.numbers, max_number=c.max_number, max_target=c.max_target, **common
         )
+    if cfg.name == "code":
+        return _code_task(cfg.code, common)
+    if cfg.name == "reasoning_gym":
+        from jaxrl_scale.tasks.reasoning_gym import ReasoningGymTask
+
+        r = cfg.reasoning_gym
+        template = {} if r.template is None else {"template": r.template}
+        return ReasoningGymTask(datasets=r.datasets, configs=r.configs, **template, **common)
     m = cfg.math
     if not m.data:
         from jaxrl_scale.configbase import ConfigError
@@ -75,6 +83,24 @@ def make_task(cfg, *, seed: int, tokenizer=None, task=None):
         timeout=m.verify_timeout,
         **common,
     )
+
+
+def _code_task(c, common: dict):
+    from jaxrl_scale.configbase import ConfigError
+    from jaxrl_scale.tasks.code import CodeTask
+    from jaxrl_scale.tasks.sandbox import SandboxUnavailable
+
+    if not c.data:
+        raise ConfigError("task.code.data: the code task needs a .jsonl file of problems")
+    template = {} if c.template is None else {"template": c.template}
+    try:
+        return CodeTask(
+            data=c.data, eval_data=c.eval_data, partial_credit=c.partial_credit,
+            sandbox=c.limits, isolation=c.isolation, allow_unisolated=c.allow_unisolated,
+            workers=c.workers or None, **template, **common,
+        )  # fmt: skip
+    except SandboxUnavailable as e:
+        raise ConfigError(f"task.code.isolation: {e}") from e
 
 
 def make_scorer(cfg, task) -> Scorer:

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, Literal
 
 from jaxrl_scale.configbase import require
+from jaxrl_scale.tasks.sandbox import SandboxLimits
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -62,7 +63,49 @@ class MathConfig:
         require(self.verify_timeout > 0, "task.math.verify_timeout", "must be > 0")
 
 
-BUILTIN = ("arithmetic", "countdown", "math", "mixture")  # tasks/__init__.py's make_task
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class CodeConfig:
+    """task.code: programs graded by stdin/stdout unit tests in a sandbox (tasks/code.py,
+    tasks/sandbox.py; docs/code_sandbox.md)."""
+
+    data: str | None = None  # .jsonl rows {"prompt", "tests": [{"input", "output"}, ...]}
+    eval_data: str | None = None  # held-out file; None: num_eval rows of `data`
+    template: str | None = None  # None: the task's ("{prompt}" + ask for one python block)
+    partial_credit: bool = False  # score = the fraction of tests passed (else all or nothing)
+    # The strongest isolation that works here ("auto"), or one of tasks.sandbox.LEVELS; with
+    # rlimits alone the task refuses to run unless allow_unisolated is set.
+    isolation: Literal["auto", "namespaces+uid+rlimits", "uid+rlimits", "rlimits"] = "auto"
+    allow_unisolated: bool = False
+    workers: int = 0  # programs run at once; 0: one per CPU core
+    limits: SandboxLimits = dataclasses.field(default_factory=SandboxLimits)
+
+    def __post_init__(self):
+        require(self.workers >= 0, "task.code.workers", "must be >= 0")
+        if self.template is not None:
+            require("{prompt}" in self.template, "task.code.template", "must contain '{prompt}'")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ReasoningGymConfig:
+    """task.reasoning_gym: reasoning-gym's procedural datasets (tasks/reasoning_gym.py; the
+    optional dependency: pip install 'jaxrl-scale[reasoning-gym]')."""
+
+    datasets: dict[str, float] = dataclasses.field(default_factory=dict)  # name -> weight
+    configs: dict[str, dict[str, Any]] = dataclasses.field(default_factory=dict)  # per dataset
+    template: str | None = None  # None: the question, then ask for <answer></answer> tags
+
+    def __post_init__(self):
+        bad = {n: w for n, w in self.datasets.items() if not w > 0}
+        require(not bad, "task.reasoning_gym.datasets", f"weights must be > 0: {bad}")
+        if self.template is not None:
+            require(
+                "{question}" in self.template,
+                "task.reasoning_gym.template",
+                "must contain '{question}'",
+            )
+
+
+BUILTIN = ("arithmetic", "countdown", "math", "code", "reasoning_gym", "mixture")  # make_task's
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -89,7 +132,7 @@ class TaskConfig:
     # `args` (tasks/user.py).
     name: str = "arithmetic"
     args: dict[str, Any] = dataclasses.field(default_factory=dict)
-    num_train: int = 512  # prompts in the training pool (math and your own: 0 = every row)
+    num_train: int = 512  # prompts in the training pool (math, code, your own: 0 = every row)
     num_eval: int = 64  # held-out prompts (your own task's: at most this many)
     # Scoring (tasks/scoring.py): threads that run the verifier, seconds a sample may take
     # before it scores 0 (counted in reward_timeouts), the thinking cut off before scoring,
@@ -104,6 +147,8 @@ class TaskConfig:
     arithmetic: ArithmeticConfig = dataclasses.field(default_factory=ArithmeticConfig)
     countdown: CountdownConfig = dataclasses.field(default_factory=CountdownConfig)
     math: MathConfig = dataclasses.field(default_factory=MathConfig)
+    code: CodeConfig = dataclasses.field(default_factory=CodeConfig)
+    reasoning_gym: ReasoningGymConfig = dataclasses.field(default_factory=ReasoningGymConfig)
 
     @property
     def imported(self) -> bool:
@@ -126,7 +171,7 @@ class TaskConfig:
         self._check_mixture()
         require(self.num_train >= 0, "task.num_train", "must be >= 0")
         require(
-            self.num_train >= 1 or self.name == "math" or self.imported,
+            self.num_train >= 1 or self.name in ("math", "code", "mixture") or self.imported,
             "task.num_train",
             "must be >= 1",
         )

@@ -46,6 +46,8 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
+from jaxrl_scale.configbase import require
+
 LEVELS = ("namespaces+uid+rlimits", "uid+rlimits", "rlimits")  # strongest first
 _MODES = {"namespaces+uid+rlimits": "namespaces", "uid+rlimits": "uid", "rlimits": "rlimits"}
 _UNSHARE = ("--net", "--pid", "--fork", "--mount", "--ipc", "--uts", "--kill-child")
@@ -80,12 +82,15 @@ class SandboxLimits:
     max_output_bytes: int = 1 << 20  # stdout read before the run is killed ("output_limit")
     disk_bytes: int = 64 << 20  # size of its /work and of its /tmp (tmpfs, namespaces only)
 
-    def __post_init__(self):
+    def __post_init__(self):  # named by their config keys (task.code.limits)
         for name in (f.name for f in dataclasses.fields(self)):
-            if not getattr(self, name) > 0:
-                raise ValueError(f"SandboxLimits.{name} must be > 0, got {getattr(self, name)}")
-        if self.max_processes < 2:
-            raise ValueError("SandboxLimits.max_processes must be >= 2 (the interpreter's own)")
+            value = getattr(self, name)
+            require(value > 0, f"task.code.limits.{name}", f"must be > 0, got {value}")
+        require(
+            self.max_processes >= 2,
+            "task.code.limits.max_processes",
+            "must be >= 2 (the interpreter's own)",
+        )
 
 
 @dataclasses.dataclass(frozen=True)

@@ -209,6 +209,10 @@ class Scorer:
             return
         for i, v in zip(todo, got, strict=True):
             values[i] = v
+        # A batch scorer's own counters (the code task's runs, timeouts, seconds); with an
+        # evaluation scoring at the same time they include its runs.
+        for name, value in (task.stats() if hasattr(task, "stats") else {}).items():
+            counts[name] = counts.get(name, 0) + value
 
     def _collect(self, futures: dict, values, counts) -> None:
         pending = set(futures)

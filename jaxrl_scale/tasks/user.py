@@ -116,8 +116,9 @@ class UserTask:
             )
             train = train[:num_train]
         self.train_examples, self.eval_examples = train, held_out[: num_eval or None]
-        if hasattr(obj, "score_many"):
-            self.score_many = obj.score_many
+        for optional in ("score_many", "stats"):  # batch scoring and its counters
+            if hasattr(obj, optional):
+                setattr(self, optional, getattr(obj, optional))
 
     def _examples(self, rows, what: str, label: str) -> list[dict]:
         try:
