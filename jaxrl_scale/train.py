@@ -117,11 +117,18 @@ def setup(cfg: ExperimentConfig, out: str | Path, *, resume: bool = True, task=N
     graphdef, frozen, params = lora.split_policy(model, cfg.model)
     if cfg.model.lora.init_from:
         params = load_adapter(cfg.model.lora.init_from, params, cfg.model)
-    task = make_task(cfg.task, seed=cfg.seed, tokenizer=tokenizer, task=task)
+    task_object, task = task, make_task(cfg.task, seed=cfg.seed, tokenizer=tokenizer, task=task)
+    for part in (getattr(task, "components", None) or {"": task}).values():  # code tasks
+        box = getattr(getattr(part, "obj", part), "sandbox", None)
+        if box is not None and distributed.is_main():
+            print(f"{part.name}: model-written programs run sandboxed ({box.isolation})")
     worker = RolloutWorker(cfg, task, graphdef, mesh=mesh, gen_mesh=gen_mesh, frozen=frozen)
     if distributed.is_main():  # the resolved config reruns the run: --config RUN/config.yaml
         stamp = f"jaxrl-scale {jaxrl_scale.__version__}, {datetime.datetime.now():%Y-%m-%d %H:%M}"
-        (out / "config.yaml").write_text(dump_config(cfg, header=f"{stamp}\nresolved config"))
+        header = f"{stamp}\nresolved config"
+        if task_object is not None:  # the YAML alone does not rerun this run
+            header += f"\ntask: a Python object ({type(task_object).__name__}), not task.name's"
+        (out / "config.yaml").write_text(dump_config(cfg, header=header))
     # ---------------------------------------------------------------- optimiser and train step
     tx = make_optimizer(cfg.optim, total_steps=cfg.train.steps)
     reference = bool(cfg.loss.kl_coef)  # GRPO's KL pulls towards the policy RL starts from

@@ -45,19 +45,31 @@ def test_the_pool_holds_the_domains_in_proportion_to_their_weights(user_module):
     assert task.tokenizer is task.components["arithmetic"].tokenizer
 
 
-def test_each_sample_is_scored_by_its_domain_and_logged_per_domain(user_module):
-    cfg = load_config(TINY_CONFIG, TWO)
+def test_each_sample_is_scored_by_its_domain_and_logged_per_domain(user_module, tmp_path):
+    import code_sums
+
+    data = code_sums.write_problems(tmp_path / "sums.jsonl", n=4)
+    code = f"{{name: 'code_sums:make', args: {{data: '{data}', num_eval: 4}}, domain: code}}"
+    three = [TWO[0], TWO[1].replace("}]", "}, " + code + "]")]
+    cfg = load_config(TINY_CONFIG, three)
     task = make_task(cfg.task, seed=0)
-    a = next(e for e in task.train_examples if e["domain"] == "arithmetic")
-    s = next(e for e in task.train_examples if e["domain"] == "make")
+    a, s, c = (next(e for e in task.train_examples if e["domain"] == d)
+               for d in ("arithmetic", "make", "code"))  # fmt: skip
+    x, y = c["question"].split("+")
+    program = f"```python\nprint({x}+{y})\n```"
     scored = make_scorer(cfg.task, task)(
-        [str(a["answer"]), "x", str(s["answer"]), "7x"], [a, a, s, s]
+        [str(a["answer"]), "x", str(s["answer"]), "7x", program, program.replace("+", "-")],
+        [a, a, s, s, c, c],
     )
-    # arithmetic: exact match; sums: correct + 0.25 x format (its reward_weights).
-    np.testing.assert_allclose(scored.rewards, [1.0, 0.0, 1.25, 0.0])
+    # arithmetic: exact match; sums: correct + 0.25 x format (its reward_weights); code: the
+    # program's output, run in the sandbox (the batch scorer of its domain).
+    np.testing.assert_allclose(scored.rewards, [1.0, 0.0, 1.25, 0.0, 1.0, float(y == "0")])
+    # The pass signal: sums' "correct" part (its pass_part), the others' rewards.
+    np.testing.assert_allclose(scored.passed, [1.0, 0.0, 1.0, 0.0, 1.0, float(y == "0")])
     stats = scored.stats()
     assert stats["reward_mean/arithmetic"] == 0.5 and stats["reward_mean/make"] == 0.625
     assert stats["reward/correct"] == 0.5  # parts over the samples that return them
+    assert stats["code_runs"] == 2
 
 
 @pytest.mark.parametrize(

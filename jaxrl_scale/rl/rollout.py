@@ -277,9 +277,10 @@ class RolloutWorker:
             repeat=k,
         )
         texts = completion_texts(self.tok, ro)
-        scores = self.scorer(texts, [examples[i // k] for i in range(len(texts))]).rewards
-        scores = scores.reshape(len(examples), k)
+        scored = self.scorer(texts, [examples[i // k] for i in range(len(texts))])
+        scores = scored.passed.reshape(len(examples), k)
         row = {"eval_pass_rate": float(scores.mean()), "eval_sampling_sd": sampling_sd(scores)}
+        row.update({f"eval_{name}": v for name, v in scored.counts.items()})  # errors, ...
         domains = np.array([e.get("domain") for e in examples], dtype=object)
         for d in dict.fromkeys(domains.tolist()) if domains[0] is not None else ():
             mine = scores[domains == d]
@@ -296,7 +297,7 @@ class Scored:
     ro: Rollout  # the rows asked for (fill rows cut off)
     rewards: np.ndarray  # [B]
     versions: np.ndarray  # [B, N] policy version per sampled token, on the host
-    pass_rates: np.ndarray  # [P]: each group's mean reward
+    pass_rates: np.ndarray  # [P]: each group's mean pass signal (Scored.passed)
     stats: dict[str, float]
 
 
@@ -327,7 +328,7 @@ def score_rollout(
         distributed.to_host(x) for x in (ro.finish_reason, ro.versions, ro.prompt_mask)
     )
     prompt_lens = prompt_mask[::g].sum(axis=1)
-    pass_rates = rewards.reshape(-1, g).mean(axis=1)
+    pass_rates = scores.passed.reshape(-1, g).mean(axis=1)  # the curriculum's, the row's
     stats = {
         "reward_mean": float(rewards.mean()),
         "pass_rate": float(pass_rates.mean()),

@@ -111,6 +111,7 @@ def make_scorer(cfg, task) -> Scorer:
         timeout=cfg.score_timeout,
         strip_think=cfg.strip_think,
         weights=cfg.reward_weights,
+        pass_part=cfg.pass_part,
     )
 
 

@@ -20,6 +20,7 @@ resets the counts of runs, timeouts and seconds since its last call.
 
 from __future__ import annotations
 
+import concurrent.futures as cf
 import json
 import threading
 from pathlib import Path
@@ -205,8 +206,7 @@ class CodeTask:
             self.sandbox = Sandbox(
                 sandbox, isolation=isolation, allow_unisolated=allow_unisolated, workers=workers
             )
-        self._lock = threading.Lock()
-        self._counts = dict.fromkeys(self._COUNTS, 0.0)
+        self._local = threading.local()  # per-thread counters (`stats`)
 
     _COUNTS = ("code_runs", "code_timeouts", "code_seconds", "code_no_block", "code_errors")
 
@@ -214,39 +214,57 @@ class CodeTask:
         return self.score_many([completion], [example])[0]
 
     def score_many(self, completions: list[str], examples: list[dict]) -> list[float]:
-        """Scores of a batch, every test of every program run on the sandbox's pool at once."""
+        """Scores of a batch, every test of every program run on the sandbox's pool at once;
+        without partial credit a program's tests not yet started are dropped at its first
+        failure (its score is 0 whatever they give)."""
         if len(completions) != len(examples):
             raise ValueError(f"{len(completions)} completions for {len(examples)} examples")
         programs = [last_code_block(c) for c in completions]
-        owners, jobs = [], []
+        owner, runs = {}, {}  # future -> (completion, test); completion -> its futures
         for i, (program, example) in enumerate(zip(programs, examples, strict=True)):
             if program is None:
                 continue
             for test in example["tests"]:
-                owners.append((i, test))
-                jobs.append(_job(program, example, test))
-        results = self.sandbox.run_many(jobs)
+                future = self.sandbox.submit(*_job(program, example, test))
+                owner[future] = (i, test)
+                runs.setdefault(i, []).append(future)
         passed = np.zeros(len(completions))
-        for (i, test), result in zip(owners, results, strict=True):
-            passed[i] += _passed(result, examples[i], test)
-        with self._lock:
-            c = self._counts
-            c["code_runs"] += len(results)
-            c["code_timeouts"] += sum(r.status == "timeout" for r in results)
-            c["code_errors"] += sum(r.status == "sandbox_error" for r in results)
-            c["code_seconds"] += sum(r.seconds for r in results)
-            c["code_no_block"] += sum(p is None for p in programs)
+        results = []
+        for future in cf.as_completed(owner):
+            if future.cancelled():
+                continue
+            i, test = owner[future]
+            result = future.result()
+            results.append(result)
+            ok = _passed(result, examples[i], test)
+            passed[i] += ok
+            if not ok and not self.partial_credit:
+                for other in runs[i]:
+                    other.cancel()
+        c = self._counts()
+        c["code_runs"] += len(results)
+        c["code_timeouts"] += sum(r.status == "timeout" for r in results)
+        c["code_errors"] += sum(r.status == "sandbox_error" for r in results)
+        c["code_seconds"] += sum(r.seconds for r in results)
+        c["code_no_block"] += sum(p is None for p in programs)
         scores = []
         for i, example in enumerate(examples):
             fraction = passed[i] / len(example["tests"])
             scores.append(float(fraction if self.partial_credit else fraction == 1.0))
         return scores
 
+    def _counts(self) -> dict[str, float]:
+        """The calling thread's counters: the trainer's rollouts and a concurrent evaluation
+        each read back only their own runs."""
+        if not hasattr(self._local, "counts"):
+            self._local.counts = dict.fromkeys(self._COUNTS, 0.0)
+        return self._local.counts
+
     def stats(self) -> dict[str, float]:
-        """Counts since the last call (runs, timeouts, sandbox failures, run seconds summed,
-        completions without a program), reset by the call."""
-        with self._lock:
-            counts, self._counts = self._counts, dict.fromkeys(self._COUNTS, 0.0)
+        """This thread's counts since its last call (runs, timeouts, sandbox failures, run
+        seconds summed, completions without a program), reset by the call."""
+        counts = dict(self._counts())
+        self._local.counts = dict.fromkeys(self._COUNTS, 0.0)
         return counts
 
     def demonstration(self, example: dict, rng: np.random.Generator | None = None) -> str:

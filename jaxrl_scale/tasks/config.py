@@ -141,6 +141,9 @@ class TaskConfig:
     score_timeout: float = 30.0
     strip_think: bool = True
     reward_weights: dict[str, float] = dataclasses.field(default_factory=dict)
+    # The named part whose value is a sample's pass (0 or 1) for pass rates, the curriculum
+    # and eval_pass_rate (default: the task's `pass_part`, else the reward itself).
+    pass_part: str | None = None
     # name: mixture: the domains and their weights (tasks/mixture.py), e.g.
     # [{name: math, weight: 1}, {name: code, weight: 1}]
     mixture: tuple[MixtureComponent, ...] = ()

@@ -32,6 +32,7 @@ import numpy as np
 
 from jaxrl_scale.models.tokenizer import Tokenizer
 from jaxrl_scale.tasks.config import MathConfig
+from jaxrl_scale.tasks.scoring import ScorerBroken
 
 DEFAULT_TEMPLATE = MathConfig.template  # one definition, in the config
 MAX_ANSWER_CHARS = 512
@@ -104,7 +105,7 @@ def serve() -> None:
         replies.flush()
 
 
-class VerifierError(RuntimeError):
+class VerifierError(ScorerBroken):
     """The math-verify worker cannot run; scoring would silently be wrong."""
 
 
@@ -316,6 +317,11 @@ class MathTask:
         if _normalise(answer) == _normalise(example["answer"]):
             return 1.0
         return 1.0 if self.verifier(example["answer"], answer) else 0.0
+
+    def score_many(self, completions: list[str], examples: list[dict]) -> list[float]:
+        """One after another on the caller's thread: the verifier is one worker process
+        with its own timeout per call, so a pool of threads would only queue on it."""
+        return [self.score(c, e) for c, e in zip(completions, examples, strict=True)]
 
     def demonstration(self, example: dict, rng: np.random.Generator | None = None) -> str:
         return f"The answer is \\boxed{{{example['answer']}}}."

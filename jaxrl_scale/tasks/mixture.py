@@ -45,9 +45,6 @@ class MixtureTask:
         self.eval_examples = [
             {**e, "domain": d} for d, task in components.items() for e in task.eval_examples
         ]
-        self.reward_weights: dict[str, float] = {}
-        for task in components.values():
-            self.reward_weights.update(getattr(task, "reward_weights", None) or {})
 
     def task_of(self, example: dict):
         return self.components[example["domain"]]

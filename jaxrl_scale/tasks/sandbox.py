@@ -20,8 +20,9 @@ found once per process by running a probe program, and `isolation` names the one
 - "uid+rlimits" (root, no usable `unshare`): the unprivileged uid and rlimits only: no network
   or filesystem isolation beyond file permissions.
 - "rlimits" (neither): limits only. The program could read the trainer's files, use the network
-  and signal the trainer's processes, so a Sandbox refuses this level unless
-  `allow_unisolated=True`.
+  and signal the trainer's processes.
+
+A Sandbox refuses both levels below namespaces unless `allow_unisolated=True`.
 
 The interpreter is the trainer's own (`sys.executable`'s real path) with `-I -S -B -X utf8`:
 the standard library only, no site-packages, no PYTHON* variables.
@@ -57,9 +58,12 @@ _STDERR_TAIL = 4096  # bytes of stderr kept
 _CHUNK = 65536
 # Unprivileged uids, one per concurrent run of this process (never reused by two live runs):
 # the process limit counts per uid, so runs sharing one would share its count.
+# Each process takes its uids from a block of its own (by its pid), so two trainers, or a
+# trainer and a generator job, on one host never share a uid's process count.
 UID_BASE = 1_900_000_000
+UIDS_PER_PROCESS = 1_000
 _uids_lock = threading.Lock()
-_uids_next = UID_BASE
+_uids_next = 0  # within this process's block
 _works: set[tuple[str, str]] = set()  # (level, python) found to work in this process
 
 
@@ -126,7 +130,9 @@ class Sandbox:
     """A pool of at most `workers` concurrent runs under one isolation level.
 
     isolation: "auto" (the strongest level that works here) or one of LEVELS (an error if it
-    does not work). allow_unisolated: permit "rlimits" (no isolation beyond limits). python:
+    does not work). allow_unisolated: permit a level below namespaces ("uid+rlimits": the
+    network and world-readable files are reachable; "rlimits": no isolation beyond limits),
+    which "auto" otherwise refuses. python:
     the interpreter (default: the trainer's own). uid_base: first uid for runs (each worker
     gets its own uid; the default range is far from any system or login user's)."""
 
@@ -160,13 +166,19 @@ class Sandbox:
         else:
             tried = "; ".join(f"{lvl}: {why}" for lvl, why in reasons.items())
             raise SandboxUnavailable(f"no sandbox isolation works here ({tried})")
-        if level == "rlimits" and not allow_unisolated:
+        if level != LEVELS[0] and not allow_unisolated:  # no namespaces: an opt-in
             tried = "; ".join(f"{lvl}: {why}" for lvl, why in reasons.items())
+            could = (
+                "use the network (the trainer's own ports on loopback included) and read "
+                "world-readable files"
+                if level == "uid+rlimits"
+                else "read files, use the network and signal processes"
+            )
             raise SandboxUnavailable(
-                "only rlimits are available to isolate untrusted programs here"
+                f"only {level} can isolate untrusted programs here"
                 + (f" ({tried})" if tried else "")
-                + "; the programs could read files, use the network and signal processes. "
-                "Pass allow_unisolated=True (task.code.allow_unisolated) to run them anyway."
+                + f"; the programs could {could}. Pass allow_unisolated=True "
+                "(task.code.allow_unisolated) to run them anyway."
             )
         return level
 
@@ -339,6 +351,7 @@ def _kill_group(pgid: int) -> None:
 
 def _take_uids(n: int) -> list[int]:
     global _uids_next
+    block = UID_BASE + (os.getpid() % 100_000) * UIDS_PER_PROCESS
     with _uids_lock:
         first, _uids_next = _uids_next, _uids_next + n
-    return list(range(first, first + n))
+    return [block + (first + i) % UIDS_PER_PROCESS for i in range(n)]

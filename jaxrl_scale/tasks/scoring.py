@@ -36,10 +36,20 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 
+from jaxrl_scale.configbase import ConfigError
+
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
-# Threads a hanging scorer may leave blocked before the pool stops replacing them (Python
-# cannot kill a thread; each blocked one is a daemon and costs only its stack).
+# Threads a hanging scorer may hold blocked at once before the pool stops replacing them
+# (Python cannot kill a thread; each blocked one is a daemon and costs only its stack).
 MAX_ABANDONED = 256
+
+
+class ScorerBroken(RuntimeError):
+    """A verifier that cannot score at all (its library missing, its worker not starting):
+    not one sample's failure, so it is raised through and ends the run."""
+
+
+FATAL = (ScorerBroken, ConfigError)
 
 
 def strip_think(text: str) -> str | None:
@@ -60,6 +70,11 @@ class Scored:
     parts: dict[str, np.ndarray]
     counts: dict[str, int]
     domains: dict[str, float] = dataclasses.field(default_factory=dict)  # a mixture's means
+    passed: np.ndarray | None = None  # [n] the pass signal (task.pass_part), else the rewards
+
+    def __post_init__(self):
+        if self.passed is None:
+            object.__setattr__(self, "passed", self.rewards)
 
     def stats(self) -> dict[str, float]:
         """The metrics row's part: each part's mean over the samples that have it, each
@@ -84,14 +99,12 @@ class _Pool:
         self.workers = workers
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
         self._lock = threading.Lock()
-        self._live = 0  # threads not abandoned
-        self._abandoned = 0  # threads given up on, still blocked or since returned
+        self._live = workers  # threads not abandoned
+        self._abandoned = 0  # threads given up on and still blocked
         for _ in range(workers):
             self._start()
 
     def _start(self) -> None:
-        with self._lock:
-            self._live += 1
         threading.Thread(target=self._work, daemon=True, name="jaxrl-scorer").start()
 
     def _work(self) -> None:
@@ -107,9 +120,10 @@ class _Pool:
                 future.set_exception(e)
             with self._lock:
                 if getattr(me, "abandoned", False):  # came back after being replaced
+                    me.abandoned = False
+                    self._abandoned -= 1
                     if self._live >= self.workers:
                         return
-                    me.abandoned = False
                     self._live += 1
 
     @property
@@ -124,15 +138,16 @@ class _Pool:
 
     def abandon(self, future: cf.Future) -> None:
         """Give up on a running job: its thread no longer counts, a new one replaces it
-        (until MAX_ABANDONED were given up on)."""
+        (while fewer than MAX_ABANDONED are blocked at once)."""
         thread = future.thread
-        with self._lock:
+        with self._lock:  # the replacement takes the slot at once: `running` never dips
             if getattr(thread, "abandoned", False):
                 return
             thread.abandoned = True
-            self._live -= 1
             self._abandoned += 1
             replace = self._abandoned <= MAX_ABANDONED
+            if not replace:
+                self._live -= 1
         if replace:
             self._start()
 
@@ -149,9 +164,10 @@ class Scorer:
         timeout: float = 30.0,
         strip_think: bool = True,
         weights: Mapping[str, float] | None = None,
+        pass_part: str | None = None,
     ):
         self.task, self.timeout, self.strip_think = task, timeout, strip_think
-        self.weights = {**getattr(task, "reward_weights", {}), **(weights or {})}
+        self._weights, self._pass_part = dict(weights or {}), pass_part
         self._pool = _Pool(workers)
         self._logged: set[str] = set()  # error kinds already logged (first text of each)
         self._log_lock = threading.Lock()  # two callers may hit a first error at once
@@ -203,6 +219,8 @@ class Scorer:
             got = list(task.score_many([texts[i] for i in todo], [examples[i] for i in todo]))
             if len(got) != len(todo):
                 raise ValueError(f"score_many returned {len(got)} scores for {len(todo)}")
+        except FATAL:
+            raise
         except Exception as e:  # noqa: BLE001 - a broken scorer costs its batch, counted
             counts["reward_errors"] += len(todo)
             self._log("error", f"{type(e).__name__}: {e}")
@@ -221,6 +239,8 @@ class Scorer:
             for f in done:
                 if f.exception() is not None:
                     e = f.exception()
+                    if isinstance(e, FATAL):
+                        raise e
                     counts["reward_errors"] += 1
                     self._log("error", f"{type(e).__name__}: {e}")
                 else:
@@ -238,30 +258,42 @@ class Scorer:
                     f.cancel()
                 pending = set()
 
+    def _task_of(self, example: dict):
+        components = getattr(self.task, "components", None)
+        return self.task if components is None else components[example["domain"]]
+
     def _combine(self, values, counts, examples) -> Scored:
         n = len(values)
-        rewards = np.zeros(n)
+        rewards, passed = np.zeros(n), np.zeros(n)
         parts: dict[str, np.ndarray] = {}
         for i, v in enumerate(values):
+            task = self._task_of(examples[i])
             try:
-                rewards[i] = self._reward(v, parts, i, n)
-            except (TypeError, ValueError) as e:
-                rewards[i] = 0.0
+                rewards[i], passed[i] = self._reward(task, v, parts, i, n)
+            except (TypeError, ValueError, ArithmeticError) as e:
+                rewards[i] = passed[i] = 0.0
                 counts["reward_errors"] += 1
                 self._log("garbage", str(e))
         domains: dict[str, float] = {}
         if getattr(self.task, "components", None) is not None:
             labels = np.array([e["domain"] for e in examples])
             domains = {d: float(rewards[labels == d].mean()) for d in dict.fromkeys(labels)}
-        return Scored(rewards, parts, counts, domains)
+        return Scored(rewards, parts, counts, domains, passed)
 
-    def _reward(self, value, parts: dict[str, np.ndarray], i: int, n: int) -> float:
-        if isinstance(value, Mapping):
-            checked = {str(k): _number(v, f"part {k!r}") for k, v in value.items()}
-            for name, v in checked.items():
-                parts.setdefault(name, np.full(n, np.nan))[i] = v
-            return sum(self.weights.get(name, 1.0) * v for name, v in checked.items())
-        return _number(value, "score")
+    def _reward(self, task, value, parts: dict[str, np.ndarray], i: int, n: int):
+        """(reward, pass signal) of one sample's score: a number is both; named parts are
+        summed with their task's weights (the config's first), and the pass signal is the
+        part `pass_part` names (task.pass_part, else the task's own), else the reward."""
+        if not isinstance(value, Mapping):
+            reward = _number(value, "score")
+            return reward, reward
+        checked = {str(k): _number(v, f"part {k!r}") for k, v in value.items()}
+        for name, v in checked.items():
+            parts.setdefault(name, np.full(n, np.nan))[i] = v
+        weights = {**(getattr(task, "reward_weights", None) or {}), **self._weights}
+        reward = _number(sum(weights.get(k, 1.0) * v for k, v in checked.items()), "the sum")
+        pass_part = self._pass_part or getattr(task, "pass_part", None)
+        return reward, checked.get(pass_part, 0.0) if pass_part else reward
 
     def _log(self, kind: str, text: str) -> None:
         with self._log_lock:

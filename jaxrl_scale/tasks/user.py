@@ -106,6 +106,7 @@ class UserTask:
                 "(its tokenizer is used) or give the task a `tokenizer`"
             )
         self.reward_weights = dict(getattr(obj, "reward_weights", None) or {})
+        self.pass_part = getattr(obj, "pass_part", None)  # the part that means "solved"
         train = self._examples(obj.train_examples, "train_examples", label)
         held_out = self._examples(obj.eval_examples, "eval_examples", label)
         if num_train and len(train) > num_train:
