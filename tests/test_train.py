@@ -20,7 +20,7 @@ from jaxrl_scale.rl.metrics import read_metrics
 from jaxrl_scale.train import setup, train, train_run
 
 TINY = TINY_CONFIG
-TIMING = {"device_seconds", "gen_seconds", "trainer_idle_fraction", "tokens_per_s"}
+TIMING = {"device_seconds", "gen_seconds", "score_seconds", "trainer_idle_fraction", "tokens_per_s"}
 
 
 def _cfg(*extra):

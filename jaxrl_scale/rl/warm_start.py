@@ -86,7 +86,8 @@ def _compile_step(graphdef, tx, params, opt_state, frozen, rows: int):
         return jax.jit(step, donate_argnums=1), (params, opt_state)
     mesh = placed[0].mesh
     state = sharding.train_state_shardings((params, opt_state), mesh)
-    split = sharding.row_axes(mesh, rows) is not None
+    # Across processes the batch is each process's numpy copy, which jit takes replicated only.
+    split = sharding.row_axes(mesh, rows) is not None and jax.process_count() == 1
     row = sharding.batch_sharding(mesh) if split else sharding.replicated(mesh)
     frozen_s = None if frozen is None else sharding.state_shardings(frozen, mesh)
 
