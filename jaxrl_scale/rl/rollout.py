@@ -45,11 +45,13 @@ from jaxrl_scale.parallel import distributed, sharding
 from jaxrl_scale.rl.advantages import group_advantages
 from jaxrl_scale.rl.compute import batch_flops
 from jaxrl_scale.rl.curriculum import Curriculum
+from jaxrl_scale.rl.episodes import EpisodeRunner
 from jaxrl_scale.rl.generator import EngineBatches, WaveGenerator, batch_chunks, wave_prompts
 from jaxrl_scale.rl.packing import PackedBatch, PackGeometry, padded_layout
 from jaxrl_scale.rl.pipeline import ParamsForChunk
 from jaxrl_scale.rl.step import Batch
 from jaxrl_scale.tasks import Scorer, make_scorer
+from jaxrl_scale.tasks.env import EnvRunner
 
 if TYPE_CHECKING:  # the root config composes every part's section
     from jaxrl_scale.config import ExperimentConfig
@@ -106,8 +108,19 @@ class RolloutWorker:
             retire_threshold=cfg.curriculum.retire_threshold,
             no_positive_resampling=cfg.curriculum.no_positive_resampling,
         )
+        # A multi-turn task's prompts come from its environments (rl/episodes.py): the
+        # episode budget bounds them.
+        self.episodic = hasattr(task, "make_env")
+        if self.episodic and cfg.batching == "continuous":
+            raise ConfigError(
+                "sampler.batching: a multi-turn task's episodes run turn by turn in static "
+                "waves for now; set sampler.batching=static"
+            )
         examples = task.train_examples + task.eval_examples
-        longest = max(len(p) for p in self._encode(examples))  # widest prompts are padded to
+        if self.episodic:
+            longest = cfg.task.max_episode_tokens
+        else:  # widest prompts are padded to
+            longest = max(len(p) for p in self._encode(examples))
         row_shards = sharding.batch_ways(mesh)  # packed rows (train.packing), else None
         self.packing = PackGeometry.of(cfg, longest, row_shards) if cfg.train.packing else None
         self.waves = WaveGenerator(
@@ -129,6 +142,10 @@ class RolloutWorker:
         ways = sharding.batch_ways(gen_mesh or mesh)
         wave_prompts(cfg, cfg.train.eval_samples, ways, len(task.eval_examples))
         self.chunks = batch_chunks(cfg, ways)  # lockstep swaps weights at the middle one
+        self.episodes = None
+        if self.episodic:
+            envs = EnvRunner(workers=cfg.task.env_workers, timeout=cfg.task.env_timeout)
+            self.episodes = EpisodeRunner(cfg, task, self.tok, self.generate, envs)
 
     # ------------------------------------------------------------------ placement
 
@@ -199,6 +216,16 @@ class RolloutWorker:
         on the slot engine stay queued, counted by `in_flight`."""
         cfg, g = self.cfg, self.cfg.train.group_size
         start = time.perf_counter()
+        if self.episodic:
+            indices = self.curriculum.next_batch(cfg.train.prompts_per_step)
+            examples = [self.task.train_examples[i] for i in indices]
+            ro, rewards, stats = self.episodes.run(
+                params_for_chunk, examples, key, sampling=self.sampling, repeat=g
+            )
+            scored = score_episodes(cfg, ro, rewards, stats, reference=self.reference)
+            self.curriculum.update(indices, scored.pass_rates)
+            seconds = time.perf_counter() - start
+            return self.assemble(scored, indices, self._curriculum_snapshot(), seconds)
         if cfg.batching == "continuous":
             indices, ro = self.continuous.next(params_for_chunk, key, oldest)
             examples = [self.task.train_examples[i] for i in indices]
@@ -268,11 +295,20 @@ class RolloutWorker:
         k = self.cfg.train.eval_samples
         examples = self.task.eval_examples
         frozen = (-1, self.to_generator(params) if placed is None else placed)
+        sampling = Sampling(self.cfg.train.eval_temperature)
+        if self.episodic:  # whole episodes; the pass rate is the mean episode return
+            _, returns, stats = self.episodes.run(
+                lambda chunk: frozen, examples, key, sampling=sampling, repeat=k
+            )
+            scores = returns.reshape(len(examples), k)
+            row = {"eval_pass_rate": float(scores.mean()), "eval_sampling_sd": sampling_sd(scores)}
+            keep = ("turns_mean", "env_errors", "episodes_truncated")
+            return row | {f"eval_{name}": stats[name] for name in keep}
         ro = self.generate(
             lambda chunk: frozen,
             self._encode(examples),
             key,
-            sampling=Sampling(self.cfg.train.eval_temperature),
+            sampling=sampling,
             n_new=self.cfg.sampler.max_new_tokens,
             repeat=k,
         )
@@ -345,6 +381,29 @@ def score_rollout(
         fill_prompts = fill_mask[::g].sum(axis=1)
         stats["gen_flops"] += batch_flops(cfg.model, fill_prompts, fill_lengths)["gen_flops"]
     return Scored(ro, rewards, versions, pass_rates, stats)
+
+
+def score_episodes(
+    cfg: ExperimentConfig, ro: Rollout, rewards, stats: dict, *, reference: bool
+) -> Scored:
+    """A batch of episodes (rl/episodes.py) as a scored batch: its returns are the rewards
+    and pass signals; `gen_tokens` counts the model's tokens only (observations are context),
+    the FLOPs every token the model read or wrote."""
+    g = cfg.train.group_size
+    sampled = ro.completion_mask.sum(axis=1)
+    pass_rates = rewards.reshape(-1, g).mean(axis=1)
+    prompt_lens = ro.prompt_mask.sum(axis=1)
+    stats = {
+        "reward_mean": float(rewards.mean()),
+        "pass_rate": float(pass_rates.mean()),
+        "gen_length_mean": float(sampled.mean()),
+        "interrupted_rate": 0.0,
+        "gen_tokens": int(sampled.sum()),
+        **batch_flops(cfg.model, prompt_lens, ro.lengths, reference=reference),
+        "gen_fill_rows": 0,
+        **stats,
+    }
+    return Scored(ro, rewards, ro.versions, pass_rates, stats)
 
 
 def sampling_sd(scores) -> float:

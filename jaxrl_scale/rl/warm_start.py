@@ -14,6 +14,7 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding
 
+from jaxrl_scale.configbase import ConfigError
 from jaxrl_scale.parallel import sharding
 from jaxrl_scale.rl.config import WarmStartConfig
 from jaxrl_scale.rl.step import make_optimizer, sft_step
@@ -48,6 +49,11 @@ def warm_start(params, graphdef, task, cfg: WarmStartConfig, *, seed: int, froze
     `params` are the trainable parameters (a LoRA policy's adapters over `frozen`)."""
     if cfg.steps == 0:
         return params, []
+    if "prompt" not in task.train_examples[0]:  # a multi-turn task's prompt is its env's
+        raise ConfigError(
+            "warm_start.steps: the task's examples have no 'prompt' to put demonstrations "
+            "after (its environments give the prompts); set warm_start.steps=0"
+        )
     tx = make_optimizer(cfg.optim, total_steps=cfg.steps)
     opt_state = tx.init(params)
     step, (params, opt_state) = _compile_step(

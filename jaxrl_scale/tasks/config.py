@@ -144,6 +144,14 @@ class TaskConfig:
     # The named part whose value is a sample's pass (0 or 1) for pass rates, the curriculum
     # and eval_pass_rate (default: the task's `pass_part`, else the reward itself).
     pass_part: str | None = None
+    # Multi-turn tasks (a `make_env`, tasks/env.py; rl/episodes.py): model turns per episode,
+    # the episode's whole context in tokens (prompt, turns, observations), each turn's budget
+    # (0: sampler.max_new_tokens), threads that run the environments, seconds per env call.
+    max_turns: int = 4
+    max_episode_tokens: int = 1024
+    turn_tokens: int = 0
+    env_workers: int = 16
+    env_timeout: float = 60.0
     # name: mixture: the domains and their weights (tasks/mixture.py), e.g.
     # [{name: math, weight: 1}, {name: code, weight: 1}]
     mixture: tuple[MixtureComponent, ...] = ()
@@ -180,6 +188,11 @@ class TaskConfig:
         )
         require(self.num_eval >= 1, "task.num_eval", "must be >= 1")
         require(self.score_workers >= 1, "task.score_workers", "must be >= 1")
+        require(self.max_turns >= 1, "task.max_turns", "must be >= 1")
+        require(self.max_episode_tokens >= 2, "task.max_episode_tokens", "must be >= 2")
+        require(self.turn_tokens >= 0, "task.turn_tokens", "must be >= 0")
+        require(self.env_workers >= 1, "task.env_workers", "must be >= 1")
+        require(self.env_timeout > 0, "task.env_timeout", "must be > 0")
         require(self.score_timeout > 0, "task.score_timeout", "must be > 0")
 
     def _check_mixture(self) -> None:

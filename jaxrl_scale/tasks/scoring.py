@@ -24,24 +24,19 @@ in its own bounded sandbox pool) is called once per batch on the caller's thread
 
 from __future__ import annotations
 
-import concurrent.futures as cf
 import dataclasses
 import math
 import numbers
-import queue
 import threading
-import time
 import warnings
 from collections.abc import Mapping, Sequence
 
 import numpy as np
 
 from jaxrl_scale.configbase import ConfigError
+from jaxrl_scale.tasks.workers import WorkerPool
 
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
-# Threads a hanging scorer may hold blocked at once before the pool stops replacing them
-# (Python cannot kill a thread; each blocked one is a daemon and costs only its stack).
-MAX_ABANDONED = 256
 
 
 class ScorerBroken(RuntimeError):
@@ -86,72 +81,6 @@ class Scored:
         return {**out, **self.counts}
 
 
-class _Pool:
-    """Daemon threads running (fn, args) jobs from a queue, one job at a time each.
-
-    A job that outlives its timeout is abandoned by its waiter: its thread stays blocked in
-    the user's code and a fresh thread takes its place, so the pool keeps `workers` threads
-    free to run; a blocked thread that returns later goes back to work or, with the pool
-    full, exits. Daemon threads never hold the process open at exit. The counters are
-    read and changed under `_lock` (the waiters' threads and the workers' own)."""
-
-    def __init__(self, workers: int):
-        self.workers = workers
-        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
-        self._lock = threading.Lock()
-        self._live = workers  # threads not abandoned
-        self._abandoned = 0  # threads given up on and still blocked
-        for _ in range(workers):
-            self._start()
-
-    def _start(self) -> None:
-        threading.Thread(target=self._work, daemon=True, name="jaxrl-scorer").start()
-
-    def _work(self) -> None:
-        me = threading.current_thread()
-        while True:
-            fn, args, future = self._jobs.get()
-            future.started, future.thread = time.monotonic(), me  # before it shows running
-            if not future.set_running_or_notify_cancel():
-                continue
-            try:
-                future.set_result(fn(*args))
-            except BaseException as e:  # noqa: BLE001 - the user's error, reported per sample
-                future.set_exception(e)
-            with self._lock:
-                if getattr(me, "abandoned", False):  # came back after being replaced
-                    me.abandoned = False
-                    self._abandoned -= 1
-                    if self._live >= self.workers:
-                        return
-                    self._live += 1
-
-    @property
-    def running(self) -> bool:
-        with self._lock:
-            return self._live > 0
-
-    def submit(self, fn, *args) -> cf.Future:
-        future: cf.Future = cf.Future()
-        self._jobs.put((fn, args, future))
-        return future
-
-    def abandon(self, future: cf.Future) -> None:
-        """Give up on a running job: its thread no longer counts, a new one replaces it
-        (while fewer than MAX_ABANDONED are blocked at once)."""
-        thread = future.thread
-        with self._lock:  # the replacement takes the slot at once: `running` never dips
-            if getattr(thread, "abandoned", False):
-                return
-            thread.abandoned = True
-            self._abandoned += 1
-            replace = self._abandoned <= MAX_ABANDONED
-            if not replace:
-                self._live -= 1
-        if replace:
-            self._start()
-
-
 class Scorer:
     """A task's `score` over batches of completions, in a pool of `workers` threads, each
     sample with `timeout` seconds once it starts (see the module's docstring)."""
@@ -168,7 +97,7 @@ class Scorer:
     ):
         self.task, self.timeout, self.strip_think = task, timeout, strip_think
         self._weights, self._pass_part = dict(weights or {}), pass_part
-        self._pool = _Pool(workers)
+        self._pool = WorkerPool(workers, name="jaxrl-scorer")
         self._logged: set[str] = set()  # error kinds already logged (first text of each)
         self._log_lock = threading.Lock()  # two callers may hit a first error at once
 
@@ -233,30 +162,19 @@ class Scorer:
             counts[name] = counts.get(name, 0) + value
 
     def _collect(self, futures: dict, values, counts) -> None:
-        pending = set(futures)
-        while pending:
-            done, pending = cf.wait(pending, timeout=min(self.timeout, 0.05))
-            for f in done:
-                if f.exception() is not None:
-                    e = f.exception()
-                    if isinstance(e, FATAL):
-                        raise e
-                    counts["reward_errors"] += 1
-                    self._log("error", f"{type(e).__name__}: {e}")
-                else:
-                    values[futures[f]] = f.result()
-            now = time.monotonic()
-            late = {f for f in pending if f.running() and now - f.started > self.timeout}
-            for f in late:
-                self._pool.abandon(f)
+        for (status, got), i in zip(
+            self._pool.gather(list(futures), self.timeout), futures.values(), strict=True
+        ):
+            if status == "ok":
+                values[i] = got
+            elif status == "timeout":
                 counts["reward_timeouts"] += 1
                 self._log("timeout", f"no score within {self.timeout:g} s")
-            pending -= late
-            if pending and not self._pool.running:
-                counts["reward_timeouts"] += len(pending)
-                for f in pending:
-                    f.cancel()
-                pending = set()
+            else:
+                if isinstance(got, FATAL):
+                    raise got
+                counts["reward_errors"] += 1
+                self._log("error", f"{type(got).__name__}: {got}")
 
     def _task_of(self, example: dict):
         components = getattr(self.task, "components", None)

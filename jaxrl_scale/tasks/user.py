@@ -90,13 +90,17 @@ class UserTask:
     def __init__(
         self, obj, *, tokenizer=None, num_train: int = 0, num_eval: int = 0, label: str = "task"
     ):
-        missing = [a for a in ("train_examples", "eval_examples", "score") if not hasattr(obj, a)]
+        # An environment task (`make_env`, tasks/env.py) rewards episodes: it needs no `score`.
+        needed = ("train_examples", "eval_examples") + (
+            () if hasattr(obj, "make_env") else ("score",)
+        )
+        missing = [a for a in needed if not hasattr(obj, a)]
         if missing:
             raise ConfigError(
                 f"task.name: {label} gave a {type(obj).__name__} without {', '.join(missing)} "
                 "(see jaxrl_scale.tasks.Task)"
             )
-        if not callable(obj.score):
+        if not callable(getattr(obj, "score", None) or getattr(obj, "make_env", None)):
             raise ConfigError(f"task.name: {label}'s score is not callable")
         self.obj, self.name = obj, getattr(obj, "name", label)
         self.tokenizer = tokenizer or getattr(obj, "tokenizer", None)  # the model's first
@@ -117,7 +121,7 @@ class UserTask:
             )
             train = train[:num_train]
         self.train_examples, self.eval_examples = train, held_out[: num_eval or None]
-        for optional in ("score_many", "stats"):  # batch scoring and its counters
+        for optional in ("score_many", "stats", "make_env"):  # batches; episodes (env.py)
             if hasattr(obj, optional):
                 setattr(self, optional, getattr(obj, optional))
 
@@ -131,6 +135,8 @@ class UserTask:
         return [self._example(row, f"{label}'s {what}[{i}]") for i, row in enumerate(rows)]
 
     def _example(self, row, where: str) -> dict:
+        if isinstance(row, Mapping) and "prompt" not in row and hasattr(self.obj, "make_env"):
+            return dict(row)  # its environment's reset gives the prompt
         if not isinstance(row, Mapping) or "prompt" not in row:
             raise ConfigError(f"task: {where} is not a dict with a 'prompt': {row!r:.120}")
         prompt = row["prompt"]

@@ -1,0 +1,153 @@
+"""Multi-turn environments: a task's `make_env(example)` gives one environment per episode.
+
+    class Guess:                                  # the Environment protocol
+        def __init__(self, example): self.target = example["answer"]
+        def reset(self): return "Guess my number (0-9):"
+        def step(self, action):                   # -> (observation or None, reward, done)
+            if action.strip() == str(self.target):
+                return None, 1.0, True
+            return "higher" if int(action) < self.target else "lower", 0.0, False
+
+An observation is a string or a list of chat messages; `reset` gives the episode's first
+(the prompt), `step` the one after each model turn. Both may be `async def`. Calls run on a
+pool of threads (`EnvRunner`) with a timeout each: an environment that raises, hangs or
+returns something malformed ends its episode with reward 0, counted (`env_errors`).
+
+How observations become tokens (`Observations`): the model's turns are kept as sampled; only
+what the environment adds is tokenized. Without a chat template an observation's text is
+appended as it is. With one, a string observation is a user message (a list: the messages as
+given, e.g. tool results) rendered by the checkpoint's template as it continues a conversation
+after an assistant turn, with the next assistant header (the generation prompt) at its end.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import math
+import numbers
+from collections.abc import Mapping, Sequence
+from typing import Protocol, runtime_checkable
+
+from jaxrl_scale.tasks.workers import WorkerPool
+
+Observation = str | list[dict]
+
+
+@runtime_checkable
+class Environment(Protocol):
+    def reset(self) -> Observation: ...
+
+    def step(self, action: str) -> tuple[Observation | None, float, bool]: ...
+
+
+class EnvError(ValueError):
+    """An environment broke its protocol (the message says how)."""
+
+
+def _call(fn, *args):
+    out = fn(*args)
+    return asyncio.run(out) if inspect.iscoroutine(out) else out
+
+
+def check_observation(obs, what: str) -> Observation:
+    if isinstance(obs, str):
+        return obs
+    if (
+        isinstance(obs, Sequence)
+        and obs
+        and all(isinstance(m, Mapping) and "role" in m and "content" in m for m in obs)
+    ):
+        return [dict(m) for m in obs]
+    raise EnvError(f"{what} is neither a string nor a list of chat messages: {obs!r:.120}")
+
+
+def check_step(result) -> tuple[Observation | None, float, bool]:
+    """`step`'s (observation or None, reward, done), checked."""
+    if not isinstance(result, tuple) or len(result) != 3:
+        raise EnvError(f"step returned {result!r:.120}, not (observation, reward, done)")
+    obs, reward, done = result
+    if not isinstance(reward, numbers.Real) or not math.isfinite(float(reward)):
+        raise EnvError(f"step's reward is {reward!r:.60}, not a finite number")
+    obs = None if obs is None else check_observation(obs, "step's observation")
+    return obs, float(reward), bool(done)
+
+
+class EnvRunner:
+    """Many episodes' environments stepped at once on `workers` threads, each call given
+    `timeout` seconds. Each episode's calls are sequential (reset, then one step per turn), so
+    an environment is only ever used by one thread at a time."""
+
+    def __init__(self, *, workers: int = 16, timeout: float = 60.0):
+        self.timeout = timeout
+        self._pool = WorkerPool(workers, name="jaxrl-env")
+
+    def make(self, task, examples) -> list[tuple[object | None, str | None]]:
+        """(environment, None) per example, or (None, why) when `make_env` failed."""
+        return self._run([(task.make_env, (e,)) for e in examples], lambda env: env)
+
+    def reset(self, envs) -> list[tuple[Observation | None, str | None]]:
+        return self._run(
+            [(env.reset, ()) for env in envs], lambda o: check_observation(o, "reset's result")
+        )
+
+    def step(self, envs, actions: Sequence[str]) -> list[tuple[tuple | None, str | None]]:
+        return self._run([(env.step, (a,)) for env, a in zip(envs, actions, strict=True)],
+                         check_step)  # fmt: skip
+
+    def _run(self, calls, check) -> list[tuple[object | None, str | None]]:
+        futures = [self._pool.submit(_call, fn, *args) for fn, args in calls]
+        out = []
+        for status, got in self._pool.gather(futures, self.timeout):
+            if status == "timeout":
+                out.append((None, f"no answer within {self.timeout:g} s"))
+            elif status == "error":
+                out.append((None, f"{type(got).__name__}: {got}"))
+            else:
+                try:
+                    out.append((check(got), None))
+                except EnvError as e:
+                    out.append((None, str(e)))
+        return out
+
+
+class Observations:
+    """Observations as the text that goes into an episode's token sequence (see the module's
+    docstring). `first(obs)`: the prompt; `after_turn(obs)`: what follows a model turn that
+    ended with the end-of-turn token it sampled."""
+
+    PROBE_USER, PROBE_ASSISTANT = "\u2063probe-user\u2063", "\u2063probe-assistant\u2063"
+
+    def __init__(self, tokenizer):
+        self.tok = tokenizer
+        self.chat = getattr(tokenizer, "chat_template", None) is not None
+
+    def first(self, obs: Observation) -> str:
+        if isinstance(obs, str) and not self.chat:
+            return obs
+        messages = [{"role": "user", "content": obs}] if isinstance(obs, str) else obs
+        if not self.chat:
+            raise EnvError("a chat observation needs the tokenizer's chat template")
+        return self.tok.apply_chat_template(messages, add_generation_prompt=True)
+
+    def after_turn(self, obs: Observation) -> str:
+        if not self.chat:
+            if not isinstance(obs, str):
+                raise EnvError("a chat observation needs the tokenizer's chat template")
+            return obs
+        messages = [{"role": "user", "content": obs}] if isinstance(obs, str) else obs
+        before = [
+            {"role": "user", "content": self.PROBE_USER},
+            {"role": "assistant", "content": self.PROBE_ASSISTANT},
+        ]
+        head = self.tok.apply_chat_template(before, add_generation_prompt=False)
+        full = self.tok.apply_chat_template(before + messages, add_generation_prompt=True)
+        if not full.startswith(head):
+            raise EnvError("the chat template renders a conversation's start differently "
+                           "once it goes on; its observations cannot be appended")  # fmt: skip
+        # The model's turn ended with its end-of-turn token; the template's turn end may go on
+        # past it (Qwen's "<|im_end|>" then "\n"): that rest comes before the observation.
+        turn_end = head[head.rindex(self.PROBE_ASSISTANT) + len(self.PROBE_ASSISTANT) :]
+        eos = self.tok.decode([self.tok.eos_ids[0]], skip_special_tokens=False)
+        carry = turn_end[len(eos) :] if turn_end.startswith(eos) else turn_end
+        return carry + full[len(head) :]
