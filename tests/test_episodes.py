@@ -1,6 +1,7 @@
 """Multi-turn episodes: the token layout and masks, observations through a chat template,
 environments that fail, and a run that trains on episodes."""
 
+import time
 import warnings
 
 import jax
@@ -15,6 +16,9 @@ from jaxrl_scale.models.chat import ChatTemplate
 from jaxrl_scale.models.tokenizer import Tokenizer
 from jaxrl_scale.rl.episodes import EpisodeRunner
 from jaxrl_scale.tasks.env import EnvRunner, Observations
+from jaxrl_scale.tasks.tools import ToolEnv, parse_calls, schema
+from jaxrl_scale.tasks.user import UserTask
+from jaxrl_scale.tasks.workers import WorkerPool
 from jaxrl_scale.train import train
 
 KEY = jax.random.key(0)
@@ -142,3 +146,119 @@ def test_a_multi_turn_task_trains_from_yaml(retry_env, tmp_path):
         assert 16 <= r["gen_tokens"] <= 2 * 4 * 16
         assert 0 <= r["pass_rate"] <= 1
     assert 0 <= rows[-1]["eval_pass_rate"] <= 1 and 1 <= rows[-1]["eval_turns_mean"] <= 2
+
+
+# --------------------------------------------------------------------------- tools
+
+
+def add(a: int, b: int = 0) -> int:
+    """Add two integers.
+
+    More text that is not the description."""
+    return a + b
+
+
+def explode(x: str) -> str:
+    """Always fails."""
+    raise RuntimeError("boom")
+
+
+def sleepy() -> str:
+    """Never answers in time."""
+    time.sleep(10)
+    return "late"
+
+
+def test_a_tool_schema_comes_from_the_signature_and_docstring():
+    assert schema(add) == {
+        "type": "function",
+        "function": {
+            "name": "add",
+            "description": "Add two integers.",
+            "parameters": {
+                "type": "object",
+                "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+                "required": ["a"],
+            },
+        },
+    }
+
+
+def test_tool_calls_are_parsed_and_malformed_ones_explained():
+    text = (
+        'Let me add. <tool_call>\n{"name": "add", "arguments": {"a": 2, "b": 3}}\n</tool_call>'
+        '<tool_call>{"name": "add", "arguments": "{\\"a\\": 1}"}</tool_call>'
+        "<tool_call>{not json}</tool_call><tool_call>[1]</tool_call>"
+        '<tool_call>{"name": "add", "arguments": [1]}</tool_call>'
+    )
+    calls = parse_calls(text)
+    assert calls[:2] == [{"name": "add", "arguments": {"a": 2, "b": 3}},
+                         {"name": "add", "arguments": {"a": 1}}]  # fmt: skip
+    assert "not JSON" in calls[2] and '"name"' in calls[3] and "JSON object" in calls[4]
+    assert parse_calls("no calls here") == []
+
+
+def test_a_tool_episode_answers_calls_and_errors_and_scores_the_final_answer():
+    pool = WorkerPool(2)
+    example = {"prompt": "What is 2+3?", "answer": "5"}
+    env = ToolEnv(example, [add, explode, sleepy], lambda c, e: float(c.strip() == "5"),
+                  pool=pool, timeout=0.3)  # fmt: skip
+    assert [t["function"]["name"] for t in env.tools] == ["add", "explode", "sleepy"]
+    assert env.reset() == [{"role": "user", "content": "What is 2+3?"}]
+    call = '<tool_call>{"name": "%s", "arguments": %s}</tool_call>'
+    turn = "".join([
+        call % ("add", '{"a": 2, "b": 3}'), call % ("nope", "{}"), call % ("add", '{"c": 1}'),
+        call % ("explode", '{"x": "y"}'), call % ("sleepy", "{}"), "<tool_call>{x</tool_call>",
+    ])  # fmt: skip
+    obs, reward, done = env.step(turn)
+    assert not done and reward == 0 and [m["role"] for m in obs] == ["tool"] * 6
+    answers = [m["content"] for m in obs]
+    assert answers[0] == "5"
+    assert answers[1].startswith("error: no tool named 'nope'")
+    assert answers[2] == "error: add: missing a required argument: 'a'"
+    assert answers[3] == "error: explode raised RuntimeError: boom"
+    assert answers[4] == "error: sleepy did not answer within 0.3 s"
+    assert answers[5].startswith("error: the tool call is not JSON")
+    assert env.tool_errors == 5
+    assert env.step("<think>2+3</think> 5") == (None, 1.0, True)
+    assert env.step("<think>unclosed 5")[1] == 0.0
+
+
+def test_tool_episodes_offer_the_tools_through_the_chat_template():
+    tok = _byte_tokenizer()
+    task = UserTask(_AddTask(), tokenizer=tok)
+    assert task.make_env is not None
+    cfg = load_config(TINY_CONFIG, ["task.max_turns=3", "task.max_episode_tokens=4096",
+                                    "sampler.max_new_tokens=96"])  # fmt: skip
+    calls = '<tool_call>{"name": "add", "arguments": {"a": 2, "b": 3}}</tool_call>'
+    generate = Scripted(tok, [calls, "5"])
+    runner = EpisodeRunner(cfg, task, tok, generate, EnvRunner(workers=2, timeout=5))
+    ro, rewards, stats = runner.run(None, task.train_examples, KEY, sampling=None, repeat=1)
+    assert rewards[0] == 1.0 and stats["turns_mean"] == 2 and stats["tool_errors"] == 0
+    prompt = tok.decode(ro.prompt_tokens[0][ro.prompt_mask[0]], skip_special_tokens=False)
+    assert '"name": "add"' in prompt and "<tools>" in prompt  # Qwen2.5's tool section
+    episode = tok.decode(ro.completion_tokens[0, : ro.lengths[0]], skip_special_tokens=False)
+    observation = "\n<|im_start|>user\n<tool_response>\n5\n</tool_response><|im_end|>\n"
+    assert episode == calls + "<|im_end|>" + observation + "<|im_start|>assistant\n5<|im_end|>"
+
+
+class _AddTask:
+    tools = [add]
+    train_examples = [{"prompt": "What is 2+3?", "answer": "5"}]
+    eval_examples = train_examples
+
+    def score(self, completion, example):
+        return float(completion.strip() == example["answer"])
+
+
+def _byte_tokenizer():
+    """Any text in and out (bytes as tokens) and Qwen's end-of-turn token, with the Qwen2.5
+    chat template."""
+    alphabet = tokenizers.pre_tokenizers.ByteLevel.alphabet()
+    vocab = {"<|im_end|>": 0, **{c: i + 1 for i, c in enumerate(sorted(alphabet))}}
+    backend = tokenizers.Tokenizer(tokenizers.models.BPE(vocab, []))
+    backend.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = tokenizers.decoders.ByteLevel()
+    backend.add_special_tokens(["<|im_end|>"])
+    template = ChatTemplate(QWEN25, special_tokens={"eos_token": "<|im_end|>"})
+    return Tokenizer(backend, eos_ids=[0], pad_id=0, chat_template=template)

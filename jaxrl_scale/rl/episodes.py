@@ -91,7 +91,8 @@ class EpisodeRunner:
                 self._fail(ep, f"reset: {why}")
                 continue
             try:
-                ep.prompt = self.tok.encode(self.observations.first(obs))
+                tools = getattr(ep.env, "tools", None)  # offered through the chat template
+                ep.prompt = self.tok.encode(self.observations.first(obs, tools))
             except (EnvError, ValueError) as e:
                 self._fail(ep, f"reset: {e}")
                 continue
@@ -130,7 +131,8 @@ class EpisodeRunner:
                     ep.truncated |= not (done or obs is None)
                     continue
                 try:
-                    ids = self.tok.encode(self.observations.after_turn(obs))
+                    text = self.observations.after_turn(obs, getattr(ep.env, "tools", None))
+                    ids = self.tok.encode(text)
                 except (EnvError, ValueError) as e:
                     self._fail(ep, f"step's observation: {e}")
                     continue
@@ -143,6 +145,7 @@ class EpisodeRunner:
             "env_seconds": env_seconds,
             "env_errors": sum(ep.error is not None for ep in episodes),
             "episodes_truncated": sum(ep.truncated and ep.error is None for ep in episodes),
+            "tool_errors": sum(getattr(ep.env, "tool_errors", 0) for ep in episodes),
             "episode_seconds": time.perf_counter() - start,
         }
         rewards = np.array([ep.reward for ep in episodes])

@@ -48,8 +48,9 @@ def make_task(cfg, *, seed: int, tokenizer=None, task=None):
         label = type(task).__name__ if task is not None else cfg.name
         obj = task if task is not None else user.build(cfg.name, cfg.args)
         return UserTask(
-            obj, tokenizer=tokenizer, num_train=cfg.num_train, num_eval=cfg.num_eval, label=label
-        )
+            obj, tokenizer=tokenizer, num_train=cfg.num_train, num_eval=cfg.num_eval,
+            label=label, tool_timeout=cfg.tool_timeout,
+        )  # fmt: skip
     common = dict(num_train=cfg.num_train, num_eval=cfg.num_eval, seed=seed, tokenizer=tokenizer)
     if cfg.name == "arithmetic":
         a = cfg.arithmetic

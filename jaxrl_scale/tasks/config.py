@@ -152,6 +152,7 @@ class TaskConfig:
     turn_tokens: int = 0
     env_workers: int = 16
     env_timeout: float = 60.0
+    tool_timeout: float = 10.0  # seconds a tool call may take (tasks/tools.py)
     # name: mixture: the domains and their weights (tasks/mixture.py), e.g.
     # [{name: math, weight: 1}, {name: code, weight: 1}]
     mixture: tuple[MixtureComponent, ...] = ()
@@ -193,6 +194,7 @@ class TaskConfig:
         require(self.turn_tokens >= 0, "task.turn_tokens", "must be >= 0")
         require(self.env_workers >= 1, "task.env_workers", "must be >= 1")
         require(self.env_timeout > 0, "task.env_timeout", "must be > 0")
+        require(self.tool_timeout > 0, "task.tool_timeout", "must be > 0")
         require(self.score_timeout > 0, "task.score_timeout", "must be > 0")
 
     def _check_mixture(self) -> None:

@@ -122,15 +122,16 @@ class Observations:
         self.tok = tokenizer
         self.chat = getattr(tokenizer, "chat_template", None) is not None
 
-    def first(self, obs: Observation) -> str:
+    def first(self, obs: Observation, tools=None) -> str:
+        """`tools`: the JSON schemas the template offers the model (an env's `tools`)."""
         if isinstance(obs, str) and not self.chat:
             return obs
         messages = [{"role": "user", "content": obs}] if isinstance(obs, str) else obs
         if not self.chat:
             raise EnvError("a chat observation needs the tokenizer's chat template")
-        return self.tok.apply_chat_template(messages, add_generation_prompt=True)
+        return self.tok.apply_chat_template(messages, tools=tools, add_generation_prompt=True)
 
-    def after_turn(self, obs: Observation) -> str:
+    def after_turn(self, obs: Observation, tools=None) -> str:
         if not self.chat:
             if not isinstance(obs, str):
                 raise EnvError("a chat observation needs the tokenizer's chat template")
@@ -140,8 +141,9 @@ class Observations:
             {"role": "user", "content": self.PROBE_USER},
             {"role": "assistant", "content": self.PROBE_ASSISTANT},
         ]
-        head = self.tok.apply_chat_template(before, add_generation_prompt=False)
-        full = self.tok.apply_chat_template(before + messages, add_generation_prompt=True)
+        render = self.tok.apply_chat_template
+        head = render(before, tools=tools, add_generation_prompt=False)
+        full = render(before + messages, tools=tools, add_generation_prompt=True)
         if not full.startswith(head):
             raise EnvError("the chat template renders a conversation's start differently "
                            "once it goes on; its observations cannot be appended")  # fmt: skip

@@ -28,6 +28,8 @@ from typing import Any, Protocol, runtime_checkable
 import numpy as np
 
 from jaxrl_scale.configbase import ConfigError
+from jaxrl_scale.tasks.tools import ToolEnv
+from jaxrl_scale.tasks.workers import WorkerPool
 
 
 @runtime_checkable
@@ -88,7 +90,14 @@ class UserTask:
     rendered text; a chat example keeps its messages under "messages"."""
 
     def __init__(
-        self, obj, *, tokenizer=None, num_train: int = 0, num_eval: int = 0, label: str = "task"
+        self,
+        obj,
+        *,
+        tokenizer=None,
+        num_train: int = 0,
+        num_eval: int = 0,
+        label: str = "task",
+        tool_timeout: float = 10.0,
     ):
         # An environment task (`make_env`, tasks/env.py) rewards episodes: it needs no `score`.
         needed = ("train_examples", "eval_examples") + (
@@ -124,6 +133,10 @@ class UserTask:
         for optional in ("score_many", "stats", "make_env"):  # batches; episodes (env.py)
             if hasattr(obj, optional):
                 setattr(self, optional, getattr(obj, optional))
+        if getattr(obj, "tools", None) and not hasattr(obj, "make_env"):  # tool episodes
+            self.tools, self.tool_timeout = list(obj.tools), tool_timeout
+            self._tool_pool = WorkerPool(8, name="jaxrl-tool")  # shared by its episodes
+            self.make_env = self._tool_env
 
     def _examples(self, rows, what: str, label: str) -> list[dict]:
         try:
@@ -161,6 +174,11 @@ class UserTask:
         except Exception as e:  # noqa: BLE001 - the template's error, with the row it failed on
             raise ConfigError(f"task: {where}: the chat template failed: {e}") from e
         return {**row, "prompt": text, "messages": list(prompt)}
+
+    def _tool_env(self, example: dict) -> ToolEnv:
+        return ToolEnv(
+            example, self.tools, self.obj.score, pool=self._tool_pool, timeout=self.tool_timeout
+        )
 
     def score(self, completion: str, example: dict):
         return self.obj.score(completion, example)

@@ -1,0 +1,142 @@
+"""Tool use: Python functions offered to the model, its calls parsed and answered.
+
+    def add(a: int, b: int) -> int:
+        "Add two integers."
+        return a + b
+
+    class Task:                        # a task with `tools` (and `score`) runs tool episodes
+        tools = [add]
+        ...
+
+A task that gives `tools` and no `make_env` gets a `ToolEnv` per episode: the prompt goes out
+with the tools' JSON schemas in the chat template's `tools`; each model turn is searched for
+calls in the Qwen/Hermes format `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`;
+calls are answered as tool messages and the model takes another turn; a turn without a call
+is the final answer, scored by the task's `score` (its thinking cut off), which ends the
+episode. A malformed call, an unknown tool, bad arguments, a tool that raises or runs past
+`timeout`: the model is told so in the tool message and the episode goes on; each is counted
+(`tool_errors`). `python_tool(sandbox)` runs the model's code in the code task's sandbox.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import json
+import re
+import typing
+from collections.abc import Callable, Sequence
+
+from jaxrl_scale.tasks.scoring import strip_think
+from jaxrl_scale.tasks.workers import WorkerPool
+
+CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
+_JSON_TYPES = {int: "integer", float: "number", str: "string", bool: "boolean", list: "array",
+               dict: "object"}  # fmt: skip
+
+
+def schema(fn: Callable) -> dict:
+    """The function's JSON schema as chat templates take it: its name, the docstring's first
+    paragraph as the description, each parameter's type from its annotation."""
+    hints = typing.get_type_hints(fn)
+    properties, required = {}, []
+    for name, p in inspect.signature(fn).parameters.items():
+        kind = _JSON_TYPES.get(typing.get_origin(hints.get(name)) or hints.get(name), "string")
+        properties[name] = {"type": kind}
+        if p.default is inspect.Parameter.empty:
+            required.append(name)
+    doc = inspect.getdoc(fn) or ""
+    return {
+        "type": "function",
+        "function": {
+            "name": fn.__name__,
+            "description": doc.split("\n\n")[0].strip(),
+            "parameters": {"type": "object", "properties": properties, "required": required},
+        },
+    }
+
+
+def parse_calls(text: str) -> list[dict | str]:
+    """The calls in a model turn, in order: {"name", "arguments"} each, or the text of why a
+    call could not be read."""
+    out: list[dict | str] = []
+    for body in CALL.findall(text):
+        try:
+            call = json.loads(body)
+        except json.JSONDecodeError as e:
+            out.append(f"the tool call is not JSON ({e.msg})")
+            continue
+        if not isinstance(call, dict) or not isinstance(call.get("name"), str):
+            out.append('a tool call needs {"name": ..., "arguments": {...}}')
+            continue
+        arguments = call.get("arguments", {})
+        if isinstance(arguments, str):  # some models send the arguments as a JSON string
+            with contextlib.suppress(json.JSONDecodeError):
+                arguments = json.loads(arguments)
+        if not isinstance(arguments, dict):
+            out.append(f"{call['name']}: the arguments must be a JSON object")
+            continue
+        out.append({"name": call["name"], "arguments": arguments})
+    return out
+
+
+class ToolEnv:
+    """One tool-use episode (see the module's docstring). `tool_errors` counts what went
+    wrong with the model's calls; the episode runner reads it at the end."""
+
+    def __init__(self, example: dict, tools: Sequence[Callable], score, *, pool: WorkerPool,
+                 timeout: float = 10.0):  # fmt: skip
+        self.example, self.score, self.pool, self.timeout = example, score, pool, timeout
+        self.functions = {fn.__name__: fn for fn in tools}
+        self.tools = [schema(fn) for fn in tools]
+        self.tool_errors = 0
+
+    def reset(self):
+        prompt = self.example["prompt"]
+        return [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
+
+    def step(self, action: str):
+        calls = parse_calls(action)
+        if not calls:  # the final answer
+            answer = strip_think(action)
+            return None, float(self.score(answer, self.example)) if answer else 0.0, True
+        return [{"role": "tool", "content": self._answer(call)} for call in calls], 0.0, False
+
+    def _answer(self, call: dict | str) -> str:
+        if isinstance(call, str):
+            return self._error(call)
+        fn = self.functions.get(call["name"])
+        if fn is None:
+            known = ", ".join(self.functions)
+            return self._error(f"no tool named {call['name']!r} (tools: {known})")
+        try:
+            inspect.signature(fn).bind(**call["arguments"])
+        except TypeError as e:
+            return self._error(f"{call['name']}: {e}")
+        [(status, got)] = self.pool.gather([self.pool.submit(lambda: fn(**call["arguments"]))],
+                                           self.timeout)  # fmt: skip
+        if status == "timeout":
+            return self._error(f"{call['name']} did not answer within {self.timeout:g} s")
+        if status == "error":
+            return self._error(f"{call['name']} raised {type(got).__name__}: {got}")
+        return got if isinstance(got, str) else json.dumps(got, default=str)
+
+    def _error(self, why: str) -> str:
+        self.tool_errors += 1
+        return f"error: {why}"
+
+
+def python_tool(sandbox) -> Callable[[str], str]:
+    """A tool `python(code)` that runs the model's program in `sandbox` (tasks/sandbox.py)
+    and answers its standard output, or what went wrong."""
+
+    def python(code: str) -> str:
+        """Run a Python program and return what it prints.
+
+        code: the program's source."""
+        result = sandbox.run(code, "")
+        if result.status == "ok":
+            return result.stdout
+        return f"{result.status}: {result.stderr_tail[-500:]}"
+
+    return python
