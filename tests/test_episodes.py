@@ -5,6 +5,7 @@ import time
 import warnings
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 import tokenizers
@@ -15,7 +16,8 @@ from jaxrl_scale.generation.sampler import EOS, LENGTH, Rollout
 from jaxrl_scale.models.chat import ChatTemplate
 from jaxrl_scale.models.tokenizer import Tokenizer
 from jaxrl_scale.rl.episodes import EpisodeRunner
-from jaxrl_scale.tasks.env import EnvRunner, Observations
+from jaxrl_scale.rl.losses import policy_loss
+from jaxrl_scale.tasks.env import EnvRunner, GymText, Observations
 from jaxrl_scale.tasks.tools import ToolEnv, parse_calls, schema
 from jaxrl_scale.tasks.user import UserTask
 from jaxrl_scale.tasks.workers import WorkerPool
@@ -262,3 +264,62 @@ def _byte_tokenizer():
     backend.add_special_tokens(["<|im_end|>"])
     template = ChatTemplate(QWEN25, special_tokens={"eos_token": "<|im_end|>"})
     return Tokenizer(backend, eos_ids=[0], pad_id=0, chat_template=template)
+
+
+# --------------------------------------------------------------------------- gym-style
+
+
+class HigherLower:
+    """A Gymnasium-style text game: guess a digit, told "higher"/"lower" (5-tuple steps)."""
+
+    def reset(self, seed=None):
+        self.target = 0 if seed is None else seed % 10
+        return "guess:", {}
+
+    def step(self, action):
+        guess = int(action.strip() or -1)
+        if guess == self.target:
+            return "", 1.0, True, False, {}
+        return ("higher" if guess < self.target else "lower"), 0.0, False, False, {}
+
+
+def test_a_gym_style_environment_runs_as_an_episode():
+    env = GymText(HigherLower(), seed=7)
+    assert env.reset() == "guess:"
+    assert env.step("3") == ("higher", 0.0, False)
+    assert env.step("9") == ("lower", 0.0, False)
+    assert env.step("7") == (None, 1.0, True)
+
+    class Old:  # gym's older 4-tuple
+        def reset(self):
+            return "start"
+
+        def step(self, action):
+            return "next", 0.5, action == "stop", {}
+
+    old = GymText(Old())
+    assert old.reset() == "start" and old.step("go") == ("next", 0.5, False)
+    assert old.step("stop") == (None, 0.5, True)
+
+
+@pytest.mark.parametrize("kind", ["cispo", "dapo", "gspo", "grpo"])
+@pytest.mark.parametrize("aggregation", ["prompt", "sample", "token"])
+def test_observation_tokens_never_reach_the_loss(kind, aggregation):
+    """An episode's row (turn, observation, turn): the loss and its gradients are those of
+    the turns' tokens alone: nothing flows to the observation positions, whatever the
+    log-probs found there."""
+    mask = np.array([[1, 1, 0, 0, 0, 1, 1, 0]] * 2 + [[1, 1, 1, 1, 0, 0, 0, 0]] * 2, np.float32)
+    rng = np.random.default_rng(0)
+    logp = jnp.asarray(rng.normal(-1.0, 0.3, mask.shape), jnp.float32)
+    behavior = jnp.asarray(np.where(mask > 0, rng.normal(-1.0, 0.3, mask.shape), 0.0))
+    adv = jnp.asarray([1.0, -1.0, 0.5, -0.5])
+    extra = {"ref_logp_bt": logp - 0.1, "kl_coef": 0.1} if kind == "grpo" else {}
+
+    def loss(lp):
+        return policy_loss(lp, behavior, adv, mask, 2, kind, aggregation, **extra)[0]
+
+    value, grad = jax.value_and_grad(loss)(logp)
+    assert np.all(np.asarray(grad)[mask == 0] == 0) and np.any(np.asarray(grad)[mask > 0])
+    # Other log-probs at the observation positions change nothing.
+    shifted = logp + jnp.asarray((mask == 0) * 3.0)
+    assert float(loss(shifted)) == pytest.approx(float(value), rel=1e-6)

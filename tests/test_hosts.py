@@ -318,3 +318,26 @@ def test_model_sampler_and_engine_do_not_load_the_transport():
                           env=_env("trainer"), timeout=120)  # fmt: skip
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.strip() == "[]"
+
+
+def test_multi_turn_episodes_run_on_a_generator_job(tmp_path, processes):
+    """A user's environment task, by import path, importable on both hosts: its episodes
+    run on the generator job (the environments live there) and reach the trainer with their
+    masks and counts."""
+    port = _free_port()
+    fixtures = str(ROOT / "tests" / "fixtures" / "tasks")
+    extra = ["train.steps=2", "task.name=retry_env:make", "task.max_turns=2",
+             "task.max_episode_tokens=24", "warm_start.steps=0",
+             "hosts.generator_groups=1"]  # fmt: skip
+    out = tmp_path / "run"
+    trainer_log, gen_log = tmp_path / "trainer.log", tmp_path / "gen.log"
+    trainer = processes.start(_env("trainer", PYTHONPATH=fixtures), _args(out, port, *extra),
+                              trainer_log)  # fmt: skip
+    processes.start(_env("generator", JAXRL_GROUP="0", PYTHONPATH=fixtures),
+                    _args(out, port, *extra), gen_log)  # fmt: skip
+    _finish(trainer, 300, trainer_log, gen_log)
+    rows = [r for r in read_metrics(out) if r["step"] > 0]
+    assert [r["step"] for r in rows] == [1, 2]
+    for r in rows:
+        assert 1 <= r["turns_mean"] <= 2 and r["env_errors"] == 0
+        assert r["gen_tokens"] <= 2 * 4 * 16  # sampled tokens only: 2 turns of <= 4

@@ -40,9 +40,11 @@ from jaxrl_scale.hosts.weights import WeightClient
 from jaxrl_scale.models import lora
 from jaxrl_scale.models.policy import Policy, for_generation
 from jaxrl_scale.parallel import sharding
+from jaxrl_scale.rl.episodes import EpisodeRunner
 from jaxrl_scale.rl.generator import WaveGenerator
-from jaxrl_scale.rl.rollout import score_rollout
+from jaxrl_scale.rl.rollout import score_episodes, score_rollout
 from jaxrl_scale.tasks import make_scorer, make_task
+from jaxrl_scale.tasks.env import EnvRunner
 
 if TYPE_CHECKING:  # the root config composes every part's section
     from jaxrl_scale.config import ExperimentConfig
@@ -246,9 +248,17 @@ def run_generator(cfg: ExperimentConfig, group: int) -> int:
     task = make_task(cfg.task, seed=cfg.seed, tokenizer=tokenizer)
     scorer = make_scorer(cfg.task, task)  # the verifier's thread pool, as the trainer's
     tok = task.tokenizer
-    longest = max(len(tok.encode(e["prompt"])) for e in task.train_examples + task.eval_examples)
+    if hasattr(task, "make_env"):  # multi-turn: the episode budget bounds the contexts
+        longest = cfg.task.max_episode_tokens
+    else:
+        examples = task.train_examples + task.eval_examples
+        longest = max(len(tok.encode(e["prompt"])) for e in examples)
     waves = WaveGenerator(cfg, graphdef, tok, Interruption.from_config(cfg.sampler, tok),
                           mesh=mesh, own_devices=True, longest_prompt=longest)  # fmt: skip
+    episodes = None
+    if hasattr(task, "make_env"):  # its environments live here, on the generator's host
+        envs = EnvRunner(workers=cfg.task.env_workers, timeout=cfg.task.env_timeout)
+        episodes = EpisodeRunner(cfg, task, tok, waves.generate, envs)
     client = WeightClient(abstract, sharding.state_shardings(abstract, mesh), mesh, host=host,
                           timeout=cfg.hosts.timeout)  # fmt: skip
     name = f"generator group {group} ({socket.gethostname()})"
@@ -283,7 +293,7 @@ def run_generator(cfg: ExperimentConfig, group: int) -> int:
                 print(f"{name}: generating batch {work['batch']}", flush=True)
                 try:
                     frames = _make_batch(cfg, scorer, waves, weights, work, run_key, sampling,
-                                         base)  # fmt: skip
+                                         base, episodes)  # fmt: skip
                 except Rejoin:
                     break
                 header = json.loads(frames[0])
@@ -299,10 +309,10 @@ def run_generator(cfg: ExperimentConfig, group: int) -> int:
 
 
 def _make_batch(
-    cfg, scorer, waves, weights: Weights, work: dict, run_key, sampling, base=None
+    cfg, scorer, waves, weights: Weights, work: dict, run_key, sampling, base=None, episodes=None
 ) -> list[bytes]:
     """Generate and score one assigned batch; its frames for the hub. `base`: a LoRA run's
-    base, under the adapters the trainer sends."""
+    base, under the adapters the trainer sends; `episodes`: a multi-turn task's runner."""
     start = time.perf_counter()
     g = cfg.train.group_size
     task = scorer.task
@@ -316,16 +326,24 @@ def _make_batch(
             got = weights.get(at_least=work["oldest"])
         return got[0], lora.merge_params(base, got[1])
 
-    ro = waves.generate(
-        params_for_chunk,
-        [task.tokenizer.encode(e["prompt"]) for e in examples],
-        jax.random.fold_in(run_key, work["key"]),
-        sampling=sampling,
-        n_new=cfg.sampler.max_new_tokens,
-        repeat=g,
-        with_fill=True,
-    )
-    scored = score_rollout(cfg, scorer, ro, examples, reference=bool(cfg.loss.kl_coef))
+    key = jax.random.fold_in(run_key, work["key"])
+    reference = bool(cfg.loss.kl_coef)
+    if episodes is not None:  # whole episodes, as the trainer's own
+        ro, rewards, stats = episodes.run(
+            params_for_chunk, examples, key, sampling=sampling, repeat=g
+        )
+        scored = score_episodes(cfg, ro, rewards, stats, reference=reference)
+    else:
+        ro = waves.generate(
+            params_for_chunk,
+            [task.tokenizer.encode(e["prompt"]) for e in examples],
+            key,
+            sampling=sampling,
+            n_new=cfg.sampler.max_new_tokens,
+            repeat=g,
+            with_fill=True,
+        )
+        scored = score_rollout(cfg, scorer, ro, examples, reference=reference)
     arrays = {
         f: np.asarray(getattr(scored.ro, f))
         for f in ROLLOUT_FIELDS

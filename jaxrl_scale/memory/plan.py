@@ -79,13 +79,25 @@ def plan(
     own_copy = False
 
     def programs(cfg):
+        # Multi-turn episodes (task.max_turns > 1, rl/episodes.py): the train step's rows
+        # hold whole episodes (max_episode_tokens completion columns), and each turn decodes
+        # turn_tokens after a context of up to the episode's budget.
+        train_cfg, gen_prompt, gen_cfg = cfg, prompt_len, cfg
+        if cfg.task.max_turns > 1:
+            t, s = cfg.task, cfg.sampler
+            train_cfg = dataclasses.replace(
+                cfg, sampler=dataclasses.replace(s, max_new_tokens=t.max_episode_tokens)
+            )
+            gen_prompt = t.max_episode_tokens
+            turn = t.turn_tokens or s.max_new_tokens
+            gen_cfg = dataclasses.replace(cfg, sampler=dataclasses.replace(s, max_new_tokens=turn))
         return {
-            "train_step": train_step_memory(cfg, mesh, prompt_len),
+            "train_step": train_step_memory(train_cfg, mesh, prompt_len),
             "generate": generate_memory(
-                cfg, gmesh, prompt_len, copy=copy, copies=copies, own_devices=own_devices
+                gen_cfg, gmesh, gen_prompt, copy=copy, copies=copies, own_devices=own_devices
             ),
-            "prefill": prefill_memory(cfg, gmesh, prompt_len, copy=copy),
-            "evaluate": evaluate_memory(cfg, gmesh, prompt_len, copy=copy, own_copy=own_copy),
+            "prefill": prefill_memory(gen_cfg, gmesh, gen_prompt, copy=copy),
+            "evaluate": evaluate_memory(gen_cfg, gmesh, gen_prompt, copy=copy, own_copy=own_copy),
         }
 
     report = {

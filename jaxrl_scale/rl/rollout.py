@@ -301,22 +301,22 @@ class RolloutWorker:
                 lambda chunk: frozen, examples, key, sampling=sampling, repeat=k
             )
             scores = returns.reshape(len(examples), k)
-            row = {"eval_pass_rate": float(scores.mean()), "eval_sampling_sd": sampling_sd(scores)}
-            keep = ("turns_mean", "env_errors", "episodes_truncated")
-            return row | {f"eval_{name}": stats[name] for name in keep}
-        ro = self.generate(
-            lambda chunk: frozen,
-            self._encode(examples),
-            key,
-            sampling=sampling,
-            n_new=self.cfg.sampler.max_new_tokens,
-            repeat=k,
-        )
-        texts = completion_texts(self.tok, ro)
-        scored = self.scorer(texts, [examples[i // k] for i in range(len(texts))])
-        scores = scored.passed.reshape(len(examples), k)
+            keep = ("turns_mean", "env_errors", "episodes_truncated", "tool_errors")
+            counts = {name: stats[name] for name in keep}
+        else:
+            ro = self.generate(
+                lambda chunk: frozen,
+                self._encode(examples),
+                key,
+                sampling=sampling,
+                n_new=self.cfg.sampler.max_new_tokens,
+                repeat=k,
+            )
+            texts = completion_texts(self.tok, ro)
+            scored = self.scorer(texts, [examples[i // k] for i in range(len(texts))])
+            scores, counts = scored.passed.reshape(len(examples), k), scored.counts
         row = {"eval_pass_rate": float(scores.mean()), "eval_sampling_sd": sampling_sd(scores)}
-        row.update({f"eval_{name}": v for name, v in scored.counts.items()})  # errors, ...
+        row.update({f"eval_{name}": v for name, v in counts.items()})  # errors, turns, ...
         domains = np.array([e.get("domain") for e in examples], dtype=object)
         for d in dict.fromkeys(domains.tolist()) if domains[0] is not None else ():
             mine = scores[domains == d]

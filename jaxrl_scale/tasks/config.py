@@ -147,7 +147,7 @@ class TaskConfig:
     # Multi-turn tasks (a `make_env`, tasks/env.py; rl/episodes.py): model turns per episode,
     # the episode's whole context in tokens (prompt, turns, observations), each turn's budget
     # (0: sampler.max_new_tokens), threads that run the environments, seconds per env call.
-    max_turns: int = 4
+    max_turns: int = 1
     max_episode_tokens: int = 1024
     turn_tokens: int = 0
     env_workers: int = 16

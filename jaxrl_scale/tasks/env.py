@@ -153,3 +153,35 @@ class Observations:
         eos = self.tok.decode([self.tok.eos_ids[0]], skip_special_tokens=False)
         carry = turn_end[len(eos) :] if turn_end.startswith(eos) else turn_end
         return carry + full[len(head) :]
+
+
+class GymText:
+    """A Gymnasium-style text environment (textarena, skyrl-gym, GEM and others take this
+    shape) as an `Environment`: `reset(seed=...) -> (observation, info)` and `step(action) ->
+    (observation, reward, terminated, truncated, info)`; gym's older `(observation, reward,
+    done, info)` too. A task's `make_env` wraps one per episode:
+
+        def make_env(self, example):
+            return GymText(MyGame(example["level"]), seed=example["seed"])
+    """
+
+    def __init__(self, env, *, seed: int | None = None):
+        self.env, self.seed = env, seed
+
+    def reset(self) -> Observation:
+        if self.seed is None:
+            out = _call(self.env.reset)
+        else:
+            out = _call(lambda: self.env.reset(seed=self.seed))
+        return out[0] if isinstance(out, tuple) else out
+
+    def step(self, action: str) -> tuple[Observation | None, float, bool]:
+        out = _call(self.env.step, action)
+        if not isinstance(out, tuple) or len(out) not in (4, 5):
+            raise EnvError(f"the gym environment's step returned {out!r:.120}")
+        if len(out) == 5:
+            obs, reward, terminated, truncated, _ = out
+            done = bool(terminated or truncated)
+        else:
+            obs, reward, done, _ = out
+        return (None if done else obs), float(reward), bool(done)

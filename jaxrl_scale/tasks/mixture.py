@@ -45,6 +45,12 @@ class MixtureTask:
         self.eval_examples = [
             {**e, "domain": d} for d, task in components.items() for e in task.eval_examples
         ]
+        episodic = [hasattr(t, "make_env") for t in components.values()]
+        if any(episodic) and not all(episodic):
+            raise ValueError("task.mixture: mix multi-turn domains (make_env) with multi-turn "
+                             "ones only")  # fmt: skip
+        if all(episodic):  # each episode's environment from its domain's task
+            self.make_env = lambda example: self.task_of(example).make_env(example)
 
     def task_of(self, example: dict):
         return self.components[example["domain"]]
