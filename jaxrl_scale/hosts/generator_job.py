@@ -50,6 +50,13 @@ if TYPE_CHECKING:  # the root config composes every part's section
     from jaxrl_scale.config import ExperimentConfig
 
 
+@dataclasses.dataclass(frozen=True)
+class _Rows:
+    """Pulled parameters not yet laid out (`WeightClient.pull_rows`)."""
+
+    leaves: list
+
+
 class Rejoin(Exception):
     """The trainer this process worked for is gone (a new run answers): start over."""
 
@@ -137,6 +144,8 @@ class Weights:
             self._using = have
             for old in [v for v in self._held if v < have]:
                 del self._held[old]  # no chunk decodes with it any more
+            if isinstance(self._held[have], _Rows):  # here, on the decoding thread
+                self._held[have] = self.client.lay_out(self._held[have].leaves)
             return have, self._held[have]
 
     def close(self) -> None:
@@ -181,8 +190,8 @@ class Weights:
                         continue
                     if want > self._newest:
                         continue
-                try:
-                    params = self.client.pull(want)
+                try:  # laid out by the decoding thread when it takes them (`get`)
+                    params = _Rows(self.client.pull_rows(want))
                 except LookupError:  # superseded meanwhile: ask for the newest next
                     continue
                 with self._cond:

@@ -196,6 +196,18 @@ class WeightClient:
     def pull(self, version: int):
         """Version `version`'s parameters on this generator's devices, or raise
         `TimeoutError` / `LookupError` naming the trainer process that did not give them."""
+        return self.lay_out(self.pull_rows(version))
+
+    def lay_out(self, rows):
+        """Pulled rows (`pull_rows`) in the parameters' own layout: a program over every
+        device of the generator. Run it on the thread that decodes: two threads' programs
+        with collectives on the same CPU devices can wait for each other forever (each
+        device joins one program's all-gather while another device joins the other's)."""
+        return jax.tree.unflatten(self.treedef, self._unlayout(rows))
+
+    def pull_rows(self, version: int) -> list[jax.Array]:
+        """Version `version`'s leaves as [rows, chunk] blocks split over the devices, moved
+        with no program that spans devices (safe beside a decoding thread)."""
         pieces: dict[int, list[tuple[int, jax.Array]]] = {}  # leaf -> [(first row, block)]
         rows = None
         for t, socket in zip(self._trainers, self._sockets, strict=True):
@@ -233,9 +245,8 @@ class WeightClient:
             for leaf in range(len(self.shapes)):
                 for start, _ in offer["blocks"]:
                     pieces.setdefault(leaf, []).append((start, next(got)))
-        leaves = [self._rows_array(sorted(pieces[i], key=lambda p: p[0]), rows)
-                  for i in range(len(self.shapes))]  # fmt: skip
-        return jax.tree.unflatten(self.treedef, self._unlayout(leaves))
+        return [self._rows_array(sorted(pieces[i], key=lambda p: p[0]), rows)
+                for i in range(len(self.shapes))]  # fmt: skip
 
     def _check(self, offer: dict) -> None:
         sizes = [math.prod(s) for s in self.shapes]
