@@ -115,6 +115,7 @@ class Weights:
         with self._cond:
             self._session, self._held, self._using, self._gone = session, {}, None, False
             self._newest = session["version"]
+            self._want = None  # an exact version asked of the trainer before is not this one's
             self._cond.notify_all()
 
     def get(self, *, version: int | None = None, at_least: int = -1):
