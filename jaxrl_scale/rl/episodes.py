@@ -22,6 +22,7 @@ evaluation runs every episode to its end.
 from __future__ import annotations
 
 import dataclasses
+import threading
 import time
 import warnings
 
@@ -69,7 +70,10 @@ class EpisodeRunner:
     def __init__(self, cfg, task, tok, generate, runner: EnvRunner):
         self.cfg, self.task, self.tok, self.generate, self.runner = cfg, task, tok, generate, runner
         self.observations = Observations(tok)
+        # Failure kinds already logged: the generator thread's episodes and the main thread's
+        # evaluation may fail at once (everything else here is per call).
         self._logged: set[str] = set()
+        self._log_lock = threading.Lock()
 
     def run(self, params_for_chunk, examples, key, *, sampling, repeat: int):
         """(Rollout on the host of len(examples) x repeat episodes, their rewards [B], stats)."""
@@ -154,8 +158,10 @@ class EpisodeRunner:
     def _fail(self, ep: Episode, why: str) -> None:
         ep.fail(why)
         kind = why.partition(":")[0]
-        if kind not in self._logged:
+        with self._log_lock:
+            first = kind not in self._logged
             self._logged.add(kind)
+        if first:
             warnings.warn(
                 f"task {getattr(self.task, 'name', 'env')}: an episode ended with reward 0 "
                 f"({why}); later ones are only counted (env_errors)",

@@ -29,6 +29,7 @@ import numpy as np
 
 from jaxrl_scale.models.tokenizer import Tokenizer
 from jaxrl_scale.tasks.sandbox import RunResult, Sandbox, SandboxLimits
+from jaxrl_scale.tasks.splits import split_examples
 
 DEFAULT_TEMPLATE = (
     "{prompt}\n\nWrite a complete Python 3 program that reads the input from standard input and "
@@ -186,20 +187,10 @@ class CodeTask:
         self.tokenizer = tokenizer
         self.partial_credit = partial_credit
         load = lambda path: load_examples(path, template=template)  # noqa: E731
-        examples = load(data)
-        if eval_data:
-            held_out = load(eval_data)[:num_eval]
-        else:
-            if num_eval >= len(examples):
-                raise CodeDataError(
-                    f"{data}: {len(examples)} rows cannot give {num_eval} held-out problems "
-                    "and leave any to train on"
-                )
-            order = np.random.default_rng(seed).permutation(len(examples))
-            held_out = [examples[i] for i in order[:num_eval]]
-            examples = [examples[i] for i in np.sort(order[num_eval:])]
-        self.eval_examples = held_out
-        self.train_examples = examples[:num_train] if num_train else examples
+        self.train_examples, self.eval_examples = split_examples(
+            load(data), load(eval_data) if eval_data else None, num_train=num_train,
+            num_eval=num_eval, seed=seed, source=data, error=CodeDataError,
+        )  # fmt: skip
         if isinstance(sandbox, Sandbox):
             self.sandbox = sandbox
         else:

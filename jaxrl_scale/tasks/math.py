@@ -33,6 +33,7 @@ import numpy as np
 from jaxrl_scale.models.tokenizer import Tokenizer
 from jaxrl_scale.tasks.config import MathConfig
 from jaxrl_scale.tasks.scoring import ScorerBroken
+from jaxrl_scale.tasks.splits import split_examples
 
 DEFAULT_TEMPLATE = MathConfig.template  # one definition, in the config
 MAX_ANSWER_CHARS = 512
@@ -294,20 +295,10 @@ class MathTask:
         load = lambda s: load_examples(  # noqa: E731
             s, question_key=question_key, answer_key=answer_key, template=template
         )
-        examples = load(data)
-        if eval_data:
-            held_out = load(eval_data)[:num_eval]
-        else:
-            if num_eval >= len(examples):
-                raise MathDataError(
-                    f"{data}: {len(examples)} rows cannot give {num_eval} held-out problems "
-                    "and leave any to train on"
-                )
-            order = np.random.default_rng(seed).permutation(len(examples))
-            held_out = [examples[i] for i in order[:num_eval]]
-            examples = [examples[i] for i in np.sort(order[num_eval:])]
-        self.eval_examples = held_out
-        self.train_examples = examples[:num_train] if num_train else examples
+        self.train_examples, self.eval_examples = split_examples(
+            load(data), load(eval_data) if eval_data else None, num_train=num_train,
+            num_eval=num_eval, seed=seed, source=data, error=MathDataError,
+        )  # fmt: skip
         self.verifier = Verifier(timeout)
 
     def score(self, completion: str, example: dict) -> float:
