@@ -5,6 +5,10 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
+import subprocess
+import sys
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -371,15 +375,42 @@ def test_run_starts_from_a_peft_adapter_on_a_hugging_face_base(tmp_path):
     assert np.abs(logits - ref["logits"]).max() < 1e-4
 
 
+PRE_LORA = "b14131a"  # the last commit before model.lora
+
+
+def _pre_lora_rows(tmp_path) -> dict:
+    """The pre-LoRA commit's run (tests/fixtures/make_rank0_reference.py) on this machine,
+    its package and config taken from the repository's history; the stored copy, computed on
+    another machine, where the checkout has no history (a tarball, a shallow clone)."""
+    root = FIXTURES.parent.parent
+    archive = subprocess.run(
+        ["git", "-C", str(root), "archive", PRE_LORA, "jaxrl_scale", "configs"],
+        capture_output=True, timeout=60,
+    )  # fmt: skip
+    if archive.returncode != 0:
+        warnings.warn(f"no commit {PRE_LORA} here: comparing with the stored rows", stacklevel=2)
+        return json.loads((FIXTURES / "rank0_reference.json").read_text())
+    tree, out = tmp_path / "pre-lora", tmp_path / "pre-lora.json"
+    tree.mkdir()
+    subprocess.run(["tar", "-x", "-C", str(tree)], input=archive.stdout, check=True, timeout=60)
+    script = FIXTURES / "make_rank0_reference.py"
+    env = {**os.environ, "JAXRL_TREE": str(tree)}
+    done = subprocess.run(
+        [sys.executable, str(script), str(out)], env=env, capture_output=True, text=True,
+        timeout=600,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(out.read_text())
+
+
 def test_rank_zero_reproduces_the_numbers_from_before_lora(tmp_path):
     """model.lora.rank = 0 is the code path from before LoRA existed: the same run's metrics
-    as rows saved by that commit (tests/fixtures/make_rank0_reference.py). Counts (tokens
-    sampled, rows kept) are equal; floats agree to what XLA's CPU code keeps across processor
-    kinds, whose vector widths and cache blocking sum in other orders. Measured with
-    --xla_cpu_max_isa: AVX-512 reproduces the rows bit for bit, AVX2 within 6e-4 relative
-    (grad_norm, loss) and 3e-7 absolute (mismatch, approx_kl, ~1e-7 values); the same tokens
-    are sampled on both."""
-    ref = json.loads((FIXTURES / "rank0_reference.json").read_text())
+    as that commit's code gives on this machine (`_pre_lora_rows`). Counts (tokens sampled,
+    rows kept) are equal; floats agree to a relative 2e-3 (the two programs are not compiled
+    from identical HLO; measured here, 5e-5 on grad_norm). A stored copy of the rows from one
+    machine is not the reference: XLA's CPU code sums in other orders on other processors,
+    and a token sampled once more or less changes every later count."""
+    ref = _pre_lora_rows(tmp_path)
     # The reference trained padded steps (packing came later; auto may pack these batches).
     overrides = [*ref["overrides"], "model.lora.rank=0", "train.packing=false"]
     rows = train(load_config(TINY_CONFIG, overrides), tmp_path)
