@@ -61,6 +61,10 @@ class Rejoin(Exception):
     """The trainer this process worked for is gone (a new run answers): start over."""
 
 
+class Stopped(Exception):
+    """The trainer said stop (its run is over) while this group was generating a batch."""
+
+
 class Requester:
     """Request/reply to the hub over ZeroMQ with a per-try timeout, retried until `patience`
     seconds have passed (then TimeoutError naming the hub and the request). One owner thread."""
@@ -73,12 +77,16 @@ class Requester:
         self.socket.setsockopt(zmq.LINGER, 0)
         self.socket.connect(f"tcp://{hub}")
 
-    def request(self, message: dict, patience: float | None = None) -> dict:
+    def request(self, message: dict, patience: float | None = None, stopped=None) -> dict:
+        """The hub's answer; `stopped()` true between tries ends the wait as {"stop": True}
+        (the hub said stop on another socket and closes once every group was told)."""
         deadline = time.monotonic() + (self.patience if patience is None else patience)
         while True:
             self.socket.send(json.dumps(message).encode())
             if self.socket.poll(2000):
                 return json.loads(self.socket.recv())
+            if stopped is not None and stopped():
+                return {"stop": True}
             if time.monotonic() > deadline:
                 raise TimeoutError(
                     f"{self.what}: no answer from the trainer's hub at {self.hub} for "
@@ -100,6 +108,7 @@ class Weights:
         self._want: int | None = None  # an exact version (fixed schedule), else the newest
         self._session: dict | None = None  # {"run", "gen", "weights"} of the current join
         self._gone = False
+        self._stopped = False  # the hub answered a heartbeat with stop: the run is over
         self._failed: BaseException | None = None
         self._newest: int | None = None  # the newest version the hub announced
         self._stop = threading.Event()
@@ -126,6 +135,8 @@ class Weights:
             self._want = version
             self._cond.notify_all()
             while True:
+                if self._stopped:
+                    raise Stopped
                 if self._gone:
                     raise Rejoin
                 if isinstance(self._failed, TimeoutError):  # the trainer went quiet
@@ -149,6 +160,12 @@ class Weights:
                 self._held[have] = self.client.lay_out(self._held[have].leaves)
             return have, self._held[have]
 
+    @property
+    def stopped(self) -> bool:
+        """The hub answered a heartbeat with stop: the trainer's run is over."""
+        with self._cond:
+            return self._stopped
+
     def close(self) -> None:
         self._stop.set()
         for thread in self._threads:
@@ -168,8 +185,11 @@ class Weights:
                 with self._cond:
                     if self._session is session:
                         self._gone = self._gone or "rejoin" in reply
+                        self._stopped = self._stopped or bool(reply.get("stop"))
                         self._newest = reply.get("version", self._newest)
                         self._cond.notify_all()
+                if reply.get("stop"):  # a batch waiting for weights that will never come
+                    return
         except BaseException as e:  # surfaced to the decoding thread
             self._fail(e)
         finally:
@@ -288,10 +308,10 @@ def run_generator(cfg: ExperimentConfig, group: int) -> int:
             session = control.request({"op": "join", "group": group, "host": host, "token": token})
             weights.attach(session)
             print(f"{name}: joined the trainer at {cfg.hosts.hub}", flush=True)
-            while True:
+            while not weights.stopped:  # (the hub is gone once every group was told)
                 seq += 1
                 ask = {"op": "work", "run": session["run"], "gen": session["gen"], "seq": seq}
-                work = control.request(ask)
+                work = control.request(ask, stopped=lambda: weights.stopped)
                 if work.get("stop"):
                     print(f"{name}: stopped by the trainer after {made} batch(es)", flush=True)
                     return 0
@@ -304,13 +324,16 @@ def run_generator(cfg: ExperimentConfig, group: int) -> int:
                 try:
                     frames = _make_batch(cfg, scorer, waves, weights, work, run_key, sampling,
                                          base, episodes)  # fmt: skip
-                except Rejoin:
+                except (Rejoin, Stopped):
                     break
                 header = json.loads(frames[0])
                 header.update(run=session["run"], gen=session["gen"])
                 frames[0] = json.dumps(header).encode()
                 data.send_multipart(frames)
                 made += 1
+            if weights.stopped:
+                print(f"{name}: stopped by the trainer after {made} batch(es)", flush=True)
+                return 0
     finally:
         weights.close()
         control.close()
