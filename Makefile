@@ -3,6 +3,9 @@
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
+# pytest-xdist workers for make test: each takes whole test files (their module-scoped runs
+# stay shared); the suite is compile-bound and one process keeps about 1.1 of 2 cores busy.
+TEST_WORKERS ?= 2
 
 .PHONY: demo test bench lint clean
 
@@ -23,7 +26,7 @@ demo: $(VENV)/.installed-base
 	$(BIN)/jaxrl-scale demo
 
 test: $(VENV)/.installed-test
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile
 
 bench: $(VENV)/.installed-test
 	$(BIN)/python benchmarks/bench_model.py
