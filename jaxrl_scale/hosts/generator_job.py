@@ -324,7 +324,10 @@ def run_generator(cfg: ExperimentConfig, group: int) -> int:
                 try:
                     frames = _make_batch(cfg, scorer, waves, weights, work, run_key, sampling,
                                          base, episodes)  # fmt: skip
-                except (Rejoin, Stopped):
+                except Rejoin:
+                    break
+                except Stopped:  # said, not counted: the trainer has trained its last step
+                    print(f"{name}: batch {work['batch']} left unfinished", flush=True)
                     break
                 header = json.loads(frames[0])
                 header.update(run=session["run"], gen=session["gen"])
