@@ -398,3 +398,52 @@ def test_a_config_whose_slots_do_not_split_over_the_generator_is_refused():
         check_divisible(cfg, *make_meshes(cfg))
     check_divisible(load_config(TINY_CONFIG, [*FAST, "mesh.data=-1", "sampler.slots=16"]),
                     *make_meshes(cfg))  # fmt: skip
+
+
+def test_an_episode_goes_on_in_its_slot_as_a_static_prefill_of_its_context_would(qwen2):
+    """A parked row resumed with an observation feeds it into its cache (no prefill) and its
+    next turn is what greedy decoding of the whole context gives; other slots decode on."""
+    graphdef, params = nnx.split(qwen2)
+    engine = SlotEngine(graphdef, slots=4, prompt_len=16, n_new=2 * N_NEW + 4, repeat=1,
+                        sampling=Sampling(0.0), eos_ids=(), pad_id=0, model_cfg=qwen2.cfg,
+                        key=jax.random.key(1), episodes=True)  # fmt: skip
+    for i, p in enumerate(PROMPTS[:3]):
+        engine.submit(i, p, max_new=4 + i)  # turn 1: 4, 5, 6 tokens
+    turns = {}
+    while len(turns) < 3:
+        for f in engine.run(params, 0, 3):
+            turns[f.request] = f
+    assert engine.busy == 3 and engine.decoding == 0  # parked, not freed
+    observation = [[90, 91, 92], [93], []]  # an empty observation: the turn just goes on
+    for i, f in turns.items():
+        assert f.length == 4 + i and (f.mask[: f.length] == 1).all()
+        engine.resume(i, 0, observation[i], limit=f.length + len(observation[i]) + N_NEW)
+    engine.submit(7, PROMPTS[3], max_new=N_NEW)  # a newcomer takes the free slot meanwhile
+    done = {}
+    while len(done) < 4:
+        for f in engine.run(params, 1, 3):
+            done[f.request] = f
+    for i in range(3):
+        f, first = done[i], turns[i]
+        n1, obs = first.length, observation[i]
+        context = PROMPTS[i] + first.tokens[:n1].tolist() + obs
+        want = generate(qwen2, [context], max_new_tokens=N_NEW, temperature=0.0)
+        second = f.tokens[n1 + len(obs) : f.length]
+        assert f.length == n1 + len(obs) + N_NEW
+        np.testing.assert_array_equal(f.tokens[:n1], first.tokens[:n1])
+        np.testing.assert_array_equal(f.tokens[n1 : n1 + len(obs)], obs)
+        np.testing.assert_array_equal(second, np.asarray(want.completion_tokens[0]))
+        np.testing.assert_allclose(f.logp[n1 + len(obs) : f.length],
+                                   np.asarray(want.behavior_logp[0]), atol=1e-5)  # fmt: skip
+        # The observation is context: no mask, no log-prob, no version.
+        assert (f.mask[n1 : n1 + len(obs)] == 0).all()
+        assert (f.mask[n1 + len(obs) : f.length] == 1).all()
+        assert (f.versions[:n1] == 0).all() and (f.versions[n1 : n1 + len(obs)] == -1).all()
+        assert (f.versions[n1 + len(obs) : f.length] == 1).all()
+        engine.release(i, 0)
+    alone = generate(qwen2, [PROMPTS[3]], max_new_tokens=N_NEW, temperature=0.0)
+    np.testing.assert_array_equal(done[7].tokens[:N_NEW], np.asarray(alone.completion_tokens[0]))
+    engine.release(7, 0)
+    assert engine.busy == 0 and not engine.prompts
+    with pytest.raises(KeyError):
+        engine.release(7, 0)

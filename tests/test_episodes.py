@@ -10,12 +10,17 @@ import numpy as np
 import pytest
 import tokenizers
 from conftest import FAST, FIXTURES, TINY_CONFIG
+from flax import nnx
 
 from jaxrl_scale.config import load_config
-from jaxrl_scale.generation.sampler import EOS, LENGTH, Rollout
+from jaxrl_scale.generation.sampler import EOS, LENGTH, Rollout, Sampling
 from jaxrl_scale.models.chat import ChatTemplate
+from jaxrl_scale.models.policy import init_policy
 from jaxrl_scale.models.tokenizer import Tokenizer
-from jaxrl_scale.rl.episodes import EpisodeRunner
+from jaxrl_scale.parallel.sharding import make_mesh
+from jaxrl_scale.rl.curriculum import Curriculum
+from jaxrl_scale.rl.episodes import EngineEpisodes, EpisodeRunner
+from jaxrl_scale.rl.generator import WaveGenerator
 from jaxrl_scale.rl.losses import policy_loss
 from jaxrl_scale.tasks.env import EnvRunner, GymText, Observations
 from jaxrl_scale.tasks.tools import ToolEnv, parse_calls, schema
@@ -24,6 +29,7 @@ from jaxrl_scale.tasks.workers import WorkerPool
 from jaxrl_scale.train import train
 
 KEY = jax.random.key(0)
+GREEDY = Sampling(0.0)
 QWEN25 = (FIXTURES / "chat_templates" / "qwen2.5.jinja").read_text()
 
 
@@ -148,6 +154,117 @@ def test_a_multi_turn_task_trains_from_yaml(retry_env, tmp_path):
         assert 16 <= r["gen_tokens"] <= 2 * 4 * 16
         assert 0 <= r["pass_rate"] <= 1
     assert 0 <= rows[-1]["eval_pass_rate"] <= 1 and 1 <= rows[-1]["eval_turns_mean"] <= 2
+
+
+# --------------------------------------------------------------------------- slot engine
+
+
+class Steps:
+    """An environment that ends after the example's `turns` turns (reward: the turn count),
+    each observation longer than the one before: episodes that end at different turns."""
+
+    def __init__(self, example):
+        self.turns, self.seen = example["turns"], 0
+
+    def reset(self):
+        return example_prompt(self.turns)
+
+    def step(self, action):
+        self.seen += 1
+        if self.seen >= self.turns:
+            return None, float(self.seen), True
+        return " " + "=" * self.seen, 0.0, False
+
+
+def example_prompt(turns):
+    return f"{turns}+{turns}="
+
+
+class StepsTask:
+    name = "steps"
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self.train_examples = [{"turns": 1 + i % 3} for i in range(16)]
+        self.eval_examples = self.train_examples[:4]
+
+    def make_env(self, example):
+        return Steps(example)
+
+
+def _engine_and_waves(retry_env, *overrides, fail_on=None, slots=4):
+    overrides = [*FAST, "task.max_turns=3", "task.max_episode_tokens=24", "train.group_size=2",
+                 "pipeline.mode=sync", *overrides]  # fmt: skip
+    cfg = load_config(TINY_CONFIG, overrides)
+    task = retry_env.make(fail_on=fail_on)
+    if fail_on is None:  # episodes of 1, 2 and 3 turns
+        task = StepsTask(task.tokenizer)
+    graphdef, params = nnx.split(init_policy(cfg.model, seed=3))
+    mesh = make_mesh(cfg.mesh)
+    waves = WaveGenerator(cfg, graphdef, task.tokenizer, None, mesh=mesh, own_devices=False,
+                          longest_prompt=cfg.task.max_episode_tokens)  # fmt: skip
+    envs = EnvRunner(workers=4, timeout=cfg.task.env_timeout)
+    runner = EpisodeRunner(cfg, task, task.tokenizer, waves.generate, envs)
+    engine = EngineEpisodes(
+        cfg, graphdef, task.tokenizer, runner, mesh=mesh, slots=slots, sampling=GREEDY,
+        curriculum=Curriculum(len(task.train_examples), seed=0), examples=task.train_examples,
+    )  # fmt: skip
+    return engine, runner, task, params
+
+
+def test_episodes_on_the_slot_engine_equal_the_turn_by_turn_waves(retry_env):
+    """Greedy episodes (8 on 4 slots): the engine, which feeds each observation into the
+    episode's cache, gives the tokens, masks, versions and rewards of the static path, which
+    prefills every turn's whole context; log-probs to float precision."""
+    engine, runner, task, params = _engine_and_waves(retry_env)
+    indices, ro, rewards, stats = engine.next(lambda chunk: (0, params), KEY, None)
+    examples = [task.train_examples[i] for i in indices]
+    want, want_rewards, want_stats = runner.run(lambda chunk: (0, params), examples, KEY,
+                                                sampling=GREEDY, repeat=2)  # fmt: skip
+    for name in ("prompt_tokens", "prompt_mask", "completion_tokens", "completion_mask",
+                 "versions", "finish_reason", "lengths"):  # fmt: skip
+        np.testing.assert_array_equal(getattr(ro, name), getattr(want, name), err_msg=name)
+    np.testing.assert_allclose(ro.behavior_logp, want.behavior_logp, atol=1e-5)
+    np.testing.assert_array_equal(rewards, want_rewards)
+    for name in ("turns_mean", "env_errors", "episodes_truncated"):
+        assert stats[name] == want_stats[name], name
+    # The batch has what makes the comparison bite: observations between turns, and rows
+    # that end at different turns.
+    assert (np.diff(ro.completion_mask, axis=1) == -1).sum() > len(rewards)
+    assert len(set(ro.lengths.tolist())) > 1
+    assert engine.engine.busy == 0 and not engine.live
+
+
+def test_a_multi_turn_task_trains_in_pipeline_rl_on_the_slot_engine(retry_env, tmp_path):
+    """16 episodes a step on 8 slots, the next batch queued behind: the staleness bound holds
+    per token across turns, and on a batch sampled by the parameters that train on it every
+    behaviour log-prob equals the trainer's recomputation of the whole episode (observations
+    fed into a slot's cache are the context the trainer sees)."""
+    overrides = [
+        *FAST, "task.name=retry_env:make", "sampler.batching=continuous", "sampler.slots=8",
+        "task.max_turns=3", "task.max_episode_tokens=24", "train.steps=3", "warm_start.steps=0",
+        "pipeline.mode=pipeline_rl", "pipeline.max_staleness=1",
+    ]  # fmt: skip
+    rows = train(load_config(TINY_CONFIG, overrides), tmp_path)
+    assert [r["step"] for r in rows] == [0, 1, 2, 3]
+    for r in rows[1:]:
+        assert 1 <= r["turns_mean"] <= 3 and r["env_errors"] == 0
+        assert r["turns_mean"] > 1  # the untrained model rarely answers right at once
+        assert 16 <= r["gen_tokens"] <= 3 * 4 * 16 and r["staleness_max"] <= 1
+        if r["staleness_max"] == 0:
+            assert r["mismatch_max"] < 1e-4
+    assert rows[1]["staleness_max"] == 0
+    assert 0 <= rows[-1]["eval_pass_rate"] <= 1
+
+
+@pytest.mark.parametrize("fail_on", ["reset", "step", "hang"])
+def test_an_environment_that_fails_on_the_engine_costs_its_episode(retry_env, fail_on):
+    engine, _, _, params = _engine_and_waves(retry_env, "task.env_timeout=0.5", fail_on=fail_on)
+    with warnings.catch_warnings(record=True):
+        warnings.simplefilter("always")
+        _, ro, rewards, stats = engine.next(lambda chunk: (0, params), KEY, None)
+    assert stats["env_errors"] == 8 and not rewards.any() and ro.completion_tokens.shape[0] == 8
+    assert engine.engine is not None and engine.engine.busy == 0 and not engine.calls
 
 
 # --------------------------------------------------------------------------- tools

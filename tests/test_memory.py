@@ -470,3 +470,18 @@ def test_an_moe_plan_compiles_the_grouped_matmuls_buffers_on_cpu():
         mesh, _ = sharding.make_meshes(cfg)
         other = train_step_memory(cfg, mesh, report["prompt_len"])
         assert other["temporaries_bytes"] > planned
+
+
+@pytest.mark.parametrize("batching", ["continuous", "static"])
+def test_a_multi_turn_plan_holds_what_its_generator_holds_per_row(batching):
+    """Episodes: a slot of the engine holds its whole episode (the first observation's
+    columns and max_episode_tokens more); a static wave's row one turn after the context."""
+    overrides = [*LONG, "mesh.data=1", f"sampler.batching={batching}", "sampler.slots=16"]
+    overrides += ["task.max_turns=3", "task.max_episode_tokens=96", "task.turn_tokens=16"]
+    cfg = load_config(TINY, overrides)
+    m = cfg.model
+    columns = 96 + (96 if batching == "continuous" else 16)
+    per_column = (
+        2 * m.num_layers * m.num_kv_heads * m.resolved_head_dim * np.dtype(m.dtype).itemsize
+    )
+    assert plan(cfg)["generate"]["kv_cache_bytes"] == 16 * columns * per_column

@@ -21,6 +21,16 @@ engine.submit(request_id, prompt_ids)        # queued; admitted when G slots are
 done = engine.run(params, version, steps=8)  # decode up to 8 steps; the rows that had
                                              # finished before them
 
+Episodes (`episodes=True`, rl/episodes.py): a row's completion columns hold a whole
+multi-turn episode. A row whose turn ends is handed back as usual but keeps its slot, parked,
+while its environment steps on the host; `resume` writes the observation's tokens into its
+next columns, and the decode steps feed them into its cache as given (mask 0) before it
+samples the next turn, so an episode is never prefilled again; `release` frees the slot.
+Other slots decode meanwhile. An observation of F tokens takes F of the row's decode steps.
+
+engine.resume(request, row, observation_ids, limit)   # go on until column `limit`
+engine.release(request, row)                          # the episode is over
+
 Threads: an engine is owned by the thread that calls `submit` and `run` (the generator's).
 """
 
@@ -136,6 +146,7 @@ def _empty_state(model_cfg, b: int, prompt_len: int, n_new: int, pad_id: int, ke
         key=key,
         routes=no_routes((b, prompt_len + n_new, model_cfg.routed_layers), model_cfg)
         if model_cfg.router_replay else None,
+        forced_until=jnp.zeros((b,), jnp.int32),
     )  # fmt: skip
 
 
@@ -182,6 +193,7 @@ def _admit_local(
         matched=jnp.zeros_like(state.matched),
         think_budget=think,
         budget=budget,
+        forced_until=jnp.zeros_like(state.forced_until),
     )
     if routes_new is not None:  # the prompt's columns; kept for admitted slots only, below
         fresh["routes"] = state.routes.at[:, :prompt_len].set(routes_new[src])
@@ -274,6 +286,31 @@ def admission_width(per_shard: int, repeat: int) -> int:
     return _bucket(min(per_shard, -(-per_shard // repeat) + 1), per_shard)
 
 
+@functools.partial(jax.jit, static_argnames=("mesh",), donate_argnames=("state",))
+def _resume(state: DecodeState, idx, given, n_given, limit, *, mesh):
+    """Parked rows `idx` [m] (an index past the last slot: nobody) go on: each gets its
+    `n_given` [m] tokens of `given` [m, F] (an observation) written at its next completion
+    columns, fed as given by the decode steps that reach them, and then samples until column
+    `limit` [m] or its end-of-sequence. Nothing is prefilled: the row's cache keeps growing."""
+    slots, n_new = state.tokens.shape
+    col = state.col[jnp.minimum(idx, slots - 1)]
+    width = given.shape[1]
+    cols = jnp.where(jnp.arange(width) < n_given[:, None], col[:, None] + jnp.arange(width), n_new)
+    rows = jnp.broadcast_to(idx[:, None], cols.shape)
+    put = lambda x, v: x.at[idx].set(v, mode="drop")  # noqa: E731
+    out = dataclasses.replace(
+        state,
+        tokens=state.tokens.at[rows, cols].set(given, mode="drop"),
+        forced_until=put(state.forced_until, col + n_given),
+        budget=put(state.budget, limit),
+        done=put(state.done, False),
+        finish=put(state.finish, LENGTH),
+    )
+    if mesh is None:
+        return out
+    return jax.lax.with_sharding_constraint(out, _slot_shardings(out, mesh))
+
+
 @jax.jit
 def _take_rows(state: DecodeState, idx):
     """The output fields of rows `idx`, gathered on device (only they cross to the host)."""
@@ -309,8 +346,17 @@ class SlotEngine:
         model_cfg,
         key=None,
         mesh: jax.sharding.Mesh | None = None,
+        episodes: bool = False,
     ):
         check_slots(slots, repeat, mesh)
+        if episodes and interruption is not None:
+            raise ValueError("a slot engine running episodes takes no thinking interruption")
+        # Episodes: a row whose turn ended stays on its slot, parked, until `resume` gives
+        # it the observation to go on from or `release` frees it.
+        self.episodes = episodes
+        self.parked: set[int] = set()
+        self.slot_of: dict[tuple[int, int], int] = {}
+        self.resumes: list[tuple[int, np.ndarray, int]] = []  # (slot, tokens, limit), queued
         self.ways = batch_ways(mesh)  # batch shards: each admits into its own slots
         self.graphdef, self.slots, self.repeat, self.mesh = graphdef, slots, repeat, mesh
         self.prompt_len, self.n_new, self.pad_id = prompt_len, n_new, pad_id
@@ -379,6 +425,61 @@ class SlotEngine:
         """Prompts queued and not yet admitted."""
         return len(self.waiting)
 
+    @property
+    def decoding(self) -> int:
+        """Slots whose row decodes, has finished and is not yet handed back, or has a resume
+        queued: occupied and not parked."""
+        return self.busy - len(self.parked)
+
+    def can_admit(self, version: int) -> bool:
+        """Whether a run with `version` would admit the next waiting prompt."""
+        if not self.waiting or self.slots - self.busy < self.repeat:
+            return False
+        not_before = self.waiting[0][4]
+        return not_before is None or version >= not_before
+
+    # ------------------------------------------------------------------ episodes
+
+    def resume(self, request: int, row: int, tokens: Sequence[int], limit: int) -> None:
+        """A parked row goes on at the next `run`: `tokens` (an observation, may be empty)
+        are fed into its cache as given, then it samples until completion column `limit`
+        (exclusive; at most n_new) or its end-of-sequence, and is handed back again."""
+        slot = self.slot_of[(request, row)]
+        if slot not in self.parked:
+            raise ValueError(f"request {request} row {row} is not parked")
+        tokens = np.asarray(tokens, np.int32)
+        if not 0 < limit <= self.n_new:
+            raise ValueError(f"limit must be in [1, {self.n_new}], got {limit}")
+        self.parked.discard(slot)
+        self.resumes.append((slot, tokens, int(limit)))
+
+    def release(self, request: int, row: int) -> None:
+        """A parked row's episode is over: its slot is free for the next prompt."""
+        slot = self.slot_of.pop((request, row))
+        if slot not in self.parked:
+            raise ValueError(f"request {request} row {row} is not parked")
+        self.parked.discard(slot)
+        self.occupant[slot] = None
+        entry = self.prompts[request]
+        entry[2] -= 1
+        if not entry[2]:
+            del self.prompts[request]
+
+    def _apply_resumes(self) -> None:
+        if not self.resumes:
+            return
+        m = _bucket(len(self.resumes), self.slots)
+        width = _bucket(max(max(len(t) for _, t, _ in self.resumes), 1), self.n_new)
+        idx = np.full(m, self.slots, np.int32)  # past the last slot: nobody
+        given = np.full((m, width), self.pad_id, np.int32)
+        n_given, limit = np.zeros(m, np.int32), np.zeros(m, np.int32)
+        for j, (slot, tokens, end) in enumerate(self.resumes):
+            idx[j], n_given[j], limit[j] = slot, len(tokens), end
+            given[j, : len(tokens)] = tokens
+        self.resumes = []
+        self.state = _resume(self.state, *(self._put(x) for x in (idx, given, n_given, limit)),
+                             mesh=self.mesh)  # fmt: skip
+
     # ------------------------------------------------------------------ steps
 
     def _put(self, host: np.ndarray, rows: bool = False) -> np.ndarray | jax.Array:
@@ -418,6 +519,8 @@ class SlotEngine:
                     shard.append(g)
                 source[slot], budget[slot] = len(shard) - 1, max_new
                 self.occupant[slot] = (request, r)
+                if self.episodes:
+                    self.slot_of[(request, r)] = slot
         width = _bucket(max(map(len, needed)), per_shard)
         tokens = np.full((self.ways * width, self.prompt_len), self.pad_id, np.int32)
         mask = np.zeros((self.ways * width, self.prompt_len), bool)
@@ -443,7 +546,10 @@ class SlotEngine:
         """Free the slots whose rows have finished and start gathering those rows on the
         device; `_hand_back` reads them. Reading the done flags waits for the last decode."""
         done = distributed.to_host(self.state.done)
-        slots = [i for i, o in enumerate(self.occupant) if o is not None and done[i]]
+        slots = [
+            i for i, o in enumerate(self.occupant)
+            if o is not None and done[i] and i not in self.parked
+        ]  # fmt: skip
         if not slots:
             return None
         width = _bucket(len(slots), self.slots)
@@ -451,7 +557,10 @@ class SlotEngine:
         rows = _take_rows(self.state, self._put(idx))
         owners = [self.occupant[i] for i in slots]
         for i in slots:
-            self.occupant[i] = None
+            if self.episodes:  # the turn is handed back, the row stays
+                self.parked.add(i)
+            else:
+                self.occupant[i] = None
         return owners, rows
 
     def _hand_back(self, collected) -> list[Finished]:
@@ -471,6 +580,8 @@ class SlotEngine:
                 Finished(request, row, entry[0], entry[1], t, mask[j], logp[j], versions[j],
                          int(finish[j]), n, None if routes is None else routes[j])
             )  # fmt: skip
+            if self.episodes:  # handed back at every turn's end; forgotten at `release`
+                continue
             entry[2] -= 1
             if not entry[2]:  # forgotten once every row was handed back
                 del self.prompts[request]
@@ -481,9 +592,10 @@ class SlotEngine:
         with `params` (tokens tagged `version`), and return the rows freed: those that
         finished by the previous call's last step. One read of the done flags per call; the
         finished rows cross to the host while this call's steps run."""
+        self._apply_resumes()  # first: a resumed row is no longer done when flags are read
         collected = self._collect()
         self._admit_waiting(params, version)
-        if self.busy:
+        if self.decoding:
             self.state = decode(
                 self.graphdef, params, self.state, jnp.int32(version), steps, **self.static
             )

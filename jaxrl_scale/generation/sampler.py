@@ -148,9 +148,13 @@ class DecodeState:
     counts: jax.Array  # [B, 4] tokens emitted in each phase
     matched: jax.Array  # [B] leading tokens of the think-end marker just sampled
     think_budget: jax.Array  # [B]
-    budget: jax.Array  # [B] the most completion tokens each row may emit (N unless set)
+    budget: jax.Array  # [B] the completion column each row ends by (N unless set)
     key: jax.Array
     routes: jax.Array | None = None  # [B, L + N, routed layers, K] with router replay
+    # [B] a slot engine's rows with given tokens ahead (an episode's observation, written in
+    # their completion columns by the host): a row feeds its own tokens, not sampled ones,
+    # while its column is below this (mask 0, no log-prob, version -1). None: never.
+    forced_until: jax.Array | None = None
 
 
 # --------------------------------------------------------------------------- sampling
@@ -292,9 +296,14 @@ def _decode_step(
         token_b = jnp.where(forcing, forced_b, sampled_b)
     else:
         token_b = sampled_b
+    col = s.col
+    if s.forced_until is not None:  # an observation's tokens go into the cache as given
+        fed = active & (col < s.forced_until)
+        given_b = s.tokens[jnp.arange(col.shape[0]), jnp.minimum(col, n_new - 1)]
+        token_b = jnp.where(fed, given_b, token_b)
+        forcing = forcing | fed
     token_b = jnp.where(active, token_b, pad_id)
     sampled = active & ~forcing
-    col = s.col
     if col.ndim:  # each row at its own column (a finished row's may be past the end: dropped)
         at = (jnp.arange(col.shape[0]), col)
         put = lambda x, v: x.at[at].set(v, mode="drop")  # noqa: E731
@@ -366,6 +375,7 @@ def _decode_step(
         budget=s.budget,
         key=s.key,
         routes=routes,
+        forced_until=s.forced_until,
     )
 
 

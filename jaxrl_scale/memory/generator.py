@@ -124,8 +124,10 @@ def prefill_memory(cfg: ExperimentConfig, mesh, prompt_len: int, *, copy: bool) 
     if cfg.batching == "continuous":
         slots = cfg.sampler.slots or cfg.train.prompts_per_step * g
         state = abstract_slots(cfg.model, slots, prompt_len, n_new, mesh)
+        # Episodes on the engine (rl/episodes.py) are admitted one row per prompt.
+        repeat = 1 if cfg.task.max_turns > 1 else g
         lowered = lower_admission(
-            graphdef, params, state, repeat=g, prompt_len=prompt_len, n_new=n_new,
+            graphdef, params, state, repeat=repeat, prompt_len=prompt_len, n_new=n_new,
             interruption=_interruption(cfg), mesh=mesh,
         )  # fmt: skip
         out = breakdown(lowered.compile())

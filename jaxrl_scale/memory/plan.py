@@ -81,7 +81,8 @@ def plan(
     def programs(cfg):
         # Multi-turn episodes (task.max_turns > 1, rl/episodes.py): the train step's rows
         # hold whole episodes (max_episode_tokens completion columns), and each turn decodes
-        # turn_tokens after a context of up to the episode's budget.
+        # turn_tokens after a context of up to the episode's budget; on the slot engine a
+        # slot holds its whole episode (max_episode_tokens completion columns too).
         train_cfg, gen_prompt, gen_cfg = cfg, prompt_len, cfg
         if cfg.task.max_turns > 1:
             t, s = cfg.task, cfg.sampler
@@ -90,6 +91,8 @@ def plan(
             )
             gen_prompt = t.max_episode_tokens
             turn = t.turn_tokens or s.max_new_tokens
+            if cfg.batching == "continuous":
+                turn = t.max_episode_tokens
             gen_cfg = dataclasses.replace(cfg, sampler=dataclasses.replace(s, max_new_tokens=turn))
         return {
             "train_step": train_step_memory(train_cfg, mesh, prompt_len),

@@ -21,6 +21,7 @@ evaluation runs every episode to its end.
 
 from __future__ import annotations
 
+import concurrent.futures as cf
 import dataclasses
 import threading
 import time
@@ -29,12 +30,14 @@ import warnings
 import jax
 import numpy as np
 
+from jaxrl_scale.generation.engine import SlotEngine
 from jaxrl_scale.generation.sampler import EOS, LENGTH, Rollout, pad_prompts, prompt_width
 from jaxrl_scale.parallel import distributed
+from jaxrl_scale.rl.pipeline import ParamsForChunk
 from jaxrl_scale.tasks.env import EnvError, EnvRunner, Observations
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(eq=False)
 class Episode:
     """One episode as it runs, on the host (owned by the thread running the episodes)."""
 
@@ -49,6 +52,7 @@ class Episode:
     done: bool = False
     truncated: bool = False
     error: str | None = None
+    request: int = -1  # its row's id in a slot engine (EngineEpisodes)
 
     def fail(self, why: str) -> None:
         self.error, self.done, self.reward = why, True, 0.0
@@ -65,7 +69,9 @@ class Episode:
 
 class EpisodeRunner:
     """Runs a task's episodes with `generate` (a WaveGenerator's, or a rollout worker's) and
-    `runner` (the environments' thread pool); `tok` encodes observations."""
+    `runner` (the environments' thread pool); `tok` encodes observations. `begin`,
+    `end_turn` and `observe` move one episode on; the slot engine's `EngineEpisodes` uses
+    them too."""
 
     def __init__(self, cfg, task, tok, generate, runner: EnvRunner):
         self.cfg, self.task, self.tok, self.generate, self.runner = cfg, task, tok, generate, runner
@@ -76,7 +82,8 @@ class EpisodeRunner:
         self._log_lock = threading.Lock()
 
     def run(self, params_for_chunk, examples, key, *, sampling, repeat: int):
-        """(Rollout on the host of len(examples) x repeat episodes, their rewards [B], stats)."""
+        """(Rollout on the host of len(examples) x repeat episodes, their rewards [B], stats),
+        every live episode's next turn generated at once (a wave per turn)."""
         t = self.cfg.task
         start = time.perf_counter()
         env_seconds = 0.0
@@ -85,23 +92,16 @@ class EpisodeRunner:
         episodes = [Episode(env) for env, _ in made]
         for ep, (_, why) in zip(episodes, made, strict=True):
             if why is not None:
-                self._fail(ep, f"make_env: {why}")
+                self.fail(ep, f"make_env: {why}")
         live = [ep for ep in episodes if not ep.done]
         clock = time.perf_counter()
         first = self.runner.reset([ep.env for ep in live])
         env_seconds += time.perf_counter() - clock
         for ep, (obs, why) in zip(live, first, strict=True):
             if why is not None:
-                self._fail(ep, f"reset: {why}")
-                continue
-            try:
-                tools = getattr(ep.env, "tools", None)  # offered through the chat template
-                ep.prompt = self.tok.encode(self.observations.first(obs, tools))
-            except (EnvError, ValueError) as e:
-                self._fail(ep, f"reset: {e}")
-                continue
-            if ep.room(t.max_episode_tokens) <= 0:
-                ep.done = ep.truncated = True
+                self.fail(ep, f"reset: {why}")
+            else:
+                self.begin(ep, obs)
         for turn in range(t.max_turns):
             live = [ep for ep in episodes if not ep.done]
             if not live:
@@ -109,42 +109,84 @@ class EpisodeRunner:
             contexts = [ep.prompt + ep.tokens for ep in live]
             ro = self.generate(
                 params_for_chunk, contexts, jax.random.fold_in(key, turn),
-                sampling=sampling, n_new=t.turn_tokens or self.cfg.sampler.max_new_tokens,
+                sampling=sampling, n_new=self.turn_tokens,
             )  # fmt: skip
             host = jax.tree.map(distributed.to_host, ro)
             actions = []
             for i, ep in enumerate(live):
-                n = min(int(host.lengths[i]), ep.room(t.max_episode_tokens))
-                ep.add(host.completion_tokens[i, :n], host.completion_mask[i, :n],
-                       host.behavior_logp[i, :n], host.versions[i, :n])  # fmt: skip
-                ep.turns += 1
-                actions.append(self.tok.decode(host.completion_tokens[i, :n]))
-                if n < int(host.lengths[i]) or ep.room(t.max_episode_tokens) <= 0:
-                    ep.truncated = True
+                sampled = int(host.lengths[i])
+                n = min(sampled, ep.room(t.max_episode_tokens))
+                actions.append(self.end_turn(
+                    ep, host.completion_tokens[i, :n], host.completion_mask[i, :n],
+                    host.behavior_logp[i, :n], host.versions[i, :n], cut=n < sampled,
+                ))  # fmt: skip
             clock = time.perf_counter()
             steps = self.runner.step([ep.env for ep in live], actions)
             env_seconds += time.perf_counter() - clock
             for ep, (result, why) in zip(live, steps, strict=True):
-                if why is not None:
-                    self._fail(ep, f"step: {why}")
-                    continue
-                obs, reward, done = result
-                ep.reward += reward
-                if done or obs is None or ep.truncated or turn == t.max_turns - 1:
-                    ep.done = True  # (out of turns: truncated below)
-                    ep.truncated |= not (done or obs is None)
-                    continue
-                try:
-                    text = self.observations.after_turn(obs, getattr(ep.env, "tools", None))
-                    ids = self.tok.encode(text)
-                except (EnvError, ValueError) as e:
-                    self._fail(ep, f"step's observation: {e}")
-                    continue
-                keep = ids[: max(ep.room(t.max_episode_tokens), 0)]
-                ep.add(keep, [0.0] * len(keep), [0.0] * len(keep), [-1] * len(keep))
-                if len(keep) < len(ids) or ep.room(t.max_episode_tokens) <= 0:
-                    ep.done = ep.truncated = True
-        stats = {
+                self.observe(ep, result, why)
+        rewards = np.array([ep.reward for ep in episodes])
+        return self.rollout(episodes), rewards, self.stats(episodes, env_seconds, start)
+
+    @property
+    def turn_tokens(self) -> int:
+        return self.cfg.task.turn_tokens or self.cfg.sampler.max_new_tokens
+
+    def begin(self, ep: Episode, obs) -> bool:
+        """The episode's first observation as its prompt; whether it goes on to a turn."""
+        try:
+            tools = getattr(ep.env, "tools", None)  # offered through the chat template
+            ep.prompt = self.tok.encode(self.observations.first(obs, tools))
+        except (EnvError, ValueError) as e:
+            self.fail(ep, f"reset: {e}")
+            return False
+        if not ep.prompt:
+            self.fail(ep, "reset: the first observation has no tokens")
+            return False
+        if ep.room(self.cfg.task.max_episode_tokens) <= 0:
+            ep.done = ep.truncated = True
+        return not ep.done
+
+    def end_turn(self, ep: Episode, tokens, mask, logp, versions, *, cut: bool) -> str:
+        """A model turn as sampled (`cut`: it ran into the episode's budget): the action text
+        its environment steps with."""
+        ep.add(tokens, mask, logp, versions)
+        ep.turns += 1
+        if cut or ep.room(self.cfg.task.max_episode_tokens) <= 0:
+            ep.truncated = True
+        return self.tok.decode(tokens)
+
+    def observe(self, ep: Episode, result, why: str | None) -> list[int] | None:
+        """The environment's step after a turn: its reward counted, and the observation's
+        tokens (added to the episode) that the next turn follows, or None: the episode is
+        over (done, out of turns or tokens, failed)."""
+        t = self.cfg.task
+        if why is not None:
+            self.fail(ep, f"step: {why}")
+            return None
+        obs, reward, done = result
+        ep.reward += reward
+        if done or obs is None or ep.truncated or ep.turns >= t.max_turns:
+            ep.done = True  # (out of turns: truncated)
+            ep.truncated |= not (done or obs is None)
+            return None
+        try:
+            text = self.observations.after_turn(obs, getattr(ep.env, "tools", None))
+            ids = self.tok.encode(text)
+        except (EnvError, ValueError) as e:
+            self.fail(ep, f"step's observation: {e}")
+            return None
+        keep = ids[: max(ep.room(t.max_episode_tokens), 0)]
+        ep.add(keep, [0.0] * len(keep), [0.0] * len(keep), [-1] * len(keep))
+        if len(keep) < len(ids) or ep.room(t.max_episode_tokens) <= 0:
+            ep.done = ep.truncated = True
+            return None
+        return keep
+
+    def stats(self, episodes: list[Episode], env_seconds: float, start: float) -> dict:
+        """A batch's episode statistics; `env_seconds`: time the generator waited on
+        environments with nothing to decode."""
+        return {
             "turns_mean": float(np.mean([ep.turns for ep in episodes])),
             "env_seconds": env_seconds,
             "env_errors": sum(ep.error is not None for ep in episodes),
@@ -152,10 +194,9 @@ class EpisodeRunner:
             "tool_errors": sum(getattr(ep.env, "tool_errors", 0) for ep in episodes),
             "episode_seconds": time.perf_counter() - start,
         }
-        rewards = np.array([ep.reward for ep in episodes])
-        return self._rollout(episodes), rewards, stats
 
-    def _fail(self, ep: Episode, why: str) -> None:
+    def fail(self, ep: Episode, why: str) -> None:
+        """End `ep` with reward 0 for `why` (counted; the first of its kind is logged)."""
         ep.fail(why)
         kind = why.partition(":")[0]
         with self._log_lock:
@@ -168,7 +209,7 @@ class EpisodeRunner:
                 stacklevel=3,
             )
 
-    def _rollout(self, episodes: list[Episode]) -> Rollout:
+    def rollout(self, episodes: list[Episode]) -> Rollout:
         """The episodes as a host Rollout: prompts left-padded (a few widths), completions
         in `task.max_episode_tokens` columns."""
         n = self.cfg.task.max_episode_tokens
@@ -187,3 +228,155 @@ class EpisodeRunner:
         finish = np.array([LENGTH if ep.truncated else EOS for ep in episodes], np.int32)
         lengths = np.array([len(ep.tokens) for ep in episodes], np.int32)
         return Rollout(prompt_tokens, prompt_mask, tokens, mask, logp, versions, finish, lengths)
+
+
+@dataclasses.dataclass
+class _Batch:
+    """A training batch of episodes drawn into the engine (owned by the feeding thread)."""
+
+    indices: np.ndarray  # prompt indices
+    episodes: list[Episode]
+    cursor: tuple[int, int]  # the curriculum's (epoch, position) before the draw
+    not_before: int | None  # the oldest version its tokens may carry
+    opening: int = 0  # environments still being made and reset
+    ready: list[int] = dataclasses.field(default_factory=list)  # requests opened, not queued
+    start: float = 0.0
+
+
+class EngineEpisodes:
+    """Continuous batching of episodes (`sampler.batching: continuous` with a multi-turn
+    task): each batch's `train.prompts_per_step` x `train.group_size` episodes run on a slot
+    engine of `slots` rows (`generation.engine`, `episodes=True`), one row per episode: its
+    first observation prefilled into the prompt columns, then its turns and observations in
+    `task.max_episode_tokens` completion columns. Nothing waits for an environment: a row
+    whose turn ends is parked on its slot while its environment steps on `runner`'s thread
+    pool and the other slots decode; the observation is then fed into the row's cache (never
+    a prefill of the episode) and the next turn sampled. Environments are made and reset on
+    the pool too, and a batch's episodes enter the engine in batch order once opened; the
+    batch behind is queued as `EngineBatches` queues it (held until its version bound).
+    Owned by the thread that calls `next` (the feeding thread)."""
+
+    def __init__(self, cfg, graphdef, tok, runner: EpisodeRunner, *, mesh, slots: int,
+                 sampling, curriculum, examples):  # fmt: skip
+        self.cfg, self.graphdef, self.tok, self.runner = cfg, graphdef, tok, runner
+        self.mesh, self.slots, self.sampling = mesh, slots, sampling
+        self.curriculum, self.examples = curriculum, examples
+        self.engine: SlotEngine | None = None
+        self.queued: list[_Batch] = []
+        self.live: dict[int, Episode] = {}  # request -> episode, while it runs
+        self.calls: dict[cf.Future, tuple[int, str]] = {}  # env calls: (request, open | step)
+        self.batch_of: dict[int, _Batch] = {}  # request -> its batch, while it opens
+        self.requests = 0
+        self.version = -1  # of the last run
+        self.waited = 0.0  # seconds with nothing to decode, every live row at its environment
+
+    def _submit(self, key, oldest: int | None) -> None:
+        cfg, t = self.cfg, self.cfg.task
+        if self.engine is None:
+            self.engine = SlotEngine(
+                self.graphdef, slots=self.slots, prompt_len=-(-t.max_episode_tokens // 8) * 8,
+                n_new=t.max_episode_tokens, repeat=1, sampling=self.sampling,
+                eos_ids=self.tok.eos_ids, pad_id=self.tok.pad_id, model_cfg=cfg.model,
+                key=key, mesh=self.mesh, episodes=True,
+            )  # fmt: skip
+        cursor = (self.curriculum.epoch, self.curriculum.position)
+        indices = self.curriculum.next_batch(cfg.train.prompts_per_step)
+        batch = _Batch(indices, [], cursor, oldest, start=time.perf_counter())
+        for i in indices:
+            for _ in range(cfg.train.group_size):
+                ep = Episode(None)
+                batch.episodes.append(ep)
+                ep.request = self.requests
+                self.requests += 1
+                self.live[ep.request] = ep
+                self.batch_of[ep.request] = batch
+                future = self.runner.runner.start_open(self.runner.task, self.examples[i])
+                self.calls[future] = (ep.request, "open")
+                batch.opening += 1
+        self.queued.append(batch)
+
+    def _limit(self, ep: Episode) -> int:
+        """The completion column the episode's next turn ends by."""
+        budget = self.cfg.task.max_episode_tokens
+        return min(len(ep.tokens) + self.runner.turn_tokens, budget - len(ep.prompt))
+
+    def _settle(self) -> None:
+        """The environment calls that have ended: episodes queued, resumed or ended."""
+        if not self.calls:
+            return
+        outcomes = self.runner.runner.outcomes({f: kind for f, (_, kind) in self.calls.items()})
+        for future, (value, why) in outcomes.items():
+            request, kind = self.calls.pop(future)
+            ep = self.live[request]
+            if kind == "open":
+                batch = self.batch_of.pop(request)
+                batch.opening -= 1
+                if why is not None:
+                    self.runner.fail(ep, f"reset: {why}")
+                else:
+                    ep.env = value[0]
+                    if self.runner.begin(ep, value[1]):
+                        batch.ready.append(request)
+            else:
+                ids = self.runner.observe(ep, value, why)
+                if ids is None:
+                    self.engine.release(request, 0)
+                else:
+                    self.engine.resume(request, 0, ids, self._limit(ep))
+            if ep.done:
+                del self.live[request]
+        for batch in self.queued:  # into the engine in batch order: none jumps a held one
+            for request in batch.ready:
+                ep = self.live[request]
+                self.engine.submit(request, ep.prompt, max_new=self._limit(ep),
+                                   not_before=batch.not_before)  # fmt: skip
+            batch.ready = []
+            if batch.opening:
+                break
+
+    def _turn_ended(self, row) -> None:
+        ep = self.live[row.request]
+        start = len(ep.tokens)
+        action = self.runner.end_turn(
+            ep, row.tokens[start : row.length], row.mask[start : row.length],
+            row.logp[start : row.length], row.versions[start : row.length], cut=False,
+        )  # fmt: skip
+        self.calls[self.runner.runner.start_step(ep.env, action)] = (row.request, "step")
+
+    def in_flight(self) -> tuple[int, int]:
+        """(prompts drawn and not handed over in a batch, their episodes still running)."""
+        prompts = sum(len(b.indices) for b in self.queued)
+        return prompts, len(self.live)
+
+    def cursor(self) -> tuple[int, int] | None:
+        return self.queued[0].cursor if self.queued else None
+
+    def next(self, params_for_chunk: ParamsForChunk, key, oldest: int | None):
+        """(prompt indices, Rollout on the host, rewards [B], stats) of the oldest queued
+        batch once every one of its episodes has ended; `oldest` as `EngineBatches.next`."""
+        ahead = 2 if self.cfg.pipeline.mode == "pipeline_rl" else 1
+        while len(self.queued) < ahead:
+            self._submit(key, None if oldest is None else oldest + len(self.queued))
+        batch, chunk = self.queued[0], 0
+        waited = self.waited
+        while not all(ep.done for ep in batch.episodes):
+            self._settle()
+            engine = self.engine
+            # With nothing decoding, a run that would admit nothing waits for the envs
+            # instead (unless none is busy: then newer weights may release a held prompt).
+            admits = engine.can_admit(self.version) or (engine.pending and not self.calls)
+            if engine.decoding or admits:
+                jax.block_until_ready(engine.state.done)  # as EngineBatches.next
+                self.version, params = params_for_chunk(chunk)
+                chunk += 1
+                for row in engine.run(params, self.version, self.cfg.sampler.admit_every):
+                    self._turn_ended(row)
+            elif self.calls:  # every live row is at its environment
+                clock = time.perf_counter()
+                cf.wait(list(self.calls), timeout=0.05, return_when=cf.FIRST_COMPLETED)
+                self.waited += time.perf_counter() - clock
+        self.queued.pop(0)
+        episodes = batch.episodes
+        rewards = np.array([ep.reward for ep in episodes])
+        stats = self.runner.stats(episodes, self.waited - waited, batch.start)
+        return batch.indices, self.runner.rollout(episodes), rewards, stats

@@ -45,7 +45,7 @@ from jaxrl_scale.parallel import distributed, sharding
 from jaxrl_scale.rl.advantages import group_advantages
 from jaxrl_scale.rl.compute import batch_flops
 from jaxrl_scale.rl.curriculum import Curriculum
-from jaxrl_scale.rl.episodes import EpisodeRunner
+from jaxrl_scale.rl.episodes import EngineEpisodes, EpisodeRunner
 from jaxrl_scale.rl.generator import EngineBatches, WaveGenerator, batch_chunks, wave_prompts
 from jaxrl_scale.rl.packing import PackedBatch, PackGeometry, padded_layout
 from jaxrl_scale.rl.pipeline import ParamsForChunk
@@ -111,10 +111,10 @@ class RolloutWorker:
         # A multi-turn task's prompts come from its environments (rl/episodes.py): the
         # episode budget bounds them.
         self.episodic = hasattr(task, "make_env")
-        if self.episodic and cfg.batching == "continuous":
+        if self.episodic and cfg.batching == "continuous" and self.interruption is not None:
             raise ConfigError(
-                "sampler.batching: a multi-turn task's episodes run turn by turn in static "
-                "waves for now; set sampler.batching=static"
+                "sampler.interruption: a multi-turn task's episodes on the slot engine take no "
+                "thinking interruption (use sampler.batching=static, or turn_tokens)"
             )
         examples = task.train_examples + task.eval_examples
         if self.episodic:
@@ -129,12 +129,22 @@ class RolloutWorker:
         )  # fmt: skip
         # Continuous batching (rows in flight: sampler.slots, 0 = one batch's rows).
         self.continuous = None
-        if cfg.batching == "continuous":
+        slots = s.slots or cfg.train.prompts_per_step * cfg.train.group_size
+        self.episodes = None
+        if self.episodic:
+            envs = EnvRunner(workers=cfg.task.env_workers, timeout=cfg.task.env_timeout)
+            self.episodes = EpisodeRunner(cfg, task, self.tok, self.generate, envs)
+            if cfg.batching == "continuous":
+                self.continuous = EngineEpisodes(
+                    cfg, graphdef, self.tok, self.episodes, mesh=gen_mesh or mesh,
+                    slots=slots, sampling=self.sampling, curriculum=self.curriculum,
+                    examples=task.train_examples,
+                )  # fmt: skip
+        elif cfg.batching == "continuous":
             self.continuous = EngineBatches(
                 cfg, graphdef, self.tok, self.interruption, mesh=gen_mesh or mesh,
                 prompt_len=-(-longest // 8) * 8,
-                slots=s.slots or cfg.train.prompts_per_step * cfg.train.group_size,
-                sampling=self.sampling, curriculum=self.curriculum,
+                slots=slots, sampling=self.sampling, curriculum=self.curriculum,
                 examples=task.train_examples, encode=self._encode,
             )  # fmt: skip
         # Static waves (evaluation's always) are checked here, so a config whose waves cannot
@@ -142,10 +152,6 @@ class RolloutWorker:
         ways = sharding.batch_ways(gen_mesh or mesh)
         wave_prompts(cfg, cfg.train.eval_samples, ways, len(task.eval_examples))
         self.chunks = batch_chunks(cfg, ways)  # lockstep swaps weights at the middle one
-        self.episodes = None
-        if self.episodic:
-            envs = EnvRunner(workers=cfg.task.env_workers, timeout=cfg.task.env_timeout)
-            self.episodes = EpisodeRunner(cfg, task, self.tok, self.generate, envs)
 
     # ------------------------------------------------------------------ placement
 
@@ -217,11 +223,14 @@ class RolloutWorker:
         cfg, g = self.cfg, self.cfg.train.group_size
         start = time.perf_counter()
         if self.episodic:
-            indices = self.curriculum.next_batch(cfg.train.prompts_per_step)
-            examples = [self.task.train_examples[i] for i in indices]
-            ro, rewards, stats = self.episodes.run(
-                params_for_chunk, examples, key, sampling=self.sampling, repeat=g
-            )
+            if cfg.batching == "continuous":
+                indices, ro, rewards, stats = self.continuous.next(params_for_chunk, key, oldest)
+            else:
+                indices = self.curriculum.next_batch(cfg.train.prompts_per_step)
+                examples = [self.task.train_examples[i] for i in indices]
+                ro, rewards, stats = self.episodes.run(
+                    params_for_chunk, examples, key, sampling=self.sampling, repeat=g
+                )
             scored = score_episodes(cfg, ro, rewards, stats, reference=self.reference)
             self.curriculum.update(indices, scored.pass_rates)
             seconds = time.perf_counter() - start

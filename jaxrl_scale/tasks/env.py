@@ -23,6 +23,7 @@ after an assistant turn, with the next assistant header (the generation prompt) 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures as cf
 import inspect
 import math
 import numbers
@@ -97,18 +98,48 @@ class EnvRunner:
 
     def _run(self, calls, check) -> list[tuple[object | None, str | None]]:
         futures = [self._pool.submit(_call, fn, *args) for fn, args in calls]
-        out = []
-        for status, got in self._pool.gather(futures, self.timeout):
-            if status == "timeout":
-                out.append((None, f"no answer within {self.timeout:g} s"))
-            elif status == "error":
-                out.append((None, f"{type(got).__name__}: {got}"))
-            else:
-                try:
-                    out.append((check(got), None))
-                except EnvError as e:
-                    out.append((None, str(e)))
-        return out
+        return [self._outcome(got, check) for got in self._pool.gather(futures, self.timeout)]
+
+    # Without waiting (the slot engine's episodes, rl/episodes.py): calls started one by one,
+    # their outcomes collected as they come.
+
+    def start_open(self, task, example) -> cf.Future:
+        """`make_env(example)` then its `reset()`, as one call: (environment, observation)."""
+        return self._pool.submit(_open, task.make_env, example)
+
+    def start_step(self, env, action: str) -> cf.Future:
+        return self._pool.submit(_call, env.step, action)
+
+    def outcomes(self, futures: Mapping[cf.Future, str]) -> dict[cf.Future, tuple]:
+        """The calls of `futures` (each "open" or "step") that have ended or run out of time:
+        (value checked, None) or (None, why), as `make` / `reset` / `step` give them."""
+        checks = {"open": _check_open, "step": check_step}
+        settled = self._pool.settled(futures, self.timeout)
+        return {f: self._outcome(got, checks[futures[f]]) for f, got in settled.items()}
+
+    def _outcome(self, got: tuple[str, object], check) -> tuple[object | None, str | None]:
+        status, value = got
+        if status == "timeout":
+            return None, f"no answer within {self.timeout:g} s"
+        if status == "error":
+            return None, f"{type(value).__name__}: {value}"
+        try:
+            return check(value), None
+        except EnvError as e:
+            return None, str(e)
+
+
+def _open(make_env, example):
+    try:
+        env = make_env(example)
+    except Exception as e:  # noqa: BLE001 - the user's error, reported per episode
+        raise EnvError(f"make_env: {type(e).__name__}: {e}") from e
+    return env, _call(env.reset)
+
+
+def _check_open(opened):
+    env, obs = opened
+    return env, check_observation(obs, "reset's result")
 
 
 class Observations:

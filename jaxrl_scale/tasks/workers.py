@@ -92,23 +92,28 @@ class WorkerPool:
         out: dict[cf.Future, tuple[str, object]] = {}
         pending = set(futures)
         while pending:
-            done, pending = cf.wait(pending, timeout=min(timeout, poll))
-            for f in done:
+            cf.wait(pending, timeout=min(timeout, poll))
+            out.update(self.settled(pending, timeout))
+            pending -= out.keys()
+        return [out[f] for f in futures]
+
+    def settled(self, futures, timeout: float) -> dict[cf.Future, tuple[str, object]]:
+        """Without waiting: the outcome (as `gather` gives it) of each of `futures` that has
+        one, a running one past its `timeout` abandoned as ("timeout", None)."""
+        out: dict[cf.Future, tuple[str, object]] = {}
+        now, running = time.monotonic(), self.running
+        for f in futures:
+            if f.done():
                 if f.cancelled():
                     out[f] = ("timeout", None)
                 elif f.exception() is not None:
                     out[f] = ("error", f.exception())
                 else:
                     out[f] = ("ok", f.result())
-            now = time.monotonic()
-            late = {f for f in pending if f.running() and now - f.started > timeout}
-            for f in late:
+            elif f.running() and now - f.started > timeout:
                 self.abandon(f)
                 out[f] = ("timeout", None)
-            pending -= late
-            if pending and not self.running:
-                for f in pending:
-                    f.cancel()
-                    out[f] = ("timeout", None)
-                pending = set()
-        return [out[f] for f in futures]
+            elif not running:  # every thread blocked: it would never run
+                f.cancel()
+                out[f] = ("timeout", None)
+        return out
