@@ -445,5 +445,5 @@ def test_an_episode_goes_on_in_its_slot_as_a_static_prefill_of_its_context_would
     np.testing.assert_array_equal(done[7].tokens[:N_NEW], np.asarray(alone.completion_tokens[0]))
     engine.release(7, 0)
     assert engine.busy == 0 and not engine.prompts
-    with pytest.raises(KeyError):
+    with pytest.raises(ValueError, match="not parked"):
         engine.release(7, 0)

@@ -170,6 +170,7 @@ class Steps:
         return example_prompt(self.turns)
 
     def step(self, action):
+        time.sleep(0.05)  # longer than an engine run: waiting rows move to parking
         self.seen += 1
         if self.seen >= self.turns:
             return None, float(self.seen), True
@@ -212,11 +213,15 @@ def _engine_and_waves(retry_env, *overrides, fail_on=None, slots=4):
     return engine, runner, task, params
 
 
-def test_episodes_on_the_slot_engine_equal_the_turn_by_turn_waves(retry_env):
+@pytest.mark.parametrize("parked_rows", [-1, 0])
+def test_episodes_on_the_slot_engine_equal_the_turn_by_turn_waves(retry_env, parked_rows):
     """Greedy episodes (8 on 4 slots): the engine, which feeds each observation into the
-    episode's cache, gives the tokens, masks, versions and rewards of the static path, which
-    prefills every turn's whole context; log-probs to float precision."""
-    engine, runner, task, params = _engine_and_waves(retry_env)
+    episode's cache (and moves episodes waiting for their environment off their slots to
+    parking rows and back), gives the tokens, masks, versions and rewards of the static path,
+    which prefills every turn's whole context; log-probs to float precision."""
+    engine, runner, task, params = _engine_and_waves(
+        retry_env, f"sampler.parked_rows={parked_rows}"
+    )
     indices, ro, rewards, stats = engine.next(lambda chunk: (0, params), KEY, None)
     examples = [task.train_examples[i] for i in indices]
     want, want_rewards, want_stats = runner.run(lambda chunk: (0, params), examples, KEY,
@@ -233,6 +238,7 @@ def test_episodes_on_the_slot_engine_equal_the_turn_by_turn_waves(retry_env):
     assert (np.diff(ro.completion_mask, axis=1) == -1).sum() > len(rewards)
     assert len(set(ro.lengths.tolist())) > 1
     assert engine.engine.busy == 0 and not engine.live
+    assert (engine.engine.moves > 0) == (parked_rows != 0)
 
 
 def test_a_multi_turn_task_trains_in_pipeline_rl_on_the_slot_engine(retry_env, tmp_path):

@@ -472,16 +472,18 @@ def test_an_moe_plan_compiles_the_grouped_matmuls_buffers_on_cpu():
         assert other["temporaries_bytes"] > planned
 
 
-@pytest.mark.parametrize("batching", ["continuous", "static"])
-def test_a_multi_turn_plan_holds_what_its_generator_holds_per_row(batching):
-    """Episodes: a slot of the engine holds its whole episode (the first observation's
-    columns and max_episode_tokens more); a static wave's row one turn after the context."""
-    overrides = [*LONG, "mesh.data=1", f"sampler.batching={batching}", "sampler.slots=16"]
+def test_a_multi_turn_plan_on_the_slot_engine_holds_whole_episodes_per_slot():
+    """Episodes on the engine: a slot holds its whole episode (the first observation's
+    columns and max_episode_tokens more), not one turn after it as a static wave's row, and
+    the parked rows beside the slots are planned too."""
+    overrides = [*LONG, "mesh.data=1", "sampler.batching=continuous", "sampler.slots=16"]
     overrides += ["task.max_turns=3", "task.max_episode_tokens=96", "task.turn_tokens=16"]
     cfg = load_config(TINY, overrides)
     m = cfg.model
-    columns = 96 + (96 if batching == "continuous" else 16)
     per_column = (
         2 * m.num_layers * m.num_kv_heads * m.resolved_head_dim * np.dtype(m.dtype).itemsize
     )
-    assert plan(cfg)["generate"]["kv_cache_bytes"] == 16 * columns * per_column
+    gen = plan(cfg)["generate"]
+    assert gen["kv_cache_bytes"] == 16 * (96 + 96) * per_column
+    # Parked rows (sampler.parked_rows -1: as many as the slots) hold as much again.
+    assert gen["parked_rows"] == 16 and gen["parked_rows_bytes"] == gen["decode_state_bytes"]

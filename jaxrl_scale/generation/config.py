@@ -73,6 +73,10 @@ class SamplerConfig:
     # generator's batch shards, each until its longest row ends.
     slots: int = 0
     admit_every: int = 8  # continuous: decode steps between reads of the done flags
+    # Multi-turn episodes on the slot engine: rows of cache memory (not decoded) where an
+    # episode waiting for its environment waits, its slot taken by another (-1: as many as
+    # `slots`; 0: none, a waiting episode keeps its slot).
+    parked_rows: int = -1
 
     def __post_init__(self):
         require(self.max_new_tokens >= 1, "sampler.max_new_tokens", "must be >= 1")
@@ -88,6 +92,7 @@ class SamplerConfig:
         require(self.chunk_size >= 0, "sampler.chunk_size", "must be >= 0")
         require(self.slots >= 0, "sampler.slots", "must be >= 0 (0: one batch's rows)")
         require(self.admit_every >= 1, "sampler.admit_every", "must be >= 1")
+        require(self.parked_rows >= -1, "sampler.parked_rows", "must be >= -1 (-1: = slots)")
         if self.interruption is not None:
             i = self.interruption
             # The text is at least one token; the trainer re-checks with its tokenized length.

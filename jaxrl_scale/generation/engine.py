@@ -311,6 +311,20 @@ def _resume(state: DecodeState, idx, given, n_given, limit, *, mesh):
     return jax.lax.with_sharding_constraint(out, _slot_shardings(out, mesh))
 
 
+@functools.partial(jax.jit, static_argnames=("mesh",), donate_argnames=("dst",))
+def _copy_rows(dst: DecodeState, src: DecodeState, to, take, *, mesh):
+    """Rows `take` of `src` (cache, buffers, counters: everything a row has) into rows `to`
+    of `dst` (an index past its last row: nobody); the step counter and key stay `dst`'s."""
+
+    def one(d, s):
+        return d if d.ndim == 0 else d.at[to].set(s[take], mode="drop")
+
+    out = dataclasses.replace(jax.tree.map(one, dst, src), step=dst.step, key=dst.key)
+    if mesh is None:
+        return out
+    return jax.lax.with_sharding_constraint(out, _slot_shardings(out, mesh))
+
+
 @jax.jit
 def _take_rows(state: DecodeState, idx):
     """The output fields of rows `idx`, gathered on device (only they cross to the host)."""
@@ -347,16 +361,31 @@ class SlotEngine:
         key=None,
         mesh: jax.sharding.Mesh | None = None,
         episodes: bool = False,
+        parked_rows: int = 0,
     ):
         check_slots(slots, repeat, mesh)
         if episodes and interruption is not None:
             raise ValueError("a slot engine running episodes takes no thinking interruption")
-        # Episodes: a row whose turn ended stays on its slot, parked, until `resume` gives
-        # it the observation to go on from or `release` frees it.
+        if parked_rows and (not episodes or parked_rows % batch_ways(mesh)):
+            raise ValueError(f"parked_rows: {parked_rows} needs episodes and must split over "
+                             f"the {batch_ways(mesh)} batch shards")  # fmt: skip
+        # Episodes: a row whose turn ended is parked, on its slot (`parked`) or, when its
+        # slot is wanted, moved to a row of `parking` (`stored`), until `resume` gives it
+        # the observation to go on from (back on a slot) or `release` ends it.
         self.episodes = episodes
-        self.parked: set[int] = set()
-        self.slot_of: dict[tuple[int, int], int] = {}
-        self.resumes: list[tuple[int, np.ndarray, int]] = []  # (slot, tokens, limit), queued
+        # Slots whose row waits -> the run that parked it; rows move to parking only once
+        # they have waited a whole run (an answer that comes within one finds its slot).
+        self.parked: dict[int, int] = {}
+        self.runs = 0
+        self.slot_of: dict[tuple[int, int], int] = {}  # (request, row) -> slot, on a slot
+        self.stored: dict[tuple[int, int], int] = {}  # (request, row) -> parking row
+        self.free_parking = list(range(parked_rows))
+        # Resumes asked for, applied by the next runs: ((request, row), tokens, limit).
+        self.resumes: list[tuple[tuple[int, int], np.ndarray, int]] = []
+        self.moves = 0  # rows moved between slots and parking (each way counts)
+        # Decode steps taken, and slot-steps of them that had a row decoding (a row that
+        # ends mid-run counts to the run's end): occupancy = slot_steps / (slots x steps).
+        self.steps, self.slot_steps, self._dispatched = 0, 0, 0
         self.ways = batch_ways(mesh)  # batch shards: each admits into its own slots
         self.graphdef, self.slots, self.repeat, self.mesh = graphdef, slots, repeat, mesh
         self.prompt_len, self.n_new, self.pad_id = prompt_len, n_new, pad_id
@@ -378,12 +407,17 @@ class SlotEngine:
         self.occupant: list[tuple[int, int] | None] = [None] * slots
         self.prompts: dict[int, list] = {}
         self.admissions = 0
-        empty = functools.partial(_empty_state, model_cfg, slots, prompt_len, n_new, pad_id)
-        if mesh is None:
-            self.state = empty(decode_key)
-        else:  # the slots split over the mesh's batch axes, like a batch's rows; made in place
+
+        def make(rows):
+            empty = functools.partial(_empty_state, model_cfg, rows, prompt_len, n_new, pad_id)
+            if mesh is None:
+                return empty(decode_key)
+            # The rows split over the mesh's batch axes, like a batch's rows; made in place.
             shardings = _slot_shardings(jax.eval_shape(empty, decode_key), mesh)
-            self.state = jax.jit(empty, out_shardings=shardings)(decode_key)
+            return jax.jit(empty, out_shardings=shardings)(decode_key)
+
+        self.state = make(slots)
+        self.parking = make(parked_rows) if parked_rows else None
 
     # ------------------------------------------------------------------ queue
 
@@ -427,60 +461,142 @@ class SlotEngine:
 
     @property
     def decoding(self) -> int:
-        """Slots whose row decodes, has finished and is not yet handed back, or has a resume
-        queued: occupied and not parked."""
+        """Slots whose row decodes, or has finished and is not yet handed back."""
         return self.busy - len(self.parked)
 
     def can_admit(self, version: int) -> bool:
-        """Whether a run with `version` would admit the next waiting prompt."""
-        if not self.waiting or self.slots - self.busy < self.repeat:
+        """Whether a run with `version` would admit the next waiting prompt (making room by
+        moving parked rows to parking)."""
+        if not self.waiting:
             return False
         not_before = self.waiting[0][4]
-        return not_before is None or version >= not_before
+        if not_before is not None and version < not_before:
+            return False
+        return self.slots - self.busy + self._movable() >= self.repeat
+
+    def would_run(self, version: int) -> bool:
+        """Whether a run with `version` would decode anything: a row decoding, a resume it
+        can place, or a prompt it can admit."""
+        if self.decoding or self.can_admit(version):
+            return True
+        room = self.slots - self.busy + self._movable()
+        return any(key in self.slot_of or room for key, _, _ in self.resumes)
 
     # ------------------------------------------------------------------ episodes
 
     def resume(self, request: int, row: int, tokens: Sequence[int], limit: int) -> None:
-        """A parked row goes on at the next `run`: `tokens` (an observation, may be empty)
-        are fed into its cache as given, then it samples until completion column `limit`
-        (exclusive; at most n_new) or its end-of-sequence, and is handed back again."""
-        slot = self.slot_of[(request, row)]
-        if slot not in self.parked:
+        """A parked row goes on (at the next run that has a slot for it): `tokens` (an
+        observation, may be empty) are fed into its cache as given, then it samples until
+        completion column `limit` (exclusive; at most n_new) or its end-of-sequence, and is
+        handed back again."""
+        key = (request, row)
+        if not (key in self.stored or self.slot_of.get(key) in self.parked):
             raise ValueError(f"request {request} row {row} is not parked")
-        tokens = np.asarray(tokens, np.int32)
+        if any(k == key for k, _, _ in self.resumes):
+            raise ValueError(f"request {request} row {row} was already resumed")
         if not 0 < limit <= self.n_new:
             raise ValueError(f"limit must be in [1, {self.n_new}], got {limit}")
-        self.parked.discard(slot)
-        self.resumes.append((slot, tokens, int(limit)))
+        self.resumes.append((key, np.asarray(tokens, np.int32), int(limit)))
 
     def release(self, request: int, row: int) -> None:
-        """A parked row's episode is over: its slot is free for the next prompt."""
-        slot = self.slot_of.pop((request, row))
-        if slot not in self.parked:
+        """A parked row's episode is over: its slot (or parking row) is free."""
+        key = (request, row)
+        if key in self.stored:
+            self.free_parking.append(self.stored.pop(key))
+        elif self.slot_of.get(key) in self.parked:
+            slot = self.slot_of.pop(key)
+            self.parked.pop(slot)
+            self.occupant[slot] = None
+        else:
             raise ValueError(f"request {request} row {row} is not parked")
-        self.parked.discard(slot)
-        self.occupant[slot] = None
         entry = self.prompts[request]
         entry[2] -= 1
         if not entry[2]:
             del self.prompts[request]
 
+    def _movable(self) -> int:
+        """Parked rows that could leave their slots for parking now."""
+        return min(len(self._waiting_long()), len(self.free_parking))
+
+    def _waiting_long(self) -> list[int]:
+        """Parked slots, not resumed, whose row has waited since before this run."""
+        resuming = {key for key, _, _ in self.resumes}
+        return [s for s, at in sorted(self.parked.items())
+                if at < self.runs and self.occupant[s] not in resuming]  # fmt: skip
+
+    def _copy(self, to_parking: bool, pairs: list[tuple[int, int]]) -> None:
+        """Rows (slot, parking row) copied from the slots to parking or back."""
+        m = _bucket(len(pairs), max(self.slots, self.parking.done.shape[0]))
+        pad = [(self.slots, self.parking.done.shape[0])] * (m - len(pairs))
+        slots, rows = (np.asarray(x, np.int32) for x in zip(*(pairs + pad), strict=True))
+        if to_parking:
+            self.parking = _copy_rows(self.parking, self.state, *map(self._put, (rows, slots)),
+                                      mesh=self.mesh)  # fmt: skip
+        else:
+            self.state = _copy_rows(self.state, self.parking, *map(self._put, (slots, rows)),
+                                    mesh=self.mesh)  # fmt: skip
+        self.moves += len(pairs)
+
+    def _make_room(self, version: int) -> None:
+        """Move parked rows to parking while slots are wanted: for resumes of stored rows
+        and for prompts a run could admit."""
+        if self.parking is None:
+            return
+        wanted = sum(key in self.stored for key, _, _ in self.resumes)
+        if self.waiting and (self.waiting[0][4] is None or version >= self.waiting[0][4]):
+            wanted += self.repeat * len(self.waiting)
+        short = min(wanted - (self.slots - self.busy), self._movable())
+        if short <= 0:
+            return
+        pairs = []
+        for slot in self._waiting_long():
+            key = self.occupant[slot]
+            row = self.free_parking.pop()
+            pairs.append((slot, row))
+            self.parked.pop(slot)
+            self.occupant[slot] = None
+            del self.slot_of[key]
+            self.stored[key] = row
+            if len(pairs) == short:
+                break
+        self._copy(True, pairs)
+
     def _apply_resumes(self) -> None:
+        """Resumed rows go on: on their slots, or from parking into free slots (those that
+        find none wait for the next run)."""
         if not self.resumes:
             return
-        m = _bucket(len(self.resumes), self.slots)
-        width = _bucket(max(max(len(t) for _, t, _ in self.resumes), 1), self.n_new)
+        free = [i for i, o in enumerate(self.occupant) if o is None]
+        back, go, later = [], [], []
+        for key, tokens, limit in self.resumes:
+            if key in self.stored:
+                if not free:
+                    later.append((key, tokens, limit))
+                    continue
+                slot = free.pop(0)
+                row = self.stored.pop(key)
+                self.free_parking.append(row)
+                back.append((slot, row))
+                self.occupant[slot], self.slot_of[key] = key, slot
+            else:
+                slot = self.slot_of[key]
+                self.parked.pop(slot)
+            go.append((slot, tokens, limit))
+        self.resumes = later
+        if back:
+            self._copy(False, back)
+        if not go:
+            return
+        m = _bucket(len(go), self.slots)
+        width = _bucket(max(max(len(t) for _, t, _ in go), 1), self.n_new)
         idx = np.full(m, self.slots, np.int32)  # past the last slot: nobody
         given = np.full((m, width), self.pad_id, np.int32)
         n_given, limit = np.zeros(m, np.int32), np.zeros(m, np.int32)
-        for j, (slot, tokens, end) in enumerate(self.resumes):
+        for j, (slot, tokens, end) in enumerate(go):
             idx[j], n_given[j], limit[j] = slot, len(tokens), end
             given[j, : len(tokens)] = tokens
-        self.resumes = []
         self.state = _resume(self.state, *(self._put(x) for x in (idx, given, n_given, limit)),
                              mesh=self.mesh)  # fmt: skip
-
-    # ------------------------------------------------------------------ steps
 
     def _put(self, host: np.ndarray, rows: bool = False) -> np.ndarray | jax.Array:
         """A host array, the same on every process, as an input of the engine's programs:
@@ -546,6 +662,9 @@ class SlotEngine:
         """Free the slots whose rows have finished and start gathering those rows on the
         device; `_hand_back` reads them. Reading the done flags waits for the last decode."""
         done = distributed.to_host(self.state.done)
+        step = int(distributed.to_host(self.state.step))
+        self.slot_steps += self._dispatched * (step - self.steps)
+        self.steps = step
         slots = [
             i for i, o in enumerate(self.occupant)
             if o is not None and done[i] and i not in self.parked
@@ -558,7 +677,7 @@ class SlotEngine:
         owners = [self.occupant[i] for i in slots]
         for i in slots:
             if self.episodes:  # the turn is handed back, the row stays
-                self.parked.add(i)
+                self.parked[i] = self.runs
             else:
                 self.occupant[i] = None
         return owners, rows
@@ -592,9 +711,12 @@ class SlotEngine:
         with `params` (tokens tagged `version`), and return the rows freed: those that
         finished by the previous call's last step. One read of the done flags per call; the
         finished rows cross to the host while this call's steps run."""
-        self._apply_resumes()  # first: a resumed row is no longer done when flags are read
-        collected = self._collect()
+        self.runs += 1
+        collected = self._collect()  # (parked rows' done flags are not read again)
+        self._make_room(version)
+        self._apply_resumes()
         self._admit_waiting(params, version)
+        self._dispatched = self.decoding
         if self.decoding:
             self.state = decode(
                 self.graphdef, params, self.state, jnp.int32(version), steps, **self.static

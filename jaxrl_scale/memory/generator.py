@@ -111,6 +111,14 @@ def generate_memory(
         out["held_parameters_bytes"] = copies * out["parameters_bytes"] if copy else 0
     out["per_device_bytes"] += (copies - 1) * out["update_bytes"]
     out["slots"] = slots
+    if cfg.batching == "continuous" and cfg.task.max_turns > 1:
+        # Episodes waiting for their environments off a slot (rl/episodes.py): rows of
+        # the slots' state that no program decodes, held beside them.
+        parked = slots if cfg.sampler.parked_rows < 0 else cfg.sampler.parked_rows
+        if parked:
+            rows = abstract_slots(cfg.model, parked, prompt_len, cfg.sampler.max_new_tokens, mesh)
+            out["parked_rows"], out["parked_rows_bytes"] = parked, tree_bytes(rows)
+            out["per_device_bytes"] += out["parked_rows_bytes"]
     return out
 
 

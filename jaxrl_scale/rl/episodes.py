@@ -261,6 +261,8 @@ class EngineEpisodes:
         self.cfg, self.graphdef, self.tok, self.runner = cfg, graphdef, tok, runner
         self.mesh, self.slots, self.sampling = mesh, slots, sampling
         self.curriculum, self.examples = curriculum, examples
+        parked = cfg.sampler.parked_rows
+        self.parked_rows = slots if parked < 0 else parked
         self.engine: SlotEngine | None = None
         self.queued: list[_Batch] = []
         self.live: dict[int, Episode] = {}  # request -> episode, while it runs
@@ -277,7 +279,7 @@ class EngineEpisodes:
                 self.graphdef, slots=self.slots, prompt_len=-(-t.max_episode_tokens // 8) * 8,
                 n_new=t.max_episode_tokens, repeat=1, sampling=self.sampling,
                 eos_ids=self.tok.eos_ids, pad_id=self.tok.pad_id, model_cfg=cfg.model,
-                key=key, mesh=self.mesh, episodes=True,
+                key=key, mesh=self.mesh, episodes=True, parked_rows=self.parked_rows,
             )  # fmt: skip
         cursor = (self.curriculum.epoch, self.curriculum.position)
         indices = self.curriculum.next_batch(cfg.train.prompts_per_step)
@@ -362,10 +364,9 @@ class EngineEpisodes:
         while not all(ep.done for ep in batch.episodes):
             self._settle()
             engine = self.engine
-            # With nothing decoding, a run that would admit nothing waits for the envs
-            # instead (unless none is busy: then newer weights may release a held prompt).
-            admits = engine.can_admit(self.version) or (engine.pending and not self.calls)
-            if engine.decoding or admits:
+            # A run that would decode nothing waits for the environments instead (unless
+            # none is busy: then newer weights may release a held prompt).
+            if engine.would_run(self.version) or (engine.pending and not self.calls):
                 jax.block_until_ready(engine.state.done)  # as EngineBatches.next
                 self.version, params = params_for_chunk(chunk)
                 chunk += 1
