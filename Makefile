@@ -40,6 +40,7 @@ bench: $(VENV)/.installed-test
 	$(BIN)/python benchmarks/bench_mismatch.py --layers 4
 	$(BIN)/python benchmarks/bench_learning.py
 	$(BIN)/python benchmarks/bench_sandbox.py
+	$(BIN)/python benchmarks/bench_episode_engine.py
 	$(BIN)/python benchmarks/bench_demo.py
 
 lint: $(VENV)/.installed-test
