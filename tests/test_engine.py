@@ -414,7 +414,9 @@ def test_an_episode_goes_on_in_its_slot_as_a_static_prefill_of_its_context_would
         for f in engine.run(params, 0, 3):
             turns[f.request] = f
     assert engine.busy == 3 and engine.decoding == 0  # parked, not freed
-    observation = [[90, 91, 92], [93], []]  # an empty observation: the turn just goes on
+    # The first row to finish (parked while the others decode on) gets an empty
+    # observation: its next turn follows its own last token.
+    observation = [[], [93], [90, 91, 92]]
     for i, f in turns.items():
         assert f.length == 4 + i and (f.mask[: f.length] == 1).all()
         engine.resume(i, 0, observation[i], limit=f.length + len(observation[i]) + N_NEW)

@@ -472,14 +472,14 @@ class SlotEngine:
         not_before = self.waiting[0][4]
         if not_before is not None and version < not_before:
             return False
-        return self.slots - self.busy + self._movable() >= self.repeat
+        return self.slots - self.busy + self._movable(ahead=1) >= self.repeat
 
     def would_run(self, version: int) -> bool:
         """Whether a run with `version` would decode anything: a row decoding, a resume it
         can place, or a prompt it can admit."""
         if self.decoding or self.can_admit(version):
             return True
-        room = self.slots - self.busy + self._movable()
+        room = self.slots - self.busy + self._movable(ahead=1)
         return any(key in self.slot_of or room for key, _, _ in self.resumes)
 
     # ------------------------------------------------------------------ episodes
@@ -501,6 +501,8 @@ class SlotEngine:
     def release(self, request: int, row: int) -> None:
         """A parked row's episode is over: its slot (or parking row) is free."""
         key = (request, row)
+        if any(k == key for k, _, _ in self.resumes):
+            raise ValueError(f"request {request} row {row} was resumed, not released")
         if key in self.stored:
             self.free_parking.append(self.stored.pop(key))
         elif self.slot_of.get(key) in self.parked:
@@ -514,15 +516,16 @@ class SlotEngine:
         if not entry[2]:
             del self.prompts[request]
 
-    def _movable(self) -> int:
-        """Parked rows that could leave their slots for parking now."""
-        return min(len(self._waiting_long()), len(self.free_parking))
+    def _movable(self, ahead: int = 0) -> int:
+        """Parked rows that could leave their slots for parking in this run (`ahead` 1:
+        in the next one, asked between runs)."""
+        return min(len(self._waiting_long(ahead)), len(self.free_parking))
 
-    def _waiting_long(self) -> list[int]:
-        """Parked slots, not resumed, whose row has waited since before this run."""
+    def _waiting_long(self, ahead: int = 0) -> list[int]:
+        """Parked slots, not resumed, whose row has waited since before the run."""
         resuming = {key for key, _, _ in self.resumes}
         return [s for s, at in sorted(self.parked.items())
-                if at < self.runs and self.occupant[s] not in resuming]  # fmt: skip
+                if at < self.runs + ahead and self.occupant[s] not in resuming]  # fmt: skip
 
     def _copy(self, to_parking: bool, pairs: list[tuple[int, int]]) -> None:
         """Rows (slot, parking row) copied from the slots to parking or back."""
@@ -543,8 +546,10 @@ class SlotEngine:
         if self.parking is None:
             return
         wanted = sum(key in self.stored for key, _, _ in self.resumes)
-        if self.waiting and (self.waiting[0][4] is None or version >= self.waiting[0][4]):
-            wanted += self.repeat * len(self.waiting)
+        for *_, not_before in self.waiting:  # the prompts a run could admit, in order
+            if not_before is not None and version < not_before:
+                break
+            wanted += self.repeat
         short = min(wanted - (self.slots - self.busy), self._movable())
         if short <= 0:
             return

@@ -358,7 +358,9 @@ def _decode_step(
             routes = routes.at[:, prompt_len + col].set(chosen)
     return DecodeState(
         cache=cache,
-        h_bd=h_btd[:, 0],
+        # A finished row keeps its last token's state (an episode's row resumed without an
+        # observation samples its next turn from it); a pad fed for it is masked out.
+        h_bd=jnp.where(active[:, None], h_btd[:, 0], s.h_bd),
         tokens=tokens,
         logp=logp,
         mask=mask,

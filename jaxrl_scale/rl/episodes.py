@@ -261,8 +261,8 @@ class EngineEpisodes:
         self.cfg, self.graphdef, self.tok, self.runner = cfg, graphdef, tok, runner
         self.mesh, self.slots, self.sampling = mesh, slots, sampling
         self.curriculum, self.examples = curriculum, examples
-        parked = cfg.sampler.parked_rows
-        self.parked_rows = slots if parked < 0 else parked
+        parked = cfg.sampler.parked_rows  # (single-turn tool episodes never wait)
+        self.parked_rows = 0 if cfg.task.max_turns == 1 else slots if parked < 0 else parked
         self.engine: SlotEngine | None = None
         self.queued: list[_Batch] = []
         self.live: dict[int, Episode] = {}  # request -> episode, while it runs
@@ -313,8 +313,9 @@ class EngineEpisodes:
             if kind == "open":
                 batch = self.batch_of.pop(request)
                 batch.opening -= 1
-                if why is not None:
-                    self.runner.fail(ep, f"reset: {why}")
+                if why is not None:  # _open names make_env's failures itself
+                    kind = "" if why.startswith("EnvError: make_env:") else "reset: "
+                    self.runner.fail(ep, kind + why.removeprefix("EnvError: "))
                 else:
                     ep.env = value[0]
                     if self.runner.begin(ep, value[1]):
@@ -359,7 +360,11 @@ class EngineEpisodes:
         ahead = 2 if self.cfg.pipeline.mode == "pipeline_rl" else 1
         while len(self.queued) < ahead:
             self._submit(key, None if oldest is None else oldest + len(self.queued))
-        batch, chunk = self.queued[0], 0
+        batch = self.queued[0]
+        if self.engine.busy:  # its last run has ended before the next weights are asked for
+            jax.block_until_ready(self.engine.state.done)
+        self.version, params = params_for_chunk(0)  # what a held prompt is admitted by
+        chunk, fresh = 1, True
         waited = self.waited
         while not all(ep.done for ep in batch.episodes):
             self._settle()
@@ -367,9 +372,11 @@ class EngineEpisodes:
             # A run that would decode nothing waits for the environments instead (unless
             # none is busy: then newer weights may release a held prompt).
             if engine.would_run(self.version) or (engine.pending and not self.calls):
-                jax.block_until_ready(engine.state.done)  # as EngineBatches.next
-                self.version, params = params_for_chunk(chunk)
-                chunk += 1
+                if not fresh:
+                    jax.block_until_ready(engine.state.done)  # as EngineBatches.next
+                    self.version, params = params_for_chunk(chunk)
+                    chunk += 1
+                fresh = False
                 for row in engine.run(params, self.version, self.cfg.sampler.admit_every):
                     self._turn_ended(row)
             elif self.calls:  # every live row is at its environment
