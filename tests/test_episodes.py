@@ -22,7 +22,7 @@ from jaxrl_scale.rl.curriculum import Curriculum
 from jaxrl_scale.rl.episodes import EngineEpisodes, EpisodeRunner
 from jaxrl_scale.rl.generator import WaveGenerator
 from jaxrl_scale.rl.losses import policy_loss
-from jaxrl_scale.tasks.env import EnvRunner, GymText, Observations
+from jaxrl_scale.tasks.env import EnvError, EnvRunner, GymText, Observations, TextArena
 from jaxrl_scale.tasks.tools import ToolEnv, parse_calls, schema
 from jaxrl_scale.tasks.user import UserTask
 from jaxrl_scale.tasks.workers import WorkerPool
@@ -213,14 +213,17 @@ def _engine_and_waves(retry_env, *overrides, fail_on=None, slots=4):
     return engine, runner, task, params
 
 
-@pytest.mark.parametrize("parked_rows", [-1, 0])
-def test_episodes_on_the_slot_engine_equal_the_turn_by_turn_waves(retry_env, parked_rows):
+@pytest.mark.parametrize("parked_rows, prompt_tokens", [(-1, 0), (0, 2)])
+def test_episodes_on_the_slot_engine_equal_the_turn_by_turn_waves(
+    retry_env, parked_rows, prompt_tokens
+):
     """Greedy episodes (8 on 4 slots): the engine, which feeds each observation into the
     episode's cache (and moves episodes waiting for their environment off their slots to
-    parking rows and back), gives the tokens, masks, versions and rewards of the static path,
-    which prefills every turn's whole context; log-probs to float precision."""
+    parking rows and back; or, with 2 prompt columns, feeds the rest of each 4-token first
+    observation as given tokens too), gives the tokens, masks, versions and rewards of the
+    static path, which prefills every turn's whole context; log-probs to float precision."""
     engine, runner, task, params = _engine_and_waves(
-        retry_env, f"sampler.parked_rows={parked_rows}"
+        retry_env, f"sampler.parked_rows={parked_rows}", f"task.prompt_tokens={prompt_tokens}"
     )
     indices, ro, rewards, stats = engine.next(lambda chunk: (0, params), KEY, None)
     examples = [task.train_examples[i] for i in indices]
@@ -239,6 +242,8 @@ def test_episodes_on_the_slot_engine_equal_the_turn_by_turn_waves(retry_env, par
     assert len(set(ro.lengths.tolist())) > 1
     assert engine.engine.busy == 0 and not engine.live
     assert (engine.engine.moves > 0) == (parked_rows != 0)
+    # Prompt columns: the first batch's longest first observation ("3+3=") rounded up to 8.
+    assert engine.engine.prompt_len == (prompt_tokens or 8)
 
 
 def test_a_multi_turn_task_trains_in_pipeline_rl_on_the_slot_engine(retry_env, tmp_path):
@@ -423,6 +428,61 @@ def test_a_gym_style_environment_runs_as_an_episode():
     old = GymText(Old())
     assert old.reset() == "start" and old.step("go") == ("next", 0.5, False)
     assert old.step("stop") == (None, 0.5, True)
+
+
+class ArenaGuess:
+    """textarena's single-player API, as its 0.7 games behave: `get_observation` gives the
+    messages since the player's last turn as (sender, message, kind) triples, the player's own
+    action echoed among them (sender 0; the game is -1), and `close` the rewards per player."""
+
+    def __init__(self, transcript: bool = False):
+        self.transcript, self.log, self.pending = transcript, "", []
+
+    def reset(self, num_players, seed=None):
+        assert num_players == 1
+        self.target, self.done = seed % 20 + 1, False
+        self._say((-1, "Guess the number between 1 and 20, e.g. [5].", 0))
+
+    def _say(self, *messages):
+        self.pending += messages
+        self.log += "".join(f"\n{m[1]}" for m in messages)
+
+    def get_observation(self):
+        if self.transcript:  # a wrapped game: the whole transcript each time
+            return 0, self.log
+        out, self.pending = self.pending, []
+        return 0, out
+
+    def step(self, action):
+        guess = int(action.strip(" []"))
+        self._say((0, action, 2))
+        self.done = guess == self.target
+        if not self.done:
+            self._say((-1, "higher." if guess < self.target else "lower.", 4))
+        return self.done, {}
+
+    def close(self):
+        return {0: 1.0 if self.done else 0.0}, {0: {"reason": "closed"}}
+
+
+@pytest.mark.parametrize("transcript", [False, True])
+def test_a_textarena_game_runs_as_an_episode(transcript):
+    env = TextArena(ArenaGuess(transcript), seed=6)  # the number is 7
+    assert env.reset().strip() == "Guess the number between 1 and 20, e.g. [5]."
+    obs, reward, done = env.step("[3]")
+    # the game's answer only: the model's own action, echoed by the game, is not observed
+    assert (obs.strip(), reward, done) == (("[3]\n" if transcript else "") + "higher.", 0.0, False)
+    assert env.step("[9]")[0].strip().endswith("lower.") and "higher" not in env.step("[8]")[0]
+    assert env.step("[7]") == (None, 1.0, True)
+
+    class Broken(ArenaGuess):
+        def close(self):
+            return None, {}
+
+    broken = TextArena(Broken(), seed=0)
+    broken.reset()
+    with pytest.raises(EnvError, match="no reward for player 0"):
+        broken.step("[1]")
 
 
 @pytest.mark.parametrize("kind", ["cispo", "dapo", "gspo", "grpo"])

@@ -406,10 +406,11 @@ def _pre_lora_rows(tmp_path) -> dict:
 def test_rank_zero_reproduces_the_numbers_from_before_lora(tmp_path):
     """model.lora.rank = 0 is the code path from before LoRA existed: the same run's metrics
     as that commit's code gives on this machine (`_pre_lora_rows`). Counts (tokens sampled,
-    rows kept) are equal; floats agree to a relative 2e-3 (the two programs are not compiled
-    from identical HLO; measured here, 5e-5 on grad_norm). A stored copy of the rows from one
-    machine is not the reference: XLA's CPU code sums in other orders on other processors,
-    and a token sampled once more or less changes every later count."""
+    rows kept) are equal; floats agree to a relative 1e-2 (the two programs are not compiled
+    from identical HLO, and 40 warm-start steps amplify their rounding: measured 5e-5 on
+    grad_norm on an Intel Sapphire Rapids, 3e-3 on an AMD EPYC). A stored copy of the rows
+    from one machine is not the reference: XLA's CPU code sums in other orders on other
+    processors, and a token sampled once more or less changes every later count."""
     ref = _pre_lora_rows(tmp_path)
     # The reference trained padded steps (packing came later; auto may pack these batches).
     overrides = [*ref["overrides"], "model.lora.rank=0", "train.packing=false"]
@@ -419,7 +420,7 @@ def test_rank_zero_reproduces_the_numbers_from_before_lora(tmp_path):
         assert set(want) <= set(got)
         for key, value in want.items():
             if isinstance(value, float):
-                assert got[key] == pytest.approx(value, rel=2e-3, abs=2e-6), (want["step"], key)
+                assert got[key] == pytest.approx(value, rel=1e-2, abs=2e-6), (want["step"], key)
             else:
                 assert got[key] == value, (want["step"], key)
     assert any(r.get("grad_norm", 0) > 0 for r in rows)  # the run learned something

@@ -487,3 +487,6 @@ def test_a_multi_turn_plan_on_the_slot_engine_holds_whole_episodes_per_slot():
     assert gen["kv_cache_bytes"] == 16 * (96 + 96) * per_column
     # Parked rows (sampler.parked_rows -1: as many as the slots) hold as much again.
     assert gen["parked_rows"] == 16 and gen["parked_rows_bytes"] == gen["decode_state_bytes"]
+    # With the prompt columns set (a longer first observation fed as given), only those.
+    sized = plan(load_config(TINY, [*overrides, "task.prompt_tokens=12"]))["generate"]
+    assert sized["kv_cache_bytes"] == 16 * (12 + 96) * per_column

@@ -427,12 +427,16 @@ class SlotEngine:
         prompt: Sequence[int],
         max_new: int | None = None,
         not_before: int | None = None,
+        given: Sequence[int] = (),
     ) -> None:
         """Queue a prompt; its `repeat` rows are admitted together once that many slots are
         free. `request` is the caller's id, returned with each finished row; `max_new` caps
         this prompt's completions (at most the engine's n_new, the default); `not_before`
         holds it (and everything queued behind it) until a run's version is at least that,
-        so none of its tokens is older (the staleness bound of the step that trains it)."""
+        so none of its tokens is older (the staleness bound of the step that trains it).
+        `given` (episodes: the rest of a prompt longer than prompt_len) are the first tokens
+        of its completion columns, fed into the cache as given (mask 0, version -1) before
+        anything is sampled; they count in `max_new`."""
         if request in self.prompts:
             raise ValueError(f"request {request} was already submitted")
         max_new = self.n_new if max_new is None else int(max_new)
@@ -442,12 +446,17 @@ class SlotEngine:
             raise ValueError(f"request {request}: the prompt is empty")
         if len(prompt) > self.prompt_len:
             raise ValueError(f"prompt of {len(prompt)} tokens exceeds prompt_len {self.prompt_len}")
+        given = np.asarray(given, np.int32)
+        if len(given) and not self.episodes:
+            raise ValueError("given tokens after a prompt are for an engine of episodes")
+        if len(given) >= max_new:
+            raise ValueError(f"{len(given)} given tokens leave none of max_new = {max_new}")
         tokens = np.full(self.prompt_len, self.pad_id, np.int32)
         mask = np.zeros(self.prompt_len, bool)
         start = self.prompt_len - len(prompt)  # left-padded, as every prompt of the sampler
         tokens[start:], mask[start:] = prompt, True
         self.prompts[request] = [tokens, mask, self.repeat]  # rows not yet handed back
-        self.waiting.append((request, tokens, mask, max_new, not_before))
+        self.waiting.append((request, tokens, mask, max_new, not_before, given))
 
     @property
     def busy(self) -> int:
@@ -546,7 +555,7 @@ class SlotEngine:
         if self.parking is None:
             return
         wanted = sum(key in self.stored for key, _, _ in self.resumes)
-        for *_, not_before in self.waiting:  # the prompts a run could admit, in order
+        for *_, not_before, _ in self.waiting:  # the prompts a run could admit, in order
             if not_before is not None and version < not_before:
                 break
             wanted += self.repeat
@@ -590,6 +599,11 @@ class SlotEngine:
         self.resumes = later
         if back:
             self._copy(False, back)
+        self._feed(go)
+
+    def _feed(self, go: list[tuple[int, np.ndarray, int]]) -> None:
+        """Slots (slot, given tokens, limit) go on: the tokens fed as given from the row's
+        next completion column, then sampling until column `limit`."""
         if not go:
             return
         m = _bucket(len(go), self.slots)
@@ -632,9 +646,12 @@ class SlotEngine:
         needed: list[list[int]] = [[] for _ in range(self.ways)]
         source = np.full(self.slots, -1, np.int32)
         budget = np.full(self.slots, self.n_new, np.int32)
-        for g, (request, _, _, max_new, _) in enumerate(groups):
+        given = []  # (slot, tokens, limit) of prompts with given tokens after them
+        for g, (request, _, _, max_new, _, after) in enumerate(groups):
             for r in range(self.repeat):
                 slot = free[g * self.repeat + r]
+                if len(after):
+                    given.append((slot, after, max_new))
                 shard = needed[slot // per_shard]
                 if not shard or shard[-1] != g:
                     shard.append(g)
@@ -662,6 +679,7 @@ class SlotEngine:
             interruption=self.interruption,
             mesh=self.mesh,
         )
+        self._feed(given)  # before any decode step samples in their rows
 
     def _collect(self):
         """Free the slots whose rows have finished and start gathering those rows on the

@@ -82,7 +82,8 @@ def plan(
         # Multi-turn episodes (task.max_turns > 1, rl/episodes.py): the train step's rows
         # hold whole episodes (max_episode_tokens completion columns), and each turn decodes
         # turn_tokens after a context of up to the episode's budget; on the slot engine a
-        # slot holds its whole episode (max_episode_tokens completion columns too).
+        # slot holds its whole episode (max_episode_tokens completion columns too) after
+        # task.prompt_tokens prompt columns (0, sized at run time: at most the budget).
         train_cfg, gen_prompt, gen_cfg = cfg, prompt_len, cfg
         if cfg.task.max_turns > 1:
             t, s = cfg.task, cfg.sampler
@@ -93,6 +94,7 @@ def plan(
             turn = t.turn_tokens or s.max_new_tokens
             if cfg.batching == "continuous":
                 turn = t.max_episode_tokens
+                gen_prompt = t.prompt_tokens or gen_prompt
             gen_cfg = dataclasses.replace(cfg, sampler=dataclasses.replace(s, max_new_tokens=turn))
         return {
             "train_step": train_step_memory(train_cfg, mesh, prompt_len),

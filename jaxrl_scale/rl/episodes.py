@@ -53,6 +53,7 @@ class Episode:
     truncated: bool = False
     error: str | None = None
     request: int = -1  # its row's id in a slot engine (EngineEpisodes)
+    shift: int = 0  # engine completion columns before `tokens` (the prompt's rest, given)
 
     def fail(self, why: str) -> None:
         self.error, self.done, self.reward = why, True, 0.0
@@ -272,15 +273,25 @@ class EngineEpisodes:
         self.version = -1  # of the last run
         self.waited = 0.0  # seconds with nothing to decode, every live row at its environment
 
-    def _submit(self, key, oldest: int | None) -> None:
+    def _build(self, first: _Batch) -> None:
+        """The engine, once the first batch's environments have opened: its prompt columns
+        `task.prompt_tokens`, or (0) the first batch's longest first observation rounded up
+        to 8; a longer first observation's rest is fed as given tokens in the completion
+        columns, which hold the episode's whole budget."""
         cfg, t = self.cfg, self.cfg.task
-        if self.engine is None:
-            self.engine = SlotEngine(
-                self.graphdef, slots=self.slots, prompt_len=-(-t.max_episode_tokens // 8) * 8,
-                n_new=t.max_episode_tokens, repeat=1, sampling=self.sampling,
-                eos_ids=self.tok.eos_ids, pad_id=self.tok.pad_id, model_cfg=cfg.model,
-                key=key, mesh=self.mesh, episodes=True, parked_rows=self.parked_rows,
-            )  # fmt: skip
+        longest = max([len(ep.prompt) for ep in first.episodes] + [1])
+        width = t.prompt_tokens or min(-(-longest // 8) * 8, t.max_episode_tokens)
+        self.engine = SlotEngine(
+            self.graphdef, slots=self.slots, prompt_len=width, n_new=t.max_episode_tokens,
+            repeat=1,
+            sampling=self.sampling, eos_ids=self.tok.eos_ids, pad_id=self.tok.pad_id,
+            model_cfg=cfg.model, key=self.key, mesh=self.mesh, episodes=True,
+            parked_rows=self.parked_rows,
+        )  # fmt: skip
+
+    def _submit(self, key, oldest: int | None) -> None:
+        cfg = self.cfg
+        self.key = key  # the engine's, when it is built
         cursor = (self.curriculum.epoch, self.curriculum.position)
         indices = self.curriculum.next_batch(cfg.train.prompts_per_step)
         batch = _Batch(indices, [], cursor, oldest, start=time.perf_counter())
@@ -298,9 +309,9 @@ class EngineEpisodes:
         self.queued.append(batch)
 
     def _limit(self, ep: Episode) -> int:
-        """The completion column the episode's next turn ends by."""
+        """The engine completion column the episode's next turn ends by."""
         budget = self.cfg.task.max_episode_tokens
-        return min(len(ep.tokens) + self.runner.turn_tokens, budget - len(ep.prompt))
+        return ep.shift + min(len(ep.tokens) + self.runner.turn_tokens, budget - len(ep.prompt))
 
     def _settle(self) -> None:
         """The environment calls that have ended: episodes queued, resumed or ended."""
@@ -328,18 +339,24 @@ class EngineEpisodes:
                     self.engine.resume(request, 0, ids, self._limit(ep))
             if ep.done:
                 del self.live[request]
+        if self.engine is None:
+            if self.queued[0].opening:
+                return
+            self._build(self.queued[0])
         for batch in self.queued:  # into the engine in batch order: none jumps a held one
             for request in batch.ready:
                 ep = self.live[request]
-                self.engine.submit(request, ep.prompt, max_new=self._limit(ep),
-                                   not_before=batch.not_before)  # fmt: skip
+                head = self.engine.prompt_len
+                ep.shift = max(len(ep.prompt) - head, 0)
+                self.engine.submit(request, ep.prompt[:head], max_new=self._limit(ep),
+                                   not_before=batch.not_before, given=ep.prompt[head:])  # fmt: skip
             batch.ready = []
             if batch.opening:
                 break
 
     def _turn_ended(self, row) -> None:
         ep = self.live[row.request]
-        start = len(ep.tokens)
+        start = ep.shift + len(ep.tokens)
         action = self.runner.end_turn(
             ep, row.tokens[start : row.length], row.mask[start : row.length],
             row.logp[start : row.length], row.versions[start : row.length], cut=False,
@@ -361,8 +378,8 @@ class EngineEpisodes:
         while len(self.queued) < ahead:
             self._submit(key, None if oldest is None else oldest + len(self.queued))
         batch = self.queued[0]
-        if self.engine.busy:  # its last run has ended before the next weights are asked for
-            jax.block_until_ready(self.engine.state.done)
+        if self.engine is not None and self.engine.busy:  # its last run has ended before
+            jax.block_until_ready(self.engine.state.done)  # the next weights are asked for
         self.version, params = params_for_chunk(0)  # what a held prompt is admitted by
         chunk, fresh = 1, True
         waited = self.waited
@@ -371,7 +388,10 @@ class EngineEpisodes:
             engine = self.engine
             # A run that would decode nothing waits for the environments instead (unless
             # none is busy: then newer weights may release a held prompt).
-            if engine.would_run(self.version) or (engine.pending and not self.calls):
+            # (No engine yet: the first batch's environments are opening, waited for below.)
+            if engine is not None and (
+                engine.would_run(self.version) or (engine.pending and not self.calls)
+            ):
                 if not fresh:
                     jax.block_until_ready(engine.state.done)  # as EngineBatches.next
                     self.version, params = params_for_chunk(chunk)

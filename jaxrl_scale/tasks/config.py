@@ -150,6 +150,10 @@ class TaskConfig:
     max_turns: int = 1
     max_episode_tokens: int = 1024
     turn_tokens: int = 0
+    # On the slot engine: the prompt columns of an episode's row (a longer first observation's
+    # rest is fed as given tokens into its completion columns); 0: the first batch's longest
+    # first observation, rounded up to 8.
+    prompt_tokens: int = 0
     env_workers: int = 16
     env_timeout: float = 60.0
     tool_timeout: float = 10.0  # seconds a tool call may take (tasks/tools.py)
@@ -192,6 +196,11 @@ class TaskConfig:
         require(self.max_turns >= 1, "task.max_turns", "must be >= 1")
         require(self.max_episode_tokens >= 2, "task.max_episode_tokens", "must be >= 2")
         require(self.turn_tokens >= 0, "task.turn_tokens", "must be >= 0")
+        require(
+            0 <= self.prompt_tokens < self.max_episode_tokens,
+            "task.prompt_tokens",
+            f"must be in [0, task.max_episode_tokens = {self.max_episode_tokens})",
+        )
         require(self.env_workers >= 1, "task.env_workers", "must be >= 1")
         require(self.env_timeout > 0, "task.env_timeout", "must be > 0")
         require(self.tool_timeout > 0, "task.tool_timeout", "must be > 0")

@@ -187,8 +187,8 @@ class Observations:
 
 
 class GymText:
-    """A Gymnasium-style text environment (textarena, skyrl-gym, GEM and others take this
-    shape) as an `Environment`: `reset(seed=...) -> (observation, info)` and `step(action) ->
+    """A Gymnasium-style text environment (GEM's and gymnasium's text games take this shape)
+    as an `Environment`: `reset(seed=...) -> (observation, info)` and `step(action) ->
     (observation, reward, terminated, truncated, info)`; gym's older `(observation, reward,
     done, info)` too. A task's `make_env` wraps one per episode:
 
@@ -216,3 +216,57 @@ class GymText:
         else:
             obs, reward, done, _ = out
         return (None if done else obs), float(reward), bool(done)
+
+
+class TextArena:
+    """A single-player textarena game as an `Environment` (textarena's own API: `reset(
+    num_players, seed)`, `get_observation() -> (player, observation)`, `step(action) -> (done,
+    info)`, `close() -> (rewards, info)` with the reward per player). A task's `make_env`:
+
+        def make_env(self, example):
+            return TextArena(textarena.make("GuessTheNumber-v0-raw"), seed=example["seed"])
+
+    Each observation is what the game said since the model's last turn: with a "-raw" game the
+    game's messages (the model's own action, which textarena echoes, left out); with a wrapped
+    game whose observation is the whole transcript so far, the part after the last one (the
+    echo of the action included, as the wrapper formats it). The
+    episode's reward is the game's reward for `player` at its end (0 at every other turn).
+    """
+
+    def __init__(self, env, *, seed: int | None = None, player: int = 0):
+        self.env, self.seed, self.player = env, seed, player
+        self._seen = ""
+
+    def _observation(self) -> str:
+        got = _call(self.env.get_observation)
+        if not isinstance(got, tuple) or len(got) != 2:
+            raise EnvError(f"textarena's get_observation returned {got!r:.120}")
+        obs = got[1]
+        if isinstance(obs, str):  # a whole transcript: its new part
+            new = obs[len(self._seen) :] if obs.startswith(self._seen) else obs
+            self._seen = obs
+            return new
+        if isinstance(obs, Sequence):  # raw: (sender, message, kind) triples
+            said = [m[1] for m in obs if isinstance(m, Sequence) and len(m) >= 2]
+            if len(said) != len(obs) or not all(isinstance(t, str) for t in said):
+                raise EnvError(f"textarena's observation is {obs!r:.120}")
+            return "\n".join(m[1] for m in obs if m[0] != self.player)
+        raise EnvError(f"textarena's observation is {obs!r:.120}")
+
+    def reset(self) -> Observation:
+        _call(lambda: self.env.reset(num_players=1, seed=self.seed))
+        return self._observation()
+
+    def step(self, action: str) -> tuple[Observation | None, float, bool]:
+        out = _call(self.env.step, action)
+        if not isinstance(out, tuple) or len(out) != 2:
+            raise EnvError(f"textarena's step returned {out!r:.120}, not (done, info)")
+        if not out[0]:
+            return self._observation(), 0.0, False
+        closed = _call(self.env.close)
+        rewards = closed[0] if isinstance(closed, tuple) else closed
+        if not isinstance(rewards, Mapping) or self.player not in rewards:
+            raise EnvError(
+                f"textarena's close gave no reward for player {self.player}: {closed!r:.120}"
+            )
+        return None, float(rewards[self.player]), True
