@@ -1,6 +1,7 @@
 """Multi-turn episodes with slow environments: the slot engine against turn-by-turn waves.
 
     python benchmarks/bench_episode_engine.py [--batches 3] [--slots 16] [--turn 32]
+        [--parked -1] [--admit-every 8]
 
 Episodes of 4 model turns of `--turn` tokens (an untrained model: every turn runs to its
 budget), each followed by an environment step that sleeps `delay` seconds and answers a
@@ -12,7 +13,8 @@ next batch queued behind on the engine), each first with instant environments, t
   - engine, no parking: a waiting episode keeps its slot (`sampler.parked_rows: 0`);
   - static waves: every live episode's next turn in waves of `--slots` rows, each turn's
     whole context prefilled, then every environment stepped (nothing decodes meanwhile).
-Prints per way: episodes/s, generated (model) tokens/s, the engine's slot occupancy (slot-
+Prints per way: episodes/s, generated (model) tokens/s (on the engine counting the turns
+sampled for batches not yet returned, see `in_flight`), the engine's slot occupancy (slot-
 steps that decoded or fed a token, of all slot-steps) and the ratio of tokens/s with slow
 environments to tokens/s with instant ones (the goal: above 0.8 on the engine).
 """
@@ -79,7 +81,7 @@ def setup(args, parked_rows: int):
         "model.hidden_size=256", "model.intermediate_size=512", "model.num_layers=4",
         "model.num_heads=4", "model.num_kv_heads=2", "mesh.data=1",
         "train.prompts_per_step=8", "train.group_size=4", f"sampler.slots={args.slots}",
-        f"sampler.parked_rows={parked_rows}", "sampler.admit_every=8",
+        f"sampler.parked_rows={parked_rows}", f"sampler.admit_every={args.admit_every}",
         f"task.max_turns={TURNS}", f"task.max_episode_tokens={budget}",
         f"task.turn_tokens={args.turn}", f"task.env_workers={4 * args.slots}",
         "pipeline.mode=pipeline_rl",
@@ -99,23 +101,35 @@ def setup(args, parked_rows: int):
     return cfg, task, params, runner, engine
 
 
+def in_flight(engine) -> int:
+    """Model tokens of the turns already handed back in batches not yet returned (the batch
+    queued behind decodes while the head batch's last episodes wait for their environments:
+    counting returned batches only would credit that work to whichever measurement returns
+    them)."""
+    return int(sum(sum(ep.mask) for batch in engine.queued for ep in batch.episodes))
+
+
 def measure_engine(args, engine, params, batches: int) -> dict:
     key = jax.random.key(0)
     e = engine.engine
     steps0, slot_steps0 = (0, 0) if e is None else (e.steps, e.slot_steps)
+    waited0 = engine.waited
     start = time.perf_counter()
-    episodes = sampled = 0
+    episodes, sampled = 0, -in_flight(engine)
     for b in range(batches):
         _, ro, _, _ = engine.next(lambda chunk: (0, params), jax.random.fold_in(key, b), None)
         sampled += int(ro.completion_mask.sum())
         episodes += ro.lengths.shape[0]
     seconds = time.perf_counter() - start
+    sampled += in_flight(engine)
     steps = engine.engine.steps - steps0
     return {
         "episodes_per_s": episodes / seconds,
         "tokens_per_s": sampled / seconds,
         "occupancy": (engine.engine.slot_steps - slot_steps0) / max(steps * args.slots, 1),
         "seconds_per_step": seconds / max(steps, 1),
+        "waited": (engine.waited - waited0) / seconds,  # nothing to decode: all at their envs
+        "decoding_s_per_step": (seconds - engine.waited + waited0) / max(steps, 1),
     }
 
 
@@ -140,10 +154,11 @@ def main() -> None:
     parser.add_argument("--slots", type=int, default=16)
     parser.add_argument("--turn", type=int, default=32)
     parser.add_argument("--parked", type=int, default=-1, help="sampler.parked_rows")
+    parser.add_argument("--admit-every", type=int, default=8, help="sampler.admit_every")
     args = parser.parse_args()
     print(f"jax {jax.__version__} on {jax.devices()[0].platform}; {args.slots} slots, "
           f"{args.parked} parked rows, {TURNS} turns of {args.turn} tokens, 32 episodes a "
-          f"batch, {args.batches} batches")  # fmt: skip
+          f"batch, {args.batches} batches, engine runs of {args.admit_every} steps")  # fmt: skip
     results, delay = {}, None
     for name, parked in (("engine", args.parked), ("engine, no parking", 0)):
         cfg, task, params, runner, engine = setup(args, parked)
@@ -156,6 +171,9 @@ def main() -> None:
         slow = measure_engine(args, engine, params, args.batches)
         task.delay = 0.0
         results[name] = (fast, slow)
+        print(f"{name}: share of time with nothing to decode fast/slow env "
+              f"{fast['waited']:.2f}/{slow['waited']:.2f}; seconds per step otherwise "
+              f"{fast['decoding_s_per_step'] * 1e3:.2f}/{slow['decoding_s_per_step'] * 1e3:.2f} ms")
     cfg, task, params, runner, _ = setup(args, 0)
     measure_static(cfg, task, params, runner, 1)  # compiles
     fast = measure_static(cfg, task, params, runner, args.batches)

@@ -1,16 +1,27 @@
-"""Does RL learn from feedback over turns? Integer sums where a wrong answer is told so.
+"""Does RL learn from an environment's feedback over turns? Two games for the tiny model.
 
-    python benchmarks/bench_multiturn.py [--steps 100] [--seeds 0] [--batching static]
+    python benchmarks/bench_multiturn.py [--game sums] [--steps 100] [--seeds 0]
+        [--batching static] [--lr 3e-4]
 
-The tiny arithmetic model (configs/tiny_arithmetic.yaml) on 1-2 digit sums as a multi-turn
-task: the prompt is "37+48=", a right answer ends the episode with reward 1, a wrong one is
-answered with the direction of the error and the problem again (" < 37+48=": the sum is
-smaller than the guess) and gets another turn, up to 2. A supervised warm start on
-single-turn demonstrations whose last digit is wrong a third of the time, then CISPO on whole
-episodes. Held-out evaluation runs the same problems twice, as two domains of one mixture:
-"multi" (the retry allowed) and "single" (one turn: the same policy allowed one turn). Prints,
-per seed, both success rates after the warm start and at the end, and the second turn's
-success rate (episodes that took one).
+The tiny model of configs/tiny_arithmetic.yaml, a supervised warm start, then CISPO on whole
+episodes. Held-out evaluation runs the same problems several ways, as domains of one mixture
+evaluated with the same policy, and the script prints each one's success rate after the warm
+start and at the end.
+
+--game sums: 1-2 digit sums. The prompt is "37+48="; a right answer ends the episode with
+reward 1; a wrong one is answered with the direction of the error and the problem again
+(" < 37+48=": the sum is smaller than the guess; " ? 37+48=" for an answer that is not a
+number) and gets another turn, up to 2. The warm start: single-turn demonstrations whose last
+digit is wrong a third of the time (to demonstration loss 0.6). Domains: "multi" (the game as
+trained) and "single" (one turn: the same policy allowed one turn).
+
+--game guess: higher/lower guessing. Each episode hides a digit; the prompt is "=", the model
+answers a digit, a wrong guess is told which way the digit lies ("<=" / ">="; "?=" for an
+answer that is not a digit) and gets another turn, up to 4 (binary search finds any digit in
+4). The warm start teaches the answer's form only (a uniformly random digit, 100 steps).
+Domains: "feedback" (the game as trained), "blind" (4 turns, every wrong guess answered "?=":
+a policy that never repeats a guess finds the digit 40% of the time, one guessing at random
+34%) and "single" (one turn: 10% for any policy).
 """
 
 from __future__ import annotations
@@ -28,7 +39,8 @@ from jaxrl_scale.models.tokenizer import CharTokenizer
 from jaxrl_scale.train import train
 
 CONFIG = Path(__file__).resolve().parent.parent / "configs" / "tiny_arithmetic.yaml"
-ALPHABET = "0123456789+-*= <>"
+ALPHABET = "0123456789+-*= <>?"
+GUESSES = 4  # turns of the guessing game
 
 
 class Retry:
@@ -75,6 +87,48 @@ class Sums:
         return text
 
 
+class Guess:
+    """One game: find `example["digit"]` in up to `turns` guesses; `feedback` False answers
+    every wrong guess "?=" (the direction withheld)."""
+
+    def __init__(self, example: dict, turns: int, feedback: bool):
+        self.digit, self.turns, self.feedback, self.taken = example["digit"], turns, feedback, 0
+
+    def reset(self) -> str:
+        return "="
+
+    def step(self, action: str):
+        self.taken += 1
+        guess = action.strip()
+        if guess == str(self.digit):
+            return None, 1.0, True
+        if self.taken >= self.turns:
+            return None, 0.0, True
+        if not self.feedback or len(guess) != 1 or not guess.isdigit():
+            return "?=", 0.0, False
+        return ("<=" if self.digit < int(guess) else ">="), 0.0, False
+
+
+class Game:
+    name = "guess"
+
+    def __init__(self, turns: int, feedback: bool, n_train: int = 8192, n_eval: int = 200):
+        rng = np.random.default_rng(0)
+        # ("prompt": the warm start's, the same as `reset`'s)
+        self.train_examples = [
+            {"prompt": "=", "digit": int(d)} for d in rng.integers(0, 10, n_train)
+        ]
+        self.eval_examples = [{"prompt": "=", "digit": i % 10} for i in range(n_eval)]
+        self.tokenizer = CharTokenizer(ALPHABET)
+        self.turns, self.feedback = turns, feedback
+
+    def make_env(self, example: dict) -> Guess:
+        return Guess(example, self.turns, self.feedback)
+
+    def demonstration(self, example: dict, rng: np.random.Generator | None = None) -> str:
+        return str((rng or np.random.default_rng()).integers(10))  # the form, not the digit
+
+
 def multi() -> Sums:
     return Sums(turns=2)
 
@@ -83,47 +137,66 @@ def single() -> Sums:
     return Sums(turns=1)
 
 
-def run(seed: int, steps: int, batching: str) -> dict[str, float]:
+def feedback() -> Game:
+    return Game(GUESSES, feedback=True)
+
+
+def blind() -> Game:
+    return Game(GUESSES, feedback=False)
+
+
+def single_guess() -> Game:
+    return Game(1, feedback=True)
+
+
+GAMES = {  # domains (the first is trained on), and what the game's episodes need
+    "sums": (("multi", "single"), ["task.max_turns=2", "task.max_episode_tokens=32",
+                                   "warm_start.target_loss=0.6"]),
+    "guess": (("feedback", "blind", "single_guess"), [
+        f"task.max_turns={GUESSES}", "task.max_episode_tokens=16", "task.turn_tokens=3",
+        "warm_start.steps=100", "warm_start.target_loss=0",
+    ]),
+}  # fmt: skip
+
+
+def run(game: str, seed: int, steps: int, batching: str, lr: float) -> dict[str, float]:
     sys.path.insert(0, str(Path(__file__).resolve().parent))  # the components' module
+    domains, extra = GAMES[game]
+    mixture = ", ".join(
+        f"{{name: 'bench_multiturn:{d}', weight: {1 if i == 0 else 0.0001}}}"
+        for i, d in enumerate(domains)
+    )
     overrides = [
         f"seed={seed}", f"train.steps={steps}", "train.eval_every=25", "checkpoint.every=0",
-        "task.name=mixture", "task.mixture=[{name: 'bench_multiturn:multi', weight: 1}, "
-        "{name: 'bench_multiturn:single', weight: 0.0001}]", "task.num_train=0",
-        "task.max_turns=2", "task.max_episode_tokens=32", f"sampler.batching={batching}",
-        "train.prompts_per_step=32", "warm_start.target_loss=0.6",
+        "task.name=mixture", f"task.mixture=[{mixture}]", "task.num_train=0",
+        f"sampler.batching={batching}", "train.prompts_per_step=32",
+        f"optim.learning_rate={lr}", *extra,
     ]  # fmt: skip
     with tempfile.TemporaryDirectory() as out:
         start = time.perf_counter()
         rows = train(load_config(CONFIG, overrides), out)
         seconds = time.perf_counter() - start
     evals = [r for r in rows if "eval_pass_rate" in r]
-    first, last = evals[0], evals[-1]
-    return {
-        "multi_start": first["eval_pass_rate/multi"],
-        "single_start": first["eval_pass_rate/single"],
-        "multi_end": last["eval_pass_rate/multi"],
-        "single_end": last["eval_pass_rate/single"],
-        "turns_end": last["eval_turns_mean"],
-        "seconds": seconds,
-    }
+    out = {"seconds": seconds, "turns_end": evals[-1]["eval_turns_mean"]}
+    for d in domains:
+        out[d] = (evals[0][f"eval_pass_rate/{d}"], evals[-1][f"eval_pass_rate/{d}"])
+    return out
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--game", choices=sorted(GAMES), default="sums")
     parser.add_argument("--steps", type=int, default=100)
     parser.add_argument("--seeds", type=int, nargs="+", default=[0])
     parser.add_argument("--batching", choices=["static", "continuous"], default="static")
+    parser.add_argument("--lr", type=float, default=3e-4, help="optim.learning_rate")
     args = parser.parse_args()
-    print("seed  multi start -> end   single start -> end   2nd turn end  turns  seconds")
+    domains = GAMES[args.game][0]
+    print("seed  " + "".join(f"{d + ' start -> end':>24s}" for d in domains) + "   turns  seconds")
     for seed in args.seeds:
-        r = run(seed, args.steps, args.batching)
-        # the second turn's success: what multi adds over single, per episode that took one
-        second = (r["multi_end"] - r["single_end"]) / max(r["turns_end"] - 1, 1e-9)
-        print(
-            f"{seed:4d}  {r['multi_start']:.3f} -> {r['multi_end']:.3f}"
-            f"        {r['single_start']:.3f} -> {r['single_end']:.3f}"
-            f"        ~{second:.2f}     {r['turns_end']:.2f}  {r['seconds']:.0f}"
-        )
+        r = run(args.game, seed, args.steps, args.batching, args.lr)
+        cells = "".join(f"{r[d][0]:>15.3f} -> {r[d][1]:.3f}" for d in domains)
+        print(f"{seed:4d}  {cells}   {r['turns_end']:5.2f}  {r['seconds']:7.0f}")
 
 
 if __name__ == "__main__":
