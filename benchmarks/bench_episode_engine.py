@@ -171,9 +171,11 @@ def main() -> None:
         slow = measure_engine(args, engine, params, args.batches)
         task.delay = 0.0
         results[name] = (fast, slow)
-        print(f"{name}: share of time with nothing to decode fast/slow env "
-              f"{fast['waited']:.2f}/{slow['waited']:.2f}; seconds per step otherwise "
-              f"{fast['decoding_s_per_step'] * 1e3:.2f}/{slow['decoding_s_per_step'] * 1e3:.2f} ms")
+        print(
+            f"{name}: share of time with nothing to decode fast/slow env "
+            f"{fast['waited']:.2f}/{slow['waited']:.2f}; seconds per step otherwise "
+            f"{fast['decoding_s_per_step'] * 1e3:.2f}/{slow['decoding_s_per_step'] * 1e3:.2f} ms"
+        )
     cfg, task, params, runner, _ = setup(args, 0)
     measure_static(cfg, task, params, runner, 1)  # compiles
     fast = measure_static(cfg, task, params, runner, args.batches)
