@@ -264,7 +264,8 @@ class EngineEpisodes:
         self.curriculum, self.examples = curriculum, examples
         parked = cfg.sampler.parked_rows  # (single-turn tool episodes never wait)
         self.parked_rows = 0 if cfg.task.max_turns == 1 else slots if parked < 0 else parked
-        self.engine: SlotEngine | None = None
+        self.engine: SlotEngine | None = None  # built once the first batch has opened
+        self.key = None  # the engine's key: the first batches'
         self.queued: list[_Batch] = []
         self.live: dict[int, Episode] = {}  # request -> episode, while it runs
         self.calls: dict[cf.Future, tuple[int, str]] = {}  # env calls: (request, open | step)
@@ -283,15 +284,14 @@ class EngineEpisodes:
         width = t.prompt_tokens or min(-(-longest // 8) * 8, t.max_episode_tokens)
         self.engine = SlotEngine(
             self.graphdef, slots=self.slots, prompt_len=width, n_new=t.max_episode_tokens,
-            repeat=1,
-            sampling=self.sampling, eos_ids=self.tok.eos_ids, pad_id=self.tok.pad_id,
+            repeat=1, sampling=self.sampling, eos_ids=self.tok.eos_ids, pad_id=self.tok.pad_id,
             model_cfg=cfg.model, key=self.key, mesh=self.mesh, episodes=True,
             parked_rows=self.parked_rows,
         )  # fmt: skip
 
     def _submit(self, key, oldest: int | None) -> None:
         cfg = self.cfg
-        self.key = key  # the engine's, when it is built
+        self.key = key if self.key is None else self.key
         cursor = (self.curriculum.epoch, self.curriculum.position)
         indices = self.curriculum.next_batch(cfg.train.prompts_per_step)
         batch = _Batch(indices, [], cursor, oldest, start=time.perf_counter())
