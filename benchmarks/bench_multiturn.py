@@ -39,16 +39,17 @@ from jaxrl_scale.models.tokenizer import CharTokenizer
 from jaxrl_scale.train import train
 
 CONFIG = Path(__file__).resolve().parent.parent / "configs" / "tiny_arithmetic.yaml"
-ALPHABET = "0123456789+-*= <>?"
+ALPHABET = "0123456789+-*= <>?!"
 GUESSES = 4  # turns of the guessing game
 
 
 class Retry:
     """One episode: "a+b=", then up to `turns` answers; a wrong one is told which way it is
-    off (" > a+b=": the sum is larger; " ? a+b=" for an answer that is not a number)."""
+    off (" > a+b=": the sum is larger; " ? a+b=" for an answer that is not a number), or with
+    `reveal` shown the sum (" ! 85 a+b=")."""
 
-    def __init__(self, example: dict, turns: int):
-        self.example, self.turns, self.taken = example, turns, 0
+    def __init__(self, example: dict, turns: int, reveal: bool = False):
+        self.example, self.turns, self.reveal, self.taken = example, turns, reveal, 0
 
     def reset(self) -> str:
         return self.example["prompt"]
@@ -61,6 +62,8 @@ class Retry:
             return None, 1.0, True
         if self.taken >= self.turns:
             return None, 0.0, True
+        if self.reveal:
+            return f" ! {answer} {self.example['prompt']}", 0.0, False
         way = "?" if not guess.isdigit() else (">" if answer > int(guess) else "<")
         return f" {way} {self.example['prompt']}", 0.0, False
 
@@ -68,17 +71,17 @@ class Retry:
 class Sums:
     name = "sums"
 
-    def __init__(self, turns: int, n_eval: int = 256, seed: int = 0):
+    def __init__(self, turns: int, reveal: bool = False, n_eval: int = 256, seed: int = 0):
         rng = np.random.default_rng(seed)
         pairs = [(a, b) for a in range(100) for b in range(100)]
         order = rng.permutation(len(pairs))
         rows = [{"prompt": f"{a}+{b}=", "answer": a + b} for a, b in (pairs[i] for i in order)]
         self.eval_examples, self.train_examples = rows[:n_eval], rows[n_eval:]
         self.tokenizer = CharTokenizer(ALPHABET)
-        self.turns = turns
+        self.turns, self.reveal = turns, reveal
 
     def make_env(self, example: dict) -> Retry:
-        return Retry(example, self.turns)
+        return Retry(example, self.turns, self.reveal)
 
     def demonstration(self, example: dict, rng: np.random.Generator | None = None) -> str:
         text = str(example["answer"])
@@ -137,6 +140,10 @@ def single() -> Sums:
     return Sums(turns=1)
 
 
+def revealed() -> Sums:
+    return Sums(turns=2, reveal=True)
+
+
 def feedback() -> Game:
     return Game(GUESSES, feedback=True)
 
@@ -152,6 +159,8 @@ def single_guess() -> Game:
 GAMES = {  # domains (the first is trained on), and what the game's episodes need
     "sums": (("multi", "single"), ["task.max_turns=2", "task.max_episode_tokens=32",
                                    "warm_start.target_loss=0.6"]),
+    "reveal": (("revealed", "single"), ["task.max_turns=2", "task.max_episode_tokens=40",
+                                        "warm_start.target_loss=0.6"]),
     "guess": (("feedback", "blind", "single_guess"), [
         f"task.max_turns={GUESSES}", "task.max_episode_tokens=16", "task.turn_tokens=3",
         "warm_start.steps=100", "warm_start.target_loss=0",

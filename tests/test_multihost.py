@@ -49,7 +49,7 @@ def _env(devices, **extra):
     return env
 
 
-def _launch(out, steps, n=2, port=None, heartbeat=100):
+def _launch(out, steps, n=2, port=None, heartbeat=100, extra=()):
     port = port or _free_port()
     procs = []
     for i in range(n):
@@ -60,6 +60,8 @@ def _launch(out, steps, n=2, port=None, heartbeat=100):
             JAXRL_PROCESS_ID=str(i),
         )
         cmd = _train_cmd(out, steps) + ["--set", f"distributed.heartbeat_timeout={heartbeat}"]
+        for e in extra:
+            cmd += ["--set", e]
         procs.append(
             subprocess.Popen(
                 cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
@@ -74,24 +76,28 @@ def _params(run_dir):
 
 
 def test_two_processes_match_one_process_with_as_many_devices(tmp_path):
-    procs = _launch(tmp_path / "two", steps=3)
+    # Packed batches: every process packs the whole host batch (the same rows, in the same
+    # order) and places the rows its devices hold, so the run equals one 4-device process
+    # packing the same batch. (The unpacked step across processes: the pipeline_rl test.)
+    procs = _launch(tmp_path / "two", steps=3, extra=["train.packing=true"])
     outs = [p.communicate(timeout=300)[0] for p in procs]
     assert [p.returncode for p in procs] == [0, 0], outs[0][-3000:] + outs[1][-3000:]
-    single = subprocess.run(
-        _train_cmd(tmp_path / "one", 3), env=_env(4), capture_output=True, text=True, timeout=300
-    )
+    cmd = _train_cmd(tmp_path / "one", 3) + ["--set", "train.packing=true"]
+    single = subprocess.run(cmd, env=_env(4), capture_output=True, text=True, timeout=300)
     assert single.returncode == 0, single.stderr[-3000:]
     # Process 0 alone wrote the metrics; they agree with the single process's.
     two, one = read_metrics(tmp_path / "two"), read_metrics(tmp_path / "one")
     assert [r["step"] for r in two] == [0, 1, 2, 3]
     for a, b in zip(two, one, strict=True):
-        for key in ("reward_mean", "eval_pass_rate", "loss"):
+        for key in ("reward_mean", "eval_pass_rate", "loss", "grad_norm", "kept_tokens"):
             if key in b:
                 assert a[key] == pytest.approx(b[key], abs=1e-6), key
+    for a, b in zip(two[1:], one[1:], strict=True):
+        assert a["train_packed"] == 1 and a["train_positions"] == b["train_positions"]
     for a, b in zip(_params(tmp_path / "two"), _params(tmp_path / "one"), strict=True):
         np.testing.assert_allclose(a, b, rtol=0, atol=1e-6)
     # The 2-process checkpoint restores here (8 devices, one process), resharded, and goes on.
-    cfg = load_config(TINY, [*SETTINGS, "train.steps=5"])
+    cfg = load_config(TINY, [*SETTINGS, "train.steps=5", "train.packing=true"])
     run = setup(cfg, tmp_path / "two")
     assert run.start.step == 3
     rows = train_run(run)
@@ -168,24 +174,6 @@ def test_pipeline_rl_across_processes_splits_generator_and_trainer_devices(tmp_p
             if key in b:
                 assert a[key] == pytest.approx(b[key], abs=1e-6), key
     assert two[-1]["policy_version"] == one[-1]["policy_version"] == 4
-    for a, b in zip(_params(tmp_path / "two"), _params(tmp_path / "one"), strict=True):
-        np.testing.assert_allclose(a, b, rtol=0, atol=1e-6)
-
-
-def test_two_processes_train_packed_batches_like_one_process(tmp_path):
-    # Every process packs the whole host batch (the same rows, in the same order) and places
-    # the rows its devices hold: the run equals one 4-device process packing the same batch.
-    codes, outs = _run_two(tmp_path / "two", 2, "train.packing=true")
-    assert codes == [0, 0], outs[0][-3000:] + outs[1][-3000:]
-    cmd = _train_cmd(tmp_path / "one", 2) + ["--set", "train.packing=true"]
-    single = subprocess.run(cmd, env=_env(4), capture_output=True, text=True, timeout=300)
-    assert single.returncode == 0, single.stderr[-3000:]
-    two, one = read_metrics(tmp_path / "two"), read_metrics(tmp_path / "one")
-    assert [r["step"] for r in two] == [0, 1, 2]
-    for a, b in zip(two[1:], one[1:], strict=True):
-        assert a["train_packed"] == 1 and a["train_positions"] == b["train_positions"]
-        for key in ("reward_mean", "loss", "grad_norm", "kept_tokens"):
-            assert a[key] == pytest.approx(b[key], abs=1e-6), key
     for a, b in zip(_params(tmp_path / "two"), _params(tmp_path / "one"), strict=True):
         np.testing.assert_allclose(a, b, rtol=0, atol=1e-6)
 
