@@ -68,6 +68,16 @@ class Retry:
         return f" {way} {self.example['prompt']}", 0.0, False
 
 
+class Transcripts(CharTokenizer):
+    """The alphabet, with "|" read as <eos>: where a demonstration's turn ends."""
+
+    def encode(self, text: str) -> list[int]:
+        ids: list[int] = []
+        for i, part in enumerate(text.split("|")):
+            ids += ([self.eos_ids[0]] if i else []) + super().encode(part)
+        return ids
+
+
 class Sums:
     name = "sums"
 
@@ -77,15 +87,26 @@ class Sums:
         order = rng.permutation(len(pairs))
         rows = [{"prompt": f"{a}+{b}=", "answer": a + b} for a, b in (pairs[i] for i in order)]
         self.eval_examples, self.train_examples = rows[:n_eval], rows[n_eval:]
-        self.tokenizer = CharTokenizer(ALPHABET)
+        self.tokenizer = Transcripts(ALPHABET)
         self.turns, self.reveal = turns, reveal
 
     def make_env(self, example: dict) -> Retry:
         return Retry(example, self.turns, self.reveal)
 
     def demonstration(self, example: dict, rng: np.random.Generator | None = None) -> str:
+        """An answer unsure of its last digit (wrong a third of the time); in the game of
+        several turns, a wrong one is followed by the game's answer and a second answer drawn
+        the same way (the form of a second turn, not the use of the feedback)."""
+        text = self.answer(example, rng)
+        if self.turns > 1 and text != str(example["answer"]):
+            feedback = Retry(example, self.turns, self.reveal).step(text)[0]
+            text += "|" + feedback + self.answer(example, rng)
+        return text
+
+    @staticmethod
+    def answer(example: dict, rng: np.random.Generator | None) -> str:
         text = str(example["answer"])
-        if rng is not None and rng.random() < 1 / 3:  # unsure of its last digit
+        if rng is not None and rng.random() < 1 / 3:
             text = text[:-1] + str((int(text[-1]) + int(rng.choice([-1, 1]))) % 10)
         return text
 
@@ -158,7 +179,7 @@ def single_guess() -> Game:
 
 GAMES = {  # domains (the first is trained on), and what the game's episodes need
     "sums": (("multi", "single"), ["task.max_turns=2", "task.max_episode_tokens=32",
-                                   "warm_start.target_loss=0.6"]),
+                                   "warm_start.target_loss=0.35"]),
     "reveal": (("revealed", "single"), ["task.max_turns=2", "task.max_episode_tokens=40",
                                         "warm_start.target_loss=0.6"]),
     "guess": (("feedback", "blind", "single_guess"), [
@@ -168,7 +189,9 @@ GAMES = {  # domains (the first is trained on), and what the game's episodes nee
 }  # fmt: skip
 
 
-def run(game: str, seed: int, steps: int, batching: str, lr: float) -> dict[str, float]:
+def run(
+    game: str, seed: int, steps: int, batching: str, lr: float, warm_loss: float | None = None
+) -> dict[str, float]:
     sys.path.insert(0, str(Path(__file__).resolve().parent))  # the components' module
     domains, extra = GAMES[game]
     mixture = ", ".join(
@@ -181,6 +204,8 @@ def run(game: str, seed: int, steps: int, batching: str, lr: float) -> dict[str,
         f"sampler.batching={batching}", "train.prompts_per_step=32",
         f"optim.learning_rate={lr}", *extra,
     ]  # fmt: skip
+    if warm_loss is not None:
+        overrides.append(f"warm_start.target_loss={warm_loss}")
     with tempfile.TemporaryDirectory() as out:
         start = time.perf_counter()
         rows = train(load_config(CONFIG, overrides), out)
@@ -199,11 +224,14 @@ def main() -> None:
     parser.add_argument("--seeds", type=int, nargs="+", default=[0])
     parser.add_argument("--batching", choices=["static", "continuous"], default="static")
     parser.add_argument("--lr", type=float, default=3e-4, help="optim.learning_rate")
+    parser.add_argument(
+        "--warm-loss", type=float, default=None, help="warm_start.target_loss (default: the game's)"
+    )
     args = parser.parse_args()
     domains = GAMES[args.game][0]
     print("seed  " + "".join(f"{d + ' start -> end':>24s}" for d in domains) + "   turns  seconds")
     for seed in args.seeds:
-        r = run(args.game, seed, args.steps, args.batching, args.lr)
+        r = run(args.game, seed, args.steps, args.batching, args.lr, args.warm_loss)
         cells = "".join(f"{r[d][0]:>15.3f} -> {r[d][1]:.3f}" for d in domains)
         print(f"{seed:4d}  {cells}   {r['turns_end']:5.2f}  {r['seconds']:7.0f}")
 

@@ -110,6 +110,14 @@ def _parser() -> argparse.ArgumentParser:
         help="the share of --device-memory JAX's pool gets (default: "
         "XLA_PYTHON_CLIENT_MEM_FRACTION, else 0.75 as JAX preallocates on a GPU; 1 for a TPU)",
     )
+    memory.add_argument(
+        "--processes",
+        type=int,
+        default=1,
+        metavar="N",
+        help="the processes (hosts) the trainer's job spans: the devices are split into N "
+        "blocks, each planned as one process's (default 1)",
+    )
     memory.add_argument("--json", action="store_true", help="print one JSON object")
 
     fit = sub.add_parser("fit", help="fit scaling curves to CSV / JSONL files or run directories")
@@ -203,6 +211,7 @@ def _memory(args) -> int:
         prompt_len=args.prompt_len,
         device_memory_gib=args.device_memory,
         mem_fraction=args.mem_fraction,
+        processes=args.processes,
     )
     print(json.dumps(report, indent=2) if args.json else format_plan(report))
     return 0 if report.get("fits", True) else 1

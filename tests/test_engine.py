@@ -143,6 +143,11 @@ def test_bad_requests_are_refused(qwen2):
         engine.submit(0, [3])
     with pytest.raises(ValueError, match="exceeds prompt_len"):
         engine.submit(1, list(range(1, 20)))
+    with pytest.raises(ValueError, match="request 1: the prompt is empty"):
+        engine.submit(1, [])
+    with pytest.raises(ValueError, match="given tokens after a prompt are for an engine of ep"):
+        engine.submit(1, [1, 2], given=[3])
+    assert engine.pending == 1  # none of the refused requests was queued
     with pytest.raises(ValueError, match="at least one group"):
         _engine(qwen2, slots=1, repeat=2)
 
@@ -449,3 +454,7 @@ def test_an_episode_goes_on_in_its_slot_as_a_static_prefill_of_its_context_would
     assert engine.busy == 0 and not engine.prompts
     with pytest.raises(ValueError, match="not parked"):
         engine.release(7, 0)
+    # A prompt's given rest must leave room to sample (it counts in max_new).
+    with pytest.raises(ValueError, match="3 given tokens leave none of max_new = 3"):
+        engine.submit(8, PROMPTS[0], max_new=3, given=[5, 6, 7])
+    assert engine.pending == 0 and not engine.prompts

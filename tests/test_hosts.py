@@ -15,6 +15,7 @@ from conftest import FAST, ROOT, TINY_CONFIG
 from flax import nnx
 
 from jaxrl_scale.config import ConfigError, MeshConfig, load_config
+from jaxrl_scale.hosts.hub import broadcast_bucket, generator_devices
 from jaxrl_scale.hosts.weights import WeightClient, WeightServer
 from jaxrl_scale.models.policy import Policy, for_generation
 from jaxrl_scale.parallel import sharding
@@ -82,6 +83,89 @@ def test_hosts_config_errors_name_the_key():
         load_config(TINY_CONFIG, ["hosts.generator_groups=1", "pipeline.generator_devices=2"])
     with pytest.raises(ConfigError, match="hosts.hub"):
         load_config(TINY_CONFIG, ["hosts.hub=nohost"])
+
+
+def test_a_generator_group_counts_every_axis_of_its_mesh():
+    # An expert-parallel group {data: 1, expert: 8} is 8 devices (the weights' split, the
+    # first pull, the run's device-seconds), as {data: 8} is; -1 takes a host's devices.
+    for mesh, n in [("{data: 1, expert: 8}", 8), ("{data: 2, tensor: 2}", 4),
+                    ("{data: -1, expert: 2}", jax.local_device_count())]:  # fmt: skip
+        cfg = load_config(TINY_CONFIG, ["hosts.generator_groups=1", f"hosts.generator_mesh={mesh}"])
+        assert generator_devices(cfg) == n, mesh
+
+
+def test_a_batch_is_broadcast_in_a_few_lengths():
+    """Every distinct length compiles the trainer processes' broadcast of a batch again: the
+    lengths are rounded up to buckets, at most 12.5% above the batch."""
+    assert broadcast_bucket(1) == broadcast_bucket(65536) == 65536
+    assert broadcast_bucket(65537) == 65536 + 8192  # an eighth of 2^16 above it
+    assert broadcast_bucket(3_000_000) == 12 * 2**18  # 2^21 <= n < 2^22: steps of 2^18
+    lengths = range(2_000_000, 2_400_000, 997)  # batches within 20% of one another
+    buckets = {broadcast_bucket(n) for n in lengths}
+    assert len(buckets) <= 3
+    assert all(n <= broadcast_bucket(n) <= 1.125 * n for n in lengths)
+
+
+def _hub_cfg(port):
+    hosts = ["hosts.generator_groups=1", f"hosts.hub=127.0.0.1:{port}"]
+    return load_config(TINY_CONFIG, [*FAST, *hosts, "pipeline.mode=pipeline_rl"])
+
+
+def test_the_hub_drops_malformed_batches_and_goes_on():
+    """A batch missing an array, with rows of another size, or a header without its
+    statistics is dropped and counted; the hub thread lives on and answers."""
+    import zmq
+
+    from jaxrl_scale.hosts.hub import Hub, encode_batch
+    from jaxrl_scale.rl.curriculum import Curriculum
+
+    port = _free_port()
+    cfg = _hub_cfg(port)
+    hub = Hub(cfg, Curriculum(64, seed=0), start=0, k=1, chunks=1, weights=[])
+    ctx = zmq.Context.instance()
+    push, req = ctx.socket(zmq.PUSH), ctx.socket(zmq.REQ)
+    try:
+        push.connect(f"tcp://127.0.0.1:{port + 1}")
+        req.connect(f"tcp://127.0.0.1:{port}")
+        rows, prompts = 16, 4  # FAST: 4 prompts x 4
+        whole = {f: np.zeros((rows, 4), np.int32) for f in
+                 ("prompt_tokens", "prompt_mask", "completion_tokens", "completion_mask",
+                  "behavior_logp", "versions")}  # fmt: skip
+        whole.update(finish_reason=np.zeros(rows, np.int32), lengths=np.zeros(rows, np.int32),
+                     rewards=np.zeros(rows), pass_rates=np.zeros(prompts),
+                     indices=np.arange(prompts))  # fmt: skip
+        header = {"gen": 1, "batch": 0, "run": hub.run, "stats": {}, "seconds": 1.0}
+        no_pass = {k: v for k, v in whole.items() if k != "pass_rates"}
+        short = {**whole, "rewards": np.zeros(rows - 1)}
+        bad = [(header, no_pass), (header, short), ({**header, "stats": None}, whole)]
+        for h, arrays in bad:
+            push.send_multipart(encode_batch(h, arrays))
+        deadline = time.monotonic() + 30
+        while hub.rejected < 3 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert hub.rejected == 3
+        req.send_json({"op": "join", "group": 0, "host": "here", "token": "t"})
+        assert req.poll(10_000) and req.recv_json()["run"] == hub.run  # still serving
+        assert not hub.has(0)
+    finally:
+        push.close(0)
+        req.close(0)
+        hub.stop(grace=0.1)
+
+
+def test_the_dispatch_keeps_cursors_only_for_batches_not_yet_back():
+    from jaxrl_scale.hosts.hub import Dispatch
+    from jaxrl_scale.rl.curriculum import Curriculum
+
+    cfg = _hub_cfg(_free_port())
+    dispatch = Dispatch(cfg, Curriculum(64, seed=0), start=0, k=2, chunks=1)
+    for version in range(cfg.train.steps):
+        while dispatch.next < min(version + 3, cfg.train.steps):  # k = 2 ahead
+            assert dispatch.assign(1, version)["batch"] == dispatch.next - 1
+        got = dispatch.accept(1, version, np.zeros(cfg.train.prompts_per_step))
+        assert got is not None
+        assert set(dispatch.cursors) <= set(dispatch.assigned)  # the arrived ones forgotten
+    assert not dispatch.cursors and not dispatch.assigned
 
 
 # ------------------------------------------------------------------ real processes

@@ -96,6 +96,23 @@ def test_micro_batches_keep_their_rows_split_over_the_devices():
     assert eight < 0.3 * one, (eight, one)
 
 
+def test_the_plan_splits_the_devices_over_the_processes_it_is_told_of(capsys):
+    """A run refuses a generator share that does not split over its processes (each gives the
+    same number of its devices): planned as those processes, the plan refuses it too, where
+    as one process it would plan a topology that cannot start."""
+    from jaxrl_scale.config import ConfigError
+
+    gen = ["pipeline.mode=pipeline_rl", "pipeline.generator_devices=2", *LONG]
+    with pytest.raises(ConfigError, match="same number of devices from each of the 4 proc"):
+        plan(load_config(TINY, gen), prompt_len=8, processes=4)  # 2 over 4 processes
+    with pytest.raises(ConfigError, match="8 devices do not split over 3 processes"):
+        plan(load_config(TINY, gen), prompt_len=8, processes=3)
+    args = ["memory", "--config", TINY, "--processes", "4", "--prompt-len", "8", "--json"]
+    assert main(args + [f"--set={o}" for o in [*gen, "pipeline.generator_devices=4"]]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["processes"] == 4 and report["generate_mesh"]["data"] == 4
+
+
 def test_plan_rejects_a_bad_prompt_length():
     with pytest.raises(ValueError, match="prompt length must be >= 1"):
         plan(load_config(TINY, ["mesh.data=1"]), prompt_len=0)

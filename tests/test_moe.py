@@ -479,3 +479,32 @@ def test_expert_parallel_generation_decodes_what_one_device_does_without_gatheri
     ).compile().as_text()  # fmt: skip
     whole = [ln for ln in hlo.splitlines() if "all-gather" in ln and "[8,16,8]" in ln]
     assert not whole, whole[:2]
+
+
+def test_pairs_held_elsewhere_contribute_nothing_whatever_ragged_dot_leaves_past_the_groups(
+    monkeypatch,
+):
+    """Expert parallelism names experts held on other shards E or more (weight 0): those pairs
+    sort past every group, where `ragged_dot` leaves its rows unspecified. A ragged_dot that
+    fills them with NaN changes nothing: they are masked, not multiplied by their 0 weight."""
+    from jaxrl_scale.models import moe
+
+    e, n, k, d, f = 4, 6, 2, 8, 16
+    keys = jax.random.split(jax.random.key(0), 5)
+    x = jax.random.normal(keys[0], (n, d))
+    gate, up = (jax.random.normal(kk, (e, d, f)) * 0.3 for kk in keys[1:3])
+    down = jax.random.normal(keys[3], (e, f, d)) * 0.3
+    experts = jnp.array([[0, 5], [1, 2], [4, 3], [6, 0], [2, 1], [7, 7]])  # 4..7: elsewhere
+    weights = jnp.where(experts < e, jax.random.uniform(keys[4], (n, k)), 0.0)
+    want = moe.experts_dense(x, weights, experts, gate, up, down)  # drops ids past E
+
+    real = jax.lax.ragged_dot
+
+    def nan_past_the_groups(lhs, rhs, group_sizes, **kw):
+        out = real(lhs, rhs, group_sizes, **kw)
+        past = jnp.arange(out.shape[0]) >= jnp.sum(group_sizes)
+        return jnp.where(past[:, None], jnp.nan, out)
+
+    monkeypatch.setattr(jax.lax, "ragged_dot", nan_past_the_groups)
+    got = moe.experts_ragged(x, weights, experts, gate, up, down)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)

@@ -169,6 +169,8 @@ def test_pipeline_rl_across_processes_splits_generator_and_trainer_devices(tmp_p
     two, one = read_metrics(tmp_path / "two"), read_metrics(tmp_path / "one")
     assert [r["step"] for r in two] == [0, 1, 2, 3, 4]
     assert [r["staleness_max"] for r in two] == [0, 0, 1, 1, 1]  # one batch ahead, in flight
+    # k = 8 configured: the run says it runs as 1, and why.
+    assert "max_staleness: 8 runs as 1 here: the run spans processes" in outs[0], outs[0][-3000:]
     for a, b in zip(two, one, strict=True):
         for key in ("reward_mean", "eval_pass_rate", "loss", "staleness_mean"):
             if key in b:
@@ -225,3 +227,62 @@ def test_a_resumed_run_stops_early_on_every_process_at_the_same_step(tmp_path):
     saved = sorted(int(p.name) for p in (run / "checkpoints").iterdir() if p.name.isdigit())
     assert saved[-1] == 9
     assert (host1 / "metrics.jsonl").read_text() == log  # process 1 writes no log
+
+
+TRANSFER = """
+import os, sys
+import jax, numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jaxrl_scale.parallel import distributed
+jax.distributed.initialize(sys.argv[1], 2, int(sys.argv[2]))
+devices = {p: [d for d in jax.devices() if d.process_index == p] for p in (0, 1)}
+train = Mesh(np.array(devices[0][:2] + devices[1][:2]).reshape(4, 1), ("fsdp", "expert"))
+gen = Mesh(np.array(devices[0][2:] + devices[1][2:]).reshape(2, 2), ("data", "expert"))
+rng = np.random.default_rng(0)
+host = {"embed": rng.normal(size=(12, 8)).astype(np.float32),
+        "experts": rng.normal(size=(4, 6, 3)).astype(np.float32),
+        "odd": rng.normal(size=(5, 3)).astype(np.float32)}
+specs = {"embed": P("fsdp"), "experts": P("fsdp"), "odd": P()}
+params = {k: jax.make_array_from_callback(v.shape, NamedSharding(train, specs[k]),
+                                          lambda i, v=v: v[i]) for k, v in host.items()}
+targets = {"embed": NamedSharding(gen, P()), "experts": NamedSharding(gen, P("expert")),
+           "odd": NamedSharding(gen, P())}
+for k, x in params.items():  # each process gathers a leaf split over its own 2 devices
+    split = distributed.host_split(x)
+    assert split.shard_shape(x.shape)[0] == (x.shape[0] // 2 if x.shape[0] % 2 == 0
+                                             else x.shape[0]), (k, split)
+moved = distributed.transfer(params, targets)
+for k, y in moved.items():
+    assert y.sharding == targets[k]
+    for s in y.addressable_shards:
+        assert s.device in gen.devices.flat
+        np.testing.assert_array_equal(np.asarray(s.data), host[k][s.index])
+print("ok", jax.process_index())
+"""
+
+
+def test_weights_move_to_the_generator_devices_leaf_by_leaf(tmp_path):
+    """Across processes each leaf is gathered whole onto every process split over that
+    process's trainer devices (half a leaf each here, never the model), and each generator
+    device gets exactly its part: whole leaves, experts split, a leaf whose rows do not
+    split."""
+    script = tmp_path / "transfer.py"
+    script.write_text(TRANSFER)
+    port = _free_port()
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(script), f"127.0.0.1:{port}", str(i)],
+            env=_env(4),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )  # fmt: skip
+        for i in range(2)
+    ]
+    try:
+        outs = [p.communicate(timeout=120)[0] for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    assert [p.returncode for p in procs] == [0, 0], outs[0][-3000:] + outs[1][-3000:]
+    assert "ok 0" in outs[0] and "ok 1" in outs[1]

@@ -68,6 +68,28 @@ def decode_arrays(frame: bytes) -> dict[str, np.ndarray]:
         return {k: data[k] for k in data.files}
 
 
+def check_batch(cfg: ExperimentConfig, header: dict, arrays: dict[str, np.ndarray]) -> None:
+    """A scored batch from a generator group is whole before the trainer takes it: every
+    array a batch carries, with its rows (prompts x group size) or prompts first; a header
+    with its statistics and seconds. ValueError naming what is wrong."""
+    rows, prompts = cfg.train.prompts_per_step * cfg.train.group_size, cfg.train.prompts_per_step
+    need = {f: rows for f in ROLLOUT_FIELDS if f != "routes"}  # routes: router replay only
+    need.update(rewards=rows, pass_rates=prompts, indices=prompts)
+    if "routes" in arrays:
+        need["routes"] = rows
+    missing = sorted(set(need) - set(arrays))
+    if missing:
+        raise ValueError(f"the batch has no {', '.join(missing)}")
+    for name, first in need.items():
+        shape = arrays[name].shape
+        if not shape or shape[0] != first:
+            raise ValueError(f"{name} has shape {shape}, expected {first} first")
+    if not isinstance(header.get("stats"), dict):
+        raise ValueError("the header has no stats")
+    if not isinstance(header.get("seconds"), int | float):
+        raise ValueError("the header has no seconds")
+
+
 def dispatch_key(cfg: ExperimentConfig, number: int) -> int:
     """What the batch with this number (counted from step 0) folds into the run's key: the
     same as the one-process feeders (sync: the round; the others: 2**20 + n)."""
@@ -135,6 +157,10 @@ class Dispatch:
         later = [cursor for m, cursor in self.cursors.items() if m > n]  # arrived or not
         if later:  # batches drawn after this one are drawn again by a resumed run
             snapshot["epoch"], snapshot["position"] = map(np.asarray, min(later))
+        # A cursor serves the batches drawn before it that have yet to arrive: none once
+        # every earlier batch has.
+        oldest = min([*self.assigned, *self.redraw, self.next])
+        self.cursors = {m: c for m, c in self.cursors.items() if m > oldest}
         return snapshot
 
 
@@ -296,6 +322,7 @@ class Hub:
             header = json.loads(frames[0])
             gen_id, n = header["gen"], int(header["batch"])
             arrays = decode_arrays(frames[1])
+            check_batch(self.cfg, header, arrays)
         except (ValueError, KeyError, TypeError, IndexError, OSError) as e:
             self.rejected += 1
             print(f"hub: a malformed batch was dropped ({e}); {self.rejected} so far",
@@ -426,7 +453,7 @@ def generator_devices(cfg: ExperimentConfig) -> int:
     """Devices in each generator group's mesh (`hosts.generator_mesh`); an axis of -1 counts
     as many devices as a trainer host has (the trainer cannot see the groups' devices)."""
     m = cfg.hosts.generator_mesh
-    sizes = [m.data, m.fsdp, m.tensor]
+    sizes = [m.data, m.fsdp, m.expert, m.tensor]
     if -1 in sizes:
         sizes[sizes.index(-1)] = jax.local_device_count() // max(1, -int(np.prod(sizes)))
     return int(np.prod(sizes))
@@ -444,14 +471,27 @@ def _allgather_json(value: dict) -> list[dict]:
     return [json.loads(bytes(row).decode().strip()) for row in np.asarray(got)]
 
 
+def broadcast_bucket(n: int) -> int:
+    """The bytes a batch of `n` bytes is broadcast in: at least 64 KiB, else `n` rounded up
+    to an eighth of its power of two (at most 12.5% more). Every distinct length compiles
+    the broadcast again; batches' lengths vary with their header and their rows, and fall
+    in a few of these buckets."""
+    if n <= 1 << 16:
+        return 1 << 16
+    step = 1 << (n.bit_length() - 4)
+    return -(-n // step) * step
+
+
 def _broadcast_frames(frames: list[bytes] | None) -> list[bytes]:
     """Process 0's frames on every trainer process (a collective over the trainer's job)."""
     if jax.process_count() == 1:
         return frames
     sizes = np.zeros(2, np.int64) if frames is None else np.array([len(f) for f in frames])
     sizes = np.asarray(multihost_utils.broadcast_one_to_all(sizes))
-    joined = np.zeros(int(sizes.sum()), np.uint8)
+    joined = np.zeros(broadcast_bucket(int(sizes.sum())), np.uint8)
     if frames is not None:
-        joined = np.frombuffer(b"".join(frames), np.uint8)
-    joined = np.asarray(multihost_utils.broadcast_one_to_all(joined)).tobytes()
+        data = b"".join(frames)
+        joined[: len(data)] = np.frombuffer(data, np.uint8)
+    joined = np.asarray(multihost_utils.broadcast_one_to_all(joined))[: int(sizes.sum())]
+    joined = joined.tobytes()
     return [joined[: sizes[0]], joined[sizes[0] :]]

@@ -38,6 +38,7 @@ def plan(
     prompt_len: int | None = None,
     device_memory_gib: float | None = None,
     mem_fraction: float | None = None,
+    processes: int = 1,
 ) -> dict[str, Any]:
     """Every program's per-device bytes on the config's meshes, what each set of devices
     holds at once, whether that fits the memory pool (`device_memory_gib` x `mem_fraction`,
@@ -47,7 +48,12 @@ def plan(
     the working memory of whichever of its programs runs (a decode chunk, or the admission /
     prefill that starts rows), and a held-out evaluation (its waves are decoded beside the
     generator, which keeps its slots; in threaded pipeline_rl the two run concurrently, so
-    the plan always adds them, an upper bound elsewhere)."""
+    the plan always adds them, an upper bound elsewhere).
+
+    `processes`: the processes the trainer's job spans (one per host); this machine's devices
+    are split into that many blocks, each planned as a process's devices (the generator's
+    share of every process, `sharding.make_meshes`), so a split the run would refuse is
+    refused here too."""
     source = "--prompt-len"
     if prompt_len is None:
         prompt_len, source = task_prompt_len(cfg)
@@ -62,7 +68,9 @@ def plan(
         cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, attention="blockwise"))
     planned, experts_note = experts_program(cfg)
     cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, moe_matmul=planned))
-    mesh, gen_mesh = sharding.make_meshes(cfg)
+    if processes < 1:
+        raise ValueError(f"--processes must be >= 1, got {processes}")
+    mesh, gen_mesh = sharding.make_meshes(cfg, processes=processes)
     if cfg.hosts.generator_groups:  # each group's own mesh, planned on devices like theirs
         gen_mesh = group_mesh(cfg)  # (a generator job decodes in static waves)
         cfg = dataclasses.replace(cfg, sampler=dataclasses.replace(cfg.sampler, batching="static"))
@@ -110,6 +118,7 @@ def plan(
         "prompt_len": prompt_len,
         "prompt_len_from": source,
         "max_new_tokens": cfg.sampler.max_new_tokens,
+        "processes": processes,
         "train_mesh": dict(mesh.shape),
         "generate_mesh": dict(gmesh.shape),
         "attention": attention_note,

@@ -125,6 +125,8 @@ def format_plan(report: dict[str, Any]) -> str:
         f"{report['max_new_tokens']:,})",
         f"attention: {report['attention']}",
     ]
+    if report.get("processes", 1) > 1:
+        lines.append(f"planned as {report['processes']} processes (the trainer's hosts)")
     if "experts" in report:
         lines.append(f"experts: {report['experts']}")
     titles = {

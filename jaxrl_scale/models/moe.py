@@ -87,7 +87,8 @@ def _sorted_pairs(experts_nk, e: int):
     """The N x K (token, expert) pairs grouped by expert: (order [N K] into the flattened
     pairs, each sorted pair's token, expert, and the experts' group sizes [E]). An expert id
     of E or more names an expert held elsewhere (expert parallelism): such pairs sort last,
-    count in no group and come back as zeros from every matmul here."""
+    count in no group and come back as zeros from every matmul here (masked: ragged_dot leaves
+    rows past the groups' total unspecified)."""
     flat = experts_nk.reshape(-1)
     order = jnp.argsort(flat, stable=True)
     return order, order // experts_nk.shape[1], flat[order], jnp.bincount(flat, length=e)
@@ -103,12 +104,15 @@ def _combine(ys, weights_nk, order, token, n: int, dtype):
 def experts_ragged(x_nd, weights_nk, experts_nk, gate_edf, up_edf, down_efd, precision=None):
     """The (token, expert) pairs sorted by expert and each expert's rows multiplied by its own
     weights (`jax.lax.ragged_dot`), then scattered back and summed with the routing weights."""
-    order, token, _, sizes = _sorted_pairs(experts_nk, gate_edf.shape[0])
+    order, token, expert, sizes = _sorted_pairs(experts_nk, gate_edf.shape[0])
     sizes = sizes.astype(jnp.int32)
     xs = jnp.take(x_nd, token, axis=0)
     gate = jax.lax.ragged_dot(xs, gate_edf, sizes, precision=precision)
     up = jax.lax.ragged_dot(xs, up_edf, sizes, precision=precision)
     ys = jax.lax.ragged_dot(jax.nn.silu(gate) * up, down_efd, sizes, precision=precision)
+    # Rows past the groups' total (pairs of experts held elsewhere) are left unspecified by
+    # ragged_dot: zeroed here, never trusted to be zeros (a NaN there times a 0 weight is NaN).
+    ys = jnp.where((expert < gate_edf.shape[0])[:, None], ys, 0)
     return _combine(ys, weights_nk, order, token, x_nd.shape[0], x_nd.dtype)
 
 

@@ -32,7 +32,6 @@ from jax.experimental import multihost_utils
 
 from jaxrl_scale.configbase import ConfigError
 from jaxrl_scale.parallel.config import DistributedConfig
-from jaxrl_scale.parallel.sharding import replicated
 
 ENV = ("JAXRL_COORDINATOR", "JAXRL_NUM_PROCESSES", "JAXRL_PROCESS_ID")
 
@@ -141,23 +140,74 @@ def transfer(tree, shardings):
     the trainer's devices to the generator's.
 
     One process: a resharding `jax.device_put`. Several processes (where device_put cannot move
-    between disjoint device sets): one collective over the source devices leaves a full copy
-    on every process (nothing moves if the leaves are already replicated), then each process
-    copies its own target devices' parts from it, device to device. Every process must hold
-    devices of both sets (`pipeline.generator_devices` takes some devices of every process).
+    between disjoint device sets): leaf by leaf, one collective over the source devices leaves
+    the leaf whole on every process, split over that process's own source devices
+    (`host_split`: a leaf over their count on each, never a copy of the model, nor of a leaf,
+    on one device); each process then builds its own target devices' parts from those
+    pieces, device to device, and the pieces are freed before the next leaf. Every process
+    must hold devices of both sets (`pipeline.generator_devices` takes some devices of every
+    process).
     """
     if jax.process_count() == 1:
         return jax.device_put(tree, shardings)
-    full = jax.tree.map(lambda x: replicated(x.sharding.mesh), tree)
-    tree = jax.device_put(tree, full)  # same devices, new layout: a collective if sharded
+    leaves, treedef = jax.tree.flatten(tree)
+    targets = treedef.flatten_up_to(shardings)
+    return treedef.unflatten([_transfer_leaf(x, t) for x, t in zip(leaves, targets, strict=True)])
 
-    def local_copy(x, target):
-        if not x.addressable_shards:
-            raise ValueError(f"process {jax.process_index()} holds none of the source devices")
-        whole = x.addressable_shards[0].data
-        return jax.make_array_from_callback(x.shape, target, lambda index: whole[index])
 
-    return jax.tree.map(local_copy, tree, shardings)
+def host_split(x: jax.Array) -> jax.sharding.NamedSharding:
+    """A layout of `x` over its own devices in which every process holds the whole of it,
+    split over that process's devices along the first axis their count divides (whole on
+    each where none does): what a leaf is gathered to before it moves to the generator."""
+    by_process: dict[int, list] = {}
+    for d in sorted(x.sharding.device_set, key=lambda d: d.id):
+        by_process.setdefault(d.process_index, []).append(d)
+    counts = {len(ds) for ds in by_process.values()}
+    if len(counts) != 1:
+        raise ValueError(f"the source devices differ in number between processes: {counts}")
+    local = counts.pop()
+    grid = np.array([by_process[p] for p in sorted(by_process)])
+    mesh = jax.sharding.Mesh(grid, ("process", "local"))
+    spec = [None] * x.ndim
+    dims = [i for i, n in enumerate(x.shape) if n % local == 0]
+    if dims and local > 1:
+        spec[dims[0]] = "local"
+    return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(*spec))
+
+
+def _transfer_leaf(x: jax.Array, target) -> jax.Array:
+    if not x.addressable_shards:
+        raise ValueError(f"process {jax.process_index()} holds none of the source devices")
+    staged = jax.device_put(x, host_split(x))  # a collective over the source devices
+    pieces: dict[str, tuple] = {}  # one piece per distinct part (a part may be on several)
+    for shard in staged.addressable_shards:
+        pieces.setdefault(repr(shard.index), (shard.index, shard.data))
+    pieces = list(pieces.values())
+    parts = []
+    for device, index in target.addressable_devices_indices_map(x.shape).items():
+        want = [sl.indices(n) for sl, n in zip(index, x.shape, strict=True)]
+        blocks = []
+        for have, data in pieces:
+            got = [sl.indices(n) for sl, n in zip(have, x.shape, strict=True)]
+            lo = [max(w[0], g[0]) for w, g in zip(want, got, strict=True)]
+            hi = [min(w[1], g[1]) for w, g in zip(want, got, strict=True)]
+            if any(a >= b for a, b in zip(lo, hi, strict=True)):
+                continue
+            cut = tuple(slice(a - g[0], b - g[0]) for a, b, g in zip(lo, hi, got, strict=True))
+            blocks.append((lo, jax.device_put(data[cut], device)))
+        blocks.sort(key=lambda b: b[0])
+        axis = next((i for i, p in enumerate(staged.sharding.spec) if p), 0)
+        joined = (
+            blocks[0][1]
+            if len(blocks) == 1
+            else jax.numpy.concatenate([b for _, b in blocks], axis=axis)
+        )
+        parts.append(joined)
+    out = jax.make_array_from_single_device_arrays(x.shape, target, parts)
+    if staged is not x:
+        out.block_until_ready()
+        staged.delete()
+    return out
 
 
 def _kv_client():

@@ -206,17 +206,23 @@ def train_state_shardings(state, mesh: Mesh):
     return jax.tree.map(one, state)
 
 
-def make_meshes(cfg: ExperimentConfig) -> tuple[Mesh, Mesh | None]:
+def make_meshes(cfg: ExperimentConfig, *, processes: int | None = None) -> tuple[Mesh, Mesh | None]:
     """(trainer mesh, generator mesh or None): `pipeline.generator_devices` takes the last
     devices for generation (batch-parallel, with the trainer's tensor axis; a mixture of
     experts' generator also splits its experts over every batch shard, the rest whole) and
     leaves the rest,
     shaped by `mesh`, to the trainer. Across processes every process gives its last
-    generator_devices / processes devices, so each holds devices of both meshes."""
+    generator_devices / processes devices, so each holds devices of both meshes.
+    `processes` (the memory planner, on one process's fake devices): split the devices into
+    that many consecutive blocks, each standing for a process, and apply the same rules."""
     g = cfg.pipeline.generator_devices
+    devices = jax.devices()
+    if processes is not None and len(devices) % processes:
+        raise ConfigError(
+            f"--processes: {len(devices)} devices do not split over {processes} processes"
+        )
     if g == 0:
         return make_mesh(cfg.mesh), None
-    devices = jax.devices()
     if g >= len(devices):
         raise ConfigError(
             f"pipeline.generator_devices: {g} leaves no device for training "
@@ -228,8 +234,9 @@ def make_meshes(cfg: ExperimentConfig) -> tuple[Mesh, Mesh | None]:
             f"pipeline.generator_devices: {g} is not a multiple of mesh.tensor={tensor}"
         )
     per_process: dict[int, list] = {}
-    for d in devices:
-        per_process.setdefault(d.process_index, []).append(d)
+    block = len(devices) // processes if processes else 0
+    for i, d in enumerate(devices):
+        per_process.setdefault(i // block if block else d.process_index, []).append(d)
     n = len(per_process)
     if g % n or g // n >= min(len(ds) for ds in per_process.values()):
         raise ConfigError(

@@ -42,6 +42,7 @@ to end: a batch in progress is abandoned at its next chunk and counted by `untra
 from __future__ import annotations
 
 import threading
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -355,6 +356,16 @@ def make_feeder(
             raise ConfigError(
                 "pipeline.max_staleness: pipeline_rl in lockstep (always so across processes) "
                 "keeps the generator one batch ahead and needs k >= 1"
+            )
+        if k > 1:
+            why = "pipeline.lockstep is set" if cfg.lockstep else "the run spans processes"
+            warnings.warn(
+                f"pipeline.max_staleness: {k} runs as 1 here: {why}, so pipeline_rl runs in "
+                "lockstep (the generator one batch ahead; across processes every process "
+                "must issue the same programs in the same order). PipelineRL-k across hosts "
+                "runs the generators as jobs of their own (hosts.generator_groups, "
+                "docs/hosts.md)",
+                stacklevel=2,
             )
         feeder = LockstepFeeder(
             produce, source, key, chunks=chunks, start=version + len(fresh), pending=fresh
