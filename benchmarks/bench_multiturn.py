@@ -1,7 +1,7 @@
 """Does RL learn from an environment's feedback over turns? Two games for the tiny model.
 
     python benchmarks/bench_multiturn.py [--game sums] [--steps 100] [--seeds 0]
-        [--batching static] [--lr 3e-4]
+        [--batching static] [--lr 3e-4] [--warm-loss L]
 
 The tiny model of configs/tiny_arithmetic.yaml, a supervised warm start, then CISPO on whole
 episodes. Held-out evaluation runs the same problems several ways, as domains of one mixture
@@ -11,9 +11,14 @@ start and at the end.
 --game sums: 1-2 digit sums. The prompt is "37+48="; a right answer ends the episode with
 reward 1; a wrong one is answered with the direction of the error and the problem again
 (" < 37+48=": the sum is smaller than the guess; " ? 37+48=" for an answer that is not a
-number) and gets another turn, up to 2. The warm start: single-turn demonstrations whose last
-digit is wrong a third of the time (to demonstration loss 0.6). Domains: "multi" (the game as
-trained) and "single" (one turn: the same policy allowed one turn).
+number) and gets another turn, up to 2. The warm start (to demonstration loss 0.35): answers
+whose last digit is wrong a third of the time; a wrong one is followed by the game's answer
+and a second answer drawn the same way ("|" in a demonstration is the end of a turn), so the
+warm policy knows the form of a second turn but not how to use the direction. Domains:
+"multi" (the game as trained) and "single" (one turn: the same policy allowed one turn).
+
+--game reveal: the sums, a wrong answer shown the sum (" ! 85 37+48="), the warm start on
+single-turn answers only. Domains: "revealed" (2 turns) and "single".
 
 --game guess: higher/lower guessing. Each episode hides a digit; the prompt is "=", the model
 answers a digit, a wrong guess is told which way the digit lies ("<=" / ">="; "?=" for an
@@ -95,10 +100,11 @@ class Sums:
 
     def demonstration(self, example: dict, rng: np.random.Generator | None = None) -> str:
         """An answer unsure of its last digit (wrong a third of the time); in the game of
-        several turns, a wrong one is followed by the game's answer and a second answer drawn
-        the same way (the form of a second turn, not the use of the feedback)."""
+        several turns with directions, a wrong one is followed by the game's answer and a
+        second answer drawn the same way (the form of a second turn, not the use of the
+        feedback)."""
         text = self.answer(example, rng)
-        if self.turns > 1 and text != str(example["answer"]):
+        if self.turns > 1 and not self.reveal and text != str(example["answer"]):
             feedback = Retry(example, self.turns, self.reveal).step(text)[0]
             text += "|" + feedback + self.answer(example, rng)
         return text
