@@ -111,6 +111,15 @@ def test_the_plan_splits_the_devices_over_the_processes_it_is_told_of(capsys):
     assert main(args + [f"--set={o}" for o in [*gen, "pipeline.generator_devices=4"]]) == 0
     report = json.loads(capsys.readouterr().out)
     assert report["processes"] == 4 and report["generate_mesh"]["data"] == 4
+    # Weights cross to the generator's devices after each step, one leaf at a time gathered
+    # over a process's trainer devices (one here): the largest, an MLP matrix, 128 x 384 f32.
+    moving = report["weight_transfer"]
+    assert moving["largest_leaf_bytes"] == moving["staged_leaf_bytes"] == 128 * 384 * 4
+    train = report["train_step"]
+    resident = train["parameters_bytes"] + train["optimizer_state_bytes"]
+    assert moving["cast_weights_bytes"] == train["parameters_bytes"]  # float32: the same
+    total = resident + moving["cast_weights_bytes"] + moving["staged_leaf_bytes"]
+    assert moving["per_device_bytes"] == total
 
 
 def test_plan_rejects_a_bad_prompt_length():

@@ -4,12 +4,14 @@ and the verdict against the memory pool."""
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import TYPE_CHECKING, Any
 
 import jax
 
 from jaxrl_scale.memory.abstract import (
     GIB,
+    abstract_params,
     attention_program,
     default_mem_fraction,
     experts_program,
@@ -149,6 +151,9 @@ def plan(
         )
     report["generator"] = generator_devices(report)
     names = ["train_step", "generator"]
+    if processes > 1 and own_devices and not cfg.hosts.generator_groups:
+        report["weight_transfer"] = plan_transfer(report, cfg, mesh, processes)
+        names.append("weight_transfer")
     if cfg.hosts.generator_groups:
         plan_hosts(report, cfg, mesh, prompt_len)
         names = ["trainer_host", "generator"]
@@ -178,3 +183,24 @@ def plan(
                 part["advice"] = advice(name, part, cfg, report)
         report["fits"] = all(report[name]["fits"] for name in names)
     return report
+
+
+def plan_transfer(report: dict[str, Any], cfg: ExperimentConfig, mesh, processes: int) -> dict:
+    """A trainer device while new weights move to the generator's devices across processes
+    (`distributed.transfer`, after each step): the train state, its share of the weights cast
+    to the generator's dtypes, and one leaf at a time gathered onto each process split over
+    that process's trainer devices (the largest leaf / the devices of a process)."""
+    _, params = abstract_params(cfg, mesh, generation=True)
+    leaves = jax.tree.leaves(params)
+    largest = max(x.size * x.dtype.itemsize for x in leaves)
+    staged = -(-largest // (mesh.devices.size // processes))
+    # (the cast copy is laid out as the trainer's weights: its shard on each device)
+    cast = sum(math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize for x in leaves)
+    train = report["train_step"]
+    resident = train["parameters_bytes"] + train["optimizer_state_bytes"]
+    return {
+        "largest_leaf_bytes": largest,
+        "staged_leaf_bytes": staged,
+        "cast_weights_bytes": cast,
+        "per_device_bytes": resident + cast + staged,
+    }

@@ -24,6 +24,12 @@ def advice(name: str, part: dict[str, Any], cfg: ExperimentConfig, report) -> st
         )
     if name == "generator":
         return _generator_advice(part, report, cfg)
+    if name == "weight_transfer":
+        return (
+            "the train state, the weights cast for the generator and the largest leaf on its "
+            "way to the generator's devices do not fit: more trainer devices (mesh.fsdp), or "
+            "the generators as jobs of their own (hosts.generator_groups)"
+        )
     if name == "trainer_host":
         return (
             "the train step and the versions kept for the generators do not fit: more trainer "
@@ -221,6 +227,20 @@ def format_plan(report: dict[str, Any]) -> str:
             ("total", part["per_device_bytes"]),
         ])  # fmt: skip
         verdicts = {"trainer_host": "trainer's devices", "generator": "a generator group's"}
+    if "weight_transfer" in report:
+        part = report["weight_transfer"]
+        lines.append(
+            f"\nthe trainer's devices while weights move to the generator across "
+            f"{report['processes']} processes, per device:"
+        )
+        lines += _table([
+            ("train state", part["per_device_bytes"] - part["cast_weights_bytes"]
+             - part["staged_leaf_bytes"]),
+            ("weights cast for the generator", part["cast_weights_bytes"]),
+            ("one leaf in flight (the largest)", part["staged_leaf_bytes"]),
+            ("total", part["per_device_bytes"]),
+        ])  # fmt: skip
+        verdicts["weight_transfer"] = "weight transfer"
     if "train_and_generate" in report:
         part = report["train_and_generate"]
         how = "at once" if part["concurrent"] else "with the train state resident"
