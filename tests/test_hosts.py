@@ -168,6 +168,29 @@ def test_the_dispatch_keeps_cursors_only_for_batches_not_yet_back():
     assert not dispatch.cursors and not dispatch.assigned
 
 
+def test_a_batch_that_arrives_early_waits_to_put_its_pass_rates_in():
+    """Batch 1 arriving before batch 0: its pass rates go into the curriculum after batch
+    0's, and batch 0's snapshot (what a checkpoint after training it keeps) holds batch 0's
+    alone; a resumed run draws batch 1 again."""
+    from jaxrl_scale.hosts.hub import Dispatch
+    from jaxrl_scale.rl.curriculum import Curriculum
+
+    cfg = _hub_cfg(_free_port())
+    dispatch = Dispatch(cfg, Curriculum(64, seed=0), start=0, k=2, chunks=1)
+    first, second = (dispatch.assign(1, 0)["indices"] for _ in range(2))
+    p = cfg.train.prompts_per_step
+    assert dispatch.accept(1, 1, np.full(p, 0.5)) == []  # nothing in yet
+    assert np.isnan(dispatch.curriculum.pass_rate).all()
+    ready = dispatch.accept(1, 0, np.full(p, 0.25))
+    assert [m for m, _ in ready] == [0, 1]
+    snap0, snap1 = ready[0][1], ready[1][1]
+    rates0 = np.asarray(snap0["pass_rate"])
+    np.testing.assert_array_equal(rates0[first], 0.25)
+    assert np.isnan(np.delete(rates0, first)).all()  # batch 1's not in batch 0's snapshot
+    assert int(snap0["position"]) == p  # a resume draws batch 1 (drawn after 0) again
+    np.testing.assert_array_equal(np.asarray(snap1["pass_rate"])[second], 0.5)
+
+
 # ------------------------------------------------------------------ real processes
 
 SETTINGS = [o for o in FAST if not o.startswith(("mesh.", "train.steps="))] + [

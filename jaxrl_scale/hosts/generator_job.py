@@ -198,7 +198,7 @@ class Weights:
     def _pull(self) -> None:
         """Pulls the version decoding wants (exact, or the newest published) while decoding
         goes on with the one it has."""
-        session = None
+        session = broken = None  # broken: the session a pull was cut off in
         try:
             while not self._stop.is_set():
                 with self._cond:
@@ -207,13 +207,21 @@ class Weights:
                         session = self._session
                         self.client.connect(session["weights"])
                     want = self._want if self._want is not None else self._newest
-                    if session is None or want is None or want in self._held:
+                    if session is None or session is broken or want is None or want in self._held:
                         continue
                     if want > self._newest:
                         continue
                 try:  # laid out by the decoding thread when it takes them (`get`)
-                    params = _Rows(self.client.pull_rows(want))
+                    rows = self.client.pull_rows(want)
+                    # Arrived whole before decoding may use them: a transfer cut off (the
+                    # trainer died mid-pull) fails here, not in a decode step later.
+                    params = _Rows(jax.block_until_ready(rows))
                 except LookupError:  # superseded meanwhile: ask for the newest next
+                    continue
+                except jax.errors.JaxRuntimeError as e:
+                    print(f"weights: pulling version {want} failed ({e}); pulling again once "
+                          "this group has rejoined", file=sys.stderr, flush=True)  # fmt: skip
+                    broken = session  # (decoding waits for a version, as for a slow pull)
                     continue
                 with self._cond:
                     if self._session is session:

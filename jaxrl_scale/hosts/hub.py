@@ -98,7 +98,7 @@ def dispatch_key(cfg: ExperimentConfig, number: int) -> int:
 
 class Dispatch:
     """Which batch goes to whom: numbers, prompts (drawn from the curriculum as they are
-    handed out, pass rates recorded as batches arrive), the staleness bound and fixed
+    handed out, pass rates recorded in batch order as batches arrive), the staleness bound and fixed
     schedules, batches handed out again. Owned by the hub thread."""
 
     def __init__(self, cfg: ExperimentConfig, curriculum: Curriculum, *, start: int, k: int,
@@ -109,6 +109,8 @@ class Dispatch:
         self.assigned: dict[int, dict] = {}  # n -> {"indices", "gen"}: not arrived yet
         self.redraw: list[int] = []  # numbers whose group was lost, to hand out first
         self.cursors: dict[int, tuple[int, int]] = {}  # n -> curriculum cursor before its draw
+        self.early: dict[int, tuple] = {}  # arrived before a batch ahead of them: (indices, rates)
+        self.applied = 0  # batches 0..applied-1 have their pass rates in the curriculum
 
     def assign(self, gen_id: int, published: int) -> dict | None:
         """The next batch for generator `gen_id`, or None while the bound holds it back."""
@@ -145,23 +147,31 @@ class Dispatch:
             self.redraw = sorted({*self.redraw, n})
         return mine
 
-    def accept(self, gen_id: int, n: int, pass_rates) -> dict | None:
-        """Batch n arrived from `gen_id`: its pass rates recorded, and the curriculum snapshot
-        a checkpoint after training it keeps; None if it was not that generator's to make."""
+    def accept(self, gen_id: int, n: int, pass_rates) -> list[tuple[int, dict]] | None:
+        """Batch n arrived from `gen_id` (None if it was not that generator's to make): the
+        batches whose pass rates are now in the curriculum, in order, each with the
+        curriculum snapshot a checkpoint after training it keeps. Pass rates go in in batch
+        order, so a batch that arrives before one ahead of it waits for it: the snapshot of
+        batch m holds the pass rates of batches up to m, none later (a resumed run draws
+        those again)."""
         assignment = self.assigned.get(n)
         if assignment is None or assignment["gen"] != gen_id:
             return None
         del self.assigned[n]
-        self.curriculum.update(assignment["indices"], pass_rates)
-        snapshot = self.curriculum.state_dict()
-        later = [cursor for m, cursor in self.cursors.items() if m > n]  # arrived or not
-        if later:  # batches drawn after this one are drawn again by a resumed run
-            snapshot["epoch"], snapshot["position"] = map(np.asarray, min(later))
-        # A cursor serves the batches drawn before it that have yet to arrive: none once
-        # every earlier batch has.
-        oldest = min([*self.assigned, *self.redraw, self.next])
-        self.cursors = {m: c for m, c in self.cursors.items() if m > oldest}
-        return snapshot
+        self.early[n] = (assignment["indices"], pass_rates)
+        ready = []
+        while self.applied in self.early:
+            m = self.applied
+            self.curriculum.update(*self.early.pop(m))
+            snapshot = self.curriculum.state_dict()
+            later = [cursor for k, cursor in self.cursors.items() if k > m]  # arrived or not
+            if later:  # batches drawn after this one are drawn again by a resumed run
+                snapshot["epoch"], snapshot["position"] = map(np.asarray, min(later))
+            ready.append((m, snapshot))
+            self.applied += 1
+        # A cursor serves the batches drawn before it whose pass rates are not in yet.
+        self.cursors = {k: c for k, c in self.cursors.items() if k > self.applied}
+        return ready
 
 
 class Hub:
@@ -177,6 +187,8 @@ class Hub:
         self._cond = threading.Condition()
         self._published = start  # guarded by _cond (written by the trainer thread)
         self._arrived: dict[int, tuple[dict, dict, dict]] = {}  # n -> (header, arrays, curric.)
+        self._early: dict[int, tuple[dict, dict]] = {}  # guarded by _cond: arrived, an
+        # earlier batch not yet (hub thread writes, the trainer thread counts them)
         self._stopping: float | None = None  # when stopping: the time the hub thread ends by
         self._failed: BaseException | None = None
         self.lost_rows = self.lost_batches = self.rejected = 0  # hub thread; read when joined
@@ -227,7 +239,7 @@ class Hub:
 
     def in_flight(self) -> int:
         with self._cond:
-            return len(self._arrived) + len(self.dispatch.assigned)
+            return len(self._arrived) + len(self._early) + len(self.dispatch.assigned)
 
     def stop(self, grace: float = 3.0) -> None:
         """Tell generators to stop (each is told at its next request), then close."""
@@ -328,10 +340,10 @@ class Hub:
             print(f"hub: a malformed batch was dropped ({e}); {self.rejected} so far",
                   file=sys.stderr, flush=True)  # fmt: skip
             return
-        snapshot = None
+        ready = None
         if header.get("run") == self.run:
-            snapshot = self.dispatch.accept(gen_id, n, arrays["pass_rates"])
-        if snapshot is None:
+            ready = self.dispatch.accept(gen_id, n, arrays["pass_rates"])
+        if ready is None:
             self.rejected += 1  # from a trainer before a restart, or a group counted lost
             print(f"hub: batch {n} from generator {gen_id} was not this run's to make; dropped "
                   f"({self.rejected} so far)", file=sys.stderr, flush=True)  # fmt: skip
@@ -340,7 +352,9 @@ class Hub:
             self._gens[gen_id]["batches"].discard(n)
             self._gens[gen_id]["seen"] = time.monotonic()
         with self._cond:
-            self._arrived[n] = (header, arrays, snapshot)
+            self._early[n] = (header, arrays)
+            for m, snapshot in ready:  # in order: their pass rates are in the curriculum
+                self._arrived[m] = (*self._early.pop(m), snapshot)
             self._cond.notify_all()
 
     def _find_lost(self) -> None:
