@@ -179,16 +179,16 @@ def _transfer_leaf(x: jax.Array, target) -> jax.Array:
     if not x.addressable_shards:
         raise ValueError(f"process {jax.process_index()} holds none of the source devices")
     staged = jax.device_put(x, host_split(x))  # a collective over the source devices
+    bounds = lambda index: [sl.indices(n) for sl, n in zip(index, x.shape, strict=True)]  # noqa: E731
     pieces: dict[str, tuple] = {}  # one piece per distinct part (a part may be on several)
     for shard in staged.addressable_shards:
-        pieces.setdefault(repr(shard.index), (shard.index, shard.data))
-    pieces = list(pieces.values())
+        pieces.setdefault(repr(shard.index), (bounds(shard.index), shard.data))
+    axis = next((i for i, p in enumerate(staged.sharding.spec) if p), 0)  # the split one
     parts = []
     for device, index in target.addressable_devices_indices_map(x.shape).items():
-        want = [sl.indices(n) for sl, n in zip(index, x.shape, strict=True)]
+        want = bounds(index)
         blocks = []
-        for have, data in pieces:
-            got = [sl.indices(n) for sl, n in zip(have, x.shape, strict=True)]
+        for got, data in pieces.values():
             lo = [max(w[0], g[0]) for w, g in zip(want, got, strict=True)]
             hi = [min(w[1], g[1]) for w, g in zip(want, got, strict=True)]
             if any(a >= b for a, b in zip(lo, hi, strict=True)):
@@ -196,7 +196,6 @@ def _transfer_leaf(x: jax.Array, target) -> jax.Array:
             cut = tuple(slice(a - g[0], b - g[0]) for a, b, g in zip(lo, hi, got, strict=True))
             blocks.append((lo, jax.device_put(data[cut], device)))
         blocks.sort(key=lambda b: b[0])
-        axis = next((i for i, p in enumerate(staged.sharding.spec) if p), 0)
         joined = (
             blocks[0][1]
             if len(blocks) == 1
