@@ -5,7 +5,7 @@
 #   launch/local_disaggregated.sh [--dry-run] [--devices D] [--generator-devices D] [--port P] \
 #       TRAINERS GENERATOR_GROUPS -- --config configs/tiny_arithmetic.yaml --out runs/dis [...]
 #
-# Each process gets D fake CPU devices. Trainers: the coordinator at 127.0.0.1:P (when there
+# Each process gets D fake CPU devices (after the caller's XLA_FLAGS, which it keeps). Trainers: the coordinator at 127.0.0.1:P (when there
 # are several), the hub at 127.0.0.1:P+1 (and P+2 for batches). Generators: JAXRL_ROLE=generator,
 # JAXRL_GROUP=g. Waits for the trainers, stops what is left of the generators, and exits with
 # the trainers' status. Ctrl-C stops every process. --dry-run prints the commands.
@@ -49,7 +49,7 @@ trap cleanup INT TERM
 
 run() {
   if [[ $dry_run -eq 1 ]]; then
-    echo "env $*"
+    printf 'env'; printf ' %q' "$@"; echo
   else
     env "$@" &
   fi
@@ -57,7 +57,7 @@ run() {
 
 for ((i = 0; i < trainers; i++)); do
   env_vars=(
-    "XLA_FLAGS=--xla_force_host_platform_device_count=${devices}"
+    "XLA_FLAGS=${XLA_FLAGS:+${XLA_FLAGS} }--xla_force_host_platform_device_count=${devices}"
     "JAX_PLATFORMS=cpu"
     "JAXRL_ROLE=trainer"
     "JAXRL_HOST=127.0.0.1"
@@ -74,7 +74,7 @@ for ((i = 0; i < trainers; i++)); do
 done
 for ((g = 0; g < groups; g++)); do
   env_vars=(
-    "XLA_FLAGS=--xla_force_host_platform_device_count=${generator_devices}"
+    "XLA_FLAGS=${XLA_FLAGS:+${XLA_FLAGS} }--xla_force_host_platform_device_count=${generator_devices}"
     "JAX_PLATFORMS=cpu"
     "JAXRL_ROLE=generator"
     "JAXRL_GROUP=${g}"

@@ -4,7 +4,7 @@
 #   launch/local_multiprocess.sh [--dry-run] [--processes N] [--devices D] [--port P] \
 #       -- --config configs/tiny_arithmetic.yaml --out runs/mp [more jaxrl-scale train args]
 #
-# Each process gets D fake CPU devices and the coordinator address 127.0.0.1:P (bound there,
+# Each process gets D fake CPU devices (after the caller's XLA_FLAGS, which it keeps) and the coordinator address 127.0.0.1:P (bound there,
 # nothing else), and runs the same `jaxrl-scale train` command; process 0 writes the logs.
 # Ctrl-C stops every process. --dry-run prints the commands instead of running them.
 set -euo pipefail
@@ -37,14 +37,14 @@ trap cleanup INT TERM
 
 for ((i = 0; i < processes; i++)); do
   env_vars=(
-    "XLA_FLAGS=--xla_force_host_platform_device_count=${devices}"
+    "XLA_FLAGS=${XLA_FLAGS:+${XLA_FLAGS} }--xla_force_host_platform_device_count=${devices}"
     "JAX_PLATFORMS=cpu"
     "JAXRL_COORDINATOR=127.0.0.1:${port}"
     "JAXRL_NUM_PROCESSES=${processes}"
     "JAXRL_PROCESS_ID=${i}"
   )
   if [[ $dry_run -eq 1 ]]; then
-    echo "env ${env_vars[*]} jaxrl-scale train $*"
+    printf 'env'; printf ' %q' "${env_vars[@]}" jaxrl-scale train "$@"; echo
   else
     env "${env_vars[@]}" jaxrl-scale train "$@" &
     pids+=("$!")

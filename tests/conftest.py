@@ -6,9 +6,11 @@ import os
 # whose run time is tiny; level 0 compiles them ~40% faster (a tiny run's train step: 2.7 s
 # against 4.6 s). It changes float results in the last bits (measured: 1e-10), which no test
 # may depend on: results differ that much between processor kinds too.
+# The processes tests start (several hosts on 127.0.0.1) compile at the same level: `xla_flags`.
+COMPILE_FLAGS = "--xla_backend_optimization_level=0"
 os.environ["XLA_FLAGS"] = (
     os.environ.get("XLA_FLAGS", "")
-    + " --xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0"
+    + f" --xla_force_host_platform_device_count=8 {COMPILE_FLAGS}"
 ).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # One persistent XLA compilation cache per test session (a fresh folder each run, inherited by
@@ -25,6 +27,11 @@ else:
 from pathlib import Path
 
 import pytest
+
+
+def xla_flags(devices: int) -> str:
+    """XLA_FLAGS for a process a test starts: `devices` fake CPU devices, the suite's level."""
+    return f"--xla_force_host_platform_device_count={devices} {COMPILE_FLAGS}"
 
 FIXTURES = Path(__file__).parent / "fixtures"
 HF_FIXTURES = FIXTURES / "hf"

@@ -383,7 +383,9 @@ def test_admission_bytes_per_device_stay_flat_as_generator_devices_grow():
     import subprocess
     import sys
 
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=16"}
+    from conftest import xla_flags
+
+    env = {**os.environ, "XLA_FLAGS": xla_flags(16)}
     done = subprocess.run([sys.executable, "-c", ADMISSION_SCRIPT], env=env, timeout=300,
                           capture_output=True, text=True, check=True)  # fmt: skip
     out = json.loads(done.stdout.strip().splitlines()[-1])

@@ -11,7 +11,7 @@ import time
 import jax
 import numpy as np
 import pytest
-from conftest import FAST, ROOT, TINY_CONFIG
+from conftest import FAST, ROOT, TINY_CONFIG, xla_flags
 from flax import nnx
 
 from jaxrl_scale.config import ConfigError, MeshConfig, load_config
@@ -217,7 +217,7 @@ def _free_port() -> int:
 
 def _env(role, devices=2, **extra):
     env = {k: v for k, v in os.environ.items() if not k.startswith("JAXRL_")}
-    env.update(XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}",
+    env.update(XLA_FLAGS=xla_flags(devices),
                JAX_PLATFORMS="cpu", JAXRL_ROLE=role, JAXRL_HOST="127.0.0.1", **extra)  # fmt: skip
     env["PATH"] = f"{os.path.dirname(sys.executable)}:{env.get('PATH', '')}"
     return env

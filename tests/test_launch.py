@@ -1,5 +1,6 @@
 """The launchers: shellcheck-clean, and their dry runs print the commands they would run."""
 
+import os
 import shlex
 import shutil
 import subprocess
@@ -125,8 +126,9 @@ def test_missing_train_arguments_is_an_error(script):
 
 
 def test_local_disaggregated_dry_run():
-    lines = _dry("local_disaggregated.sh", "--dry-run", "--port", "29700", "2", "3", "--",
-                 "--config", "c.yaml", "--out", "runs/d")  # fmt: skip
+    env = {**os.environ, "XLA_FLAGS": "--xla_backend_optimization_level=0"}
+    lines = _dry("local_disaggregated.sh", "--dry-run", "--port", "29700", "--devices", "4",
+                 "2", "3", "--", "--config", "c.yaml", "--out", "runs/d", env=env)  # fmt: skip
     trainers = [w for w in lines if "JAXRL_ROLE=trainer" in w]
     generators = [w for w in lines if "JAXRL_ROLE=generator" in w]
     assert len(trainers) == 2 and len(generators) == 3
@@ -134,6 +136,10 @@ def test_local_disaggregated_dry_run():
         assert f"JAXRL_PROCESS_ID={i}" in words and "JAXRL_COORDINATOR=127.0.0.1:29700" in words
     for g, words in enumerate(generators):
         assert f"JAXRL_GROUP={g}" in words and not any("COORDINATOR" in w for w in words)
+    # The caller's XLA flags are kept; each process's device count comes last (and wins).
+    flags = "--xla_backend_optimization_level=0 --xla_force_host_platform_device_count="
+    assert all(f"XLA_FLAGS={flags}4" in w for w in trainers)
+    assert all(f"XLA_FLAGS={flags}2" in w for w in generators)
     for words in lines:
         tail = words[words.index("jaxrl-scale") :]
         assert tail[:6] == ["jaxrl-scale", "train", "--config", "c.yaml", "--out", "runs/d"]

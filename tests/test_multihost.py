@@ -11,7 +11,7 @@ import time
 import jax
 import numpy as np
 import pytest
-from conftest import FAST, TINY_CONFIG
+from conftest import FAST, TINY_CONFIG, xla_flags
 
 from jaxrl_scale.config import load_config
 from jaxrl_scale.fit.curves import sigmoid
@@ -43,7 +43,7 @@ def _train_cmd(out, steps):
 
 def _env(devices, **extra):
     env = {k: v for k, v in os.environ.items() if not k.startswith("JAXRL_")}
-    env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
+    env["XLA_FLAGS"] = xla_flags(devices)
     env["JAX_PLATFORMS"] = "cpu"
     env.update(extra)
     return env
