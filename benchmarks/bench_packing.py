@@ -1,6 +1,7 @@
 """Packed against padded train steps on heavy-tailed completion lengths.
 
     python benchmarks/bench_packing.py [--budget 512] [--steps 3] [--row-len 0]
+    python benchmarks/bench_packing.py --recipe configs/scalerl_qwen3-8b_math.yaml [--seeds 3]
 
 One RL train step (CISPO, prompt aggregation, AdamW) on a batch of P prompts x G completions
 with a completion budget N: the padded step computes [B, N] completion slots (each prompt
@@ -16,9 +17,21 @@ distribution:
 The model is a small decoder (hidden 256, 4 layers, vocabulary 8,192) so a CPU step takes
 seconds; the ratio is what the padding costs at any size whose step time is linear in
 positions (attention adds a term quadratic in the row length, equal per row in both).
+
+`--recipe CONFIG`: the recipe's own shape (its model, batch, budget, trainer mesh on fake CPU
+devices), lognormal lengths with a mean of a quarter of the budget: positions computed and
+micro-steps, padded against packed (the run's `PackGeometry`, and the rows rounded to the
+padded micro-steps as packing did before the token budget), the cost `train.packing: auto`
+compares, and the planner's train step per device, padded and packed (abstract shapes:
+compiles, allocates nothing; minutes on a CPU).
 """
 
 from __future__ import annotations
+
+import os
+
+# --recipe plans the recipe's trainer mesh on fake CPU devices (before jax is imported).
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=24")
 
 import argparse
 import dataclasses
@@ -103,6 +116,64 @@ def measure(step, state, batch, steps: int) -> tuple[float, int, object]:
     return float(np.median(times)), int(temp), state
 
 
+def recipe(path: str, seeds: int, plan: bool) -> None:
+    from jaxrl_scale.config import load_config
+    from jaxrl_scale.memory.abstract import experts_program, task_prompt_len
+    from jaxrl_scale.memory.train_step import train_step_memory
+    from jaxrl_scale.parallel import sharding
+    from jaxrl_scale.rl.packing import FUSED_ATTENTION_SPEEDUP, PackGeometry, bucket_rows
+
+    cfg = load_config(path)
+    mesh, _ = sharding.make_meshes(cfg)
+    ways, (prompt_len, _) = sharding.batch_ways(mesh), task_prompt_len(cfg)
+    t, n = cfg.train, cfg.sampler.max_new_tokens
+    p, g = t.prompts_per_step, t.group_size
+    geometry = PackGeometry.of(cfg, prompt_len, ways)
+    print(f"{path}: {p} x {g} completions of up to {n:,} tokens behind {prompt_len:,} prompt "
+          f"slots, {ways} batch shards, train.micro_batches {t.micro_batches}; packed rows of "
+          f"{geometry.row_len:,}, {geometry.rows_per_micro} a micro-step")  # fmt: skip
+    padded = p * prompt_len + p * g * n
+    for seed in range(seeds):
+        rng = np.random.default_rng(seed)
+        n_b = lengths("lognormal", n, p * g, rng)
+        mask = np.arange(n)[None, :] < n_b[:, None]
+        prompt_mask = np.ones((p * g, prompt_len), bool)
+        ones = np.ones(mask.shape, np.float32)
+        batch = Batch(prompt_mask.astype(np.int32), prompt_mask, mask.astype(np.int32), mask,
+                      mask * ones, -ones, np.ones(p * g, np.float32))  # fmt: skip
+        _, stats = pack(batch, g, geometry.row_len, row_multiple=geometry.row_multiple)
+        before = bucket_rows(stats.rows, ways * t.micro_batches) * geometry.row_len
+        pairs_pad = p * prompt_len * (prompt_len + 1) / 2 + p * g * (
+            n * prompt_len + n * (n + 1) / 2
+        )
+        pairs_pack = stats.bucket * geometry.row_len * (geometry.row_len + 1) / 2
+        fused = dataclasses.replace(geometry, padded_speedup=FUSED_ATTENTION_SPEEDUP)
+        cost = {
+            name: geo.cost(stats.train_positions, pairs_pack, padded=False)
+            / geo.cost(padded, pairs_pad, padded=True)
+            for name, geo in (("here", geometry), ("fused", fused))
+        }
+        print(f"  seed {seed}: lengths mean {n_b.mean():,.0f} (median {np.median(n_b):,.0f}); "
+              f"positions padded {padded / 1e6:.2f}M in {t.micro_batches} micro-steps, packed "
+              f"{stats.train_positions / 1e6:.2f}M in {stats.bucket // geometry.rows_per_micro} "
+              f"({stats.train_positions / padded:.2f} of padded; rounded to the padded "
+              f"micro-steps {before / 1e6:.2f}M); auto's cost packed / padded "
+              f"{cost['here']:.2f} here ({geometry.padded_speedup:g}x), {cost['fused']:.2f} "
+              f"beside a fused kernel ({FUSED_ATTENTION_SPEEDUP:g}x)")  # fmt: skip
+    if not plan:
+        return
+    planned, _ = experts_program(cfg)  # the buffers an accelerator's grouped matmul holds
+    for packing in ("false", "true"):
+        one = load_config(path, [f"train.packing={packing}", f"model.moe_matmul={planned}"])
+        start = time.perf_counter()
+        part = train_step_memory(one, mesh, prompt_len)
+        print(f"  planned train step, packing {packing}: {part['per_device_bytes'] / 2**30:.2f} "
+              f"GiB per device (temporaries {part['temporaries_bytes'] / 2**30:.2f}), "
+              f"{part['rows_per_micro_batch']} rows a micro-step, "
+              f"{part['positions_per_micro_batch_per_shard']:,} positions per shard "
+              f"({time.perf_counter() - start:.0f} s to compile)")  # fmt: skip
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--budget", type=int, default=512, help="completion budget N")
@@ -112,7 +183,12 @@ def main() -> None:
     )
     parser.add_argument("--kinds", nargs="+", default=["lognormal", "geometric"])
     parser.add_argument("--block", type=int, default=512, help="model.attention_block_size")
+    parser.add_argument("--recipe", help="a recipe config: its shape instead of the small model")
+    parser.add_argument("--seeds", type=int, default=3, help="--recipe: batches drawn")
+    parser.add_argument("--no-plan", action="store_true", help="--recipe: skip the planner")
     args = parser.parse_args()
+    if args.recipe:
+        return recipe(args.recipe, args.seeds, not args.no_plan)
     global CFG
     CFG = dataclasses.replace(CFG, attention_block_size=args.block)
     row_len = args.row_len or default_row_len(PROMPT_LEN + args.budget, args.block)

@@ -282,3 +282,66 @@ def test_packing_settings_are_checked_and_named():
     ):
         with pytest.raises(ConfigError, match=message):
             load_config("asset:demo.yaml", bad)
+
+
+def _recipe_batch(cfg, prompt_len: int, seed: int = 0) -> Batch:
+    """A batch at a recipe's shape on the host, completion lengths lognormal (sigma 1) with a
+    mean of a quarter of the budget, cut at the budget (RL's heavy tail)."""
+    rng = np.random.default_rng(seed)
+    p, g, n = cfg.train.prompts_per_step, cfg.train.group_size, cfg.sampler.max_new_tokens
+    b = p * g
+    lengths = rng.lognormal(np.log(n / 4 / np.exp(0.5)), 1.0, b)
+    lengths = np.clip(np.round(lengths), 1, n).astype(int)
+    mask = np.arange(n)[None, :] < lengths[:, None]
+    prompt_mask = np.ones((b, prompt_len), bool)
+    ones = np.ones((b, n), np.float32)
+    return Batch(prompt_mask.astype(np.int32), prompt_mask, mask.astype(np.int32), mask,
+                 mask * ones, -ones, np.ones(b, np.float32))  # fmt: skip
+
+
+def test_packing_at_the_8b_recipe_shape_computes_a_fraction_of_the_padded_positions():
+    """Qwen3-8B, 48 x 16 completions of up to 16,384 tokens on 8 FSDP shards, 48 padded
+    micro-steps of 2 rows each per shard: the packed step's micro-steps hold what a padded
+    one does per shard (one row of 34,816 here) and a batch takes as many as its rows fill,
+    so lognormal lengths (mean 4k) compute about a third of the padded positions. (Rounded to
+    the padded micro-steps' 384 rows, the packed step computed as many as the padded one.)"""
+    from jaxrl_scale.config import load_config
+    from jaxrl_scale.rl.packing import PackGeometry, padded_layout
+
+    cfg = load_config("configs/scalerl_qwen3-8b_math.yaml")
+    geometry = PackGeometry.of(cfg, 1024, 8)
+    assert (geometry.row_len, geometry.rows_per_micro) == (34_816, 8)
+    batch = _recipe_batch(cfg, 1024)
+    ro = dataclasses.make_dataclass("Ro", ["prompt_mask", "lengths", "completion_tokens"])(
+        batch.prompt_mask, batch.mask.sum(1), batch.tokens
+    )
+    padded = padded_layout(ro, cfg.train.group_size)
+    assert padded["train_positions"] == 48 * 1024 + 768 * 16_384
+    got, stats = geometry.layout(batch, cfg.train.group_size, padded)
+    assert stats["train_packed"] == 1 and got.shape[0] % 8 == 0
+    assert stats["train_positions"] < 0.4 * padded["train_positions"], stats
+    # Every row holds real tokens but the last few of the bucket.
+    assert stats["train_tokens"] > 0.85 * stats["train_positions"]
+
+
+def test_auto_counts_the_fused_kernel_a_packed_step_gives_up():
+    """With the padded step on a fused kernel (its attention 2x as fast here), fewer positions
+    alone do not make packing cheaper: the same batch that auto packs beside a blockwise
+    padded step, it pads beside a fused one (costs by hand)."""
+    from jaxrl_scale.rl.packing import MIN_SAVING, PackGeometry
+
+    batch = _batch(seed=3)  # 2 rows of 40 hold it: 80 positions against 123 padded
+    padded = {"train_tokens": 0, "train_positions": 3 * L + 3 * G * N, "train_packed": 0}
+    # A query-key pair costs a twentieth of a position's matmuls.
+    blockwise = PackGeometry(40, 1, None, auto=True, matmul_flops=1.0, attention_flops=0.05)
+    padded_pairs = 3 * 15 + 3 * G * (9 * 5 + 45)  # prompts' triangles; completions' keys
+    packed_pairs = 2 * 40 * 41 / 2  # each row's whole causal triangle
+    assert blockwise.cost(80, packed_pairs, padded=False) == 80 + 82
+    assert blockwise.cost(123, padded_pairs, padded=True) == 123 + 56.25
+    got, stats = blockwise.layout(batch, G, padded)  # 162 < 0.95 x 179.25
+    assert stats["train_packed"] == 1 and stats["train_positions"] == 80
+    fused = dataclasses.replace(blockwise, padded_speedup=2.0)
+    assert fused.cost(123, padded_pairs, padded=True) == 123 + 28.125
+    assert 162 > (1 - MIN_SAVING) * (123 + 28.125)
+    got, stats = fused.layout(batch, G, padded)
+    assert got is batch and stats is padded

@@ -52,14 +52,14 @@ def layer_params(cfg: ModelConfig) -> int:
     return sum(attn + (routed if cfg.routed(i) else 3 * d * f) for i in range(cfg.num_layers))
 
 
-def _attention(cfg: ModelConfig) -> int:
+def attention_flops(cfg: ModelConfig) -> int:
     """a: FLOPs of one query scoring and mixing one key, over all heads and layers."""
     return 4 * cfg.num_layers * cfg.num_heads * cfg.resolved_head_dim
 
 
 def forward_flops(cfg: ModelConfig, seq_len: int) -> float:
     """FLOPs of one forward pass over `seq_len` tokens with logits at every position."""
-    return 2.0 * matmul_params(cfg) * seq_len + _attention(cfg) * seq_len * (seq_len + 1) / 2
+    return 2.0 * matmul_params(cfg) * seq_len + attention_flops(cfg) * seq_len * (seq_len + 1) / 2
 
 
 def train_flops(cfg: ModelConfig, seq_len: int) -> float:
@@ -76,7 +76,7 @@ def batch_forward_flops(
     if p == 0 or b % p:
         raise ValueError(f"{b} completions do not split into groups over {p} prompts")
     g = b // p
-    n_layers, head, a = layer_params(cfg), cfg.hidden_size * cfg.vocab_size, _attention(cfg)
+    n_layers, head, a = layer_params(cfg), cfg.hidden_size * cfg.vocab_size, attention_flops(cfg)
     total = 0.0
     for i, length in enumerate(prompt_lens):
         total += 2.0 * n_layers * length + a * length * (length + 1) / 2

@@ -22,9 +22,11 @@ layout; `seq` names each token's completion, and the per-sequence quantities (to
 GSPO's sequence ratio, the aggregation weights) are segment sums over it (losses.py), so the
 packed step's loss, gradients and metrics equal the padded step's to float rounding.
 
-Rows come in a few compiled shapes: R is rounded up to `bucket_rows` (a multiple of the row
-shards times micro-batches, on a 1, 2, 3, 4, 5, 6, 7, 8, 10, 12, ... ladder: four shapes per
-doubling), so a run compiles a handful of steps, not one per batch.
+Rows come in a few compiled shapes: R is rounded up to `bucket_rows` (a multiple of a
+micro-step's rows, on a 1, 2, 3, 4, 5, 6, 7, 8, 10, 12, ... ladder: four shapes per doubling),
+so a run compiles a handful of steps, not one per batch. A micro-step holds as many rows as a
+token budget per batch shard allows (`PackGeometry.of`), so a batch of short completions
+runs as few micro-steps as it fills, not the padded step's count.
 """
 
 from __future__ import annotations
@@ -38,7 +40,9 @@ import numpy as np
 
 from jaxrl_scale.generation.sampler import prompt_width
 from jaxrl_scale.models import policy as model_lib
+from jaxrl_scale.models.attention import resolve
 from jaxrl_scale.parallel import distributed
+from jaxrl_scale.rl.compute import attention_flops, matmul_params
 
 
 @jax.tree_util.register_dataclass
@@ -104,33 +108,67 @@ def default_row_len(padded_row: int, block: int) -> int:
     return -(-row // 8) * 8
 
 
+# What a packed step gives up: packed rows carry segments, which only the blockwise (or the
+# dense) attention honours, while a padded step's self-attention runs cuDNN's fused kernel on
+# GPUs and splash on TPUs. Assumed speed of those kernels' attention over the blockwise one's
+# (FlashAttention-class kernels run attention 2-4x faster than a blockwise loop of XLA ops; the
+# low end, so `auto` errs towards the kernel); measure on the accelerator before trusting more.
+FUSED_ATTENTION_SPEEDUP = 2.0
+# The least fraction of the padded step's cost `auto` must save to pack a batch: each packed
+# row count is a compiled shape of its own, and a saving in the noise is not worth one.
+MIN_SAVING = 0.05
+
+
 @dataclasses.dataclass(frozen=True)
 class PackGeometry:
     """A run's packed rows: their length, the multiple row counts are rounded to, the rows per
-    micro-step (None: `train.micro_batches` slices), and whether each batch picks the layout
-    that computes fewer positions (`auto`, train.packing: auto) rather than always packing."""
+    micro-step (None: one slice; `of` always sets it), whether each batch picks the layout
+    that costs less (`auto`, train.packing: auto) rather than always packing, and the cost
+    model `auto` compares the layouts with (`cost`)."""
 
     row_len: int
     row_multiple: int
     rows_per_micro: int | None
     auto: bool = False
+    matmul_flops: float = 1.0  # per position (2 x the model's matmul weights)
+    attention_flops: float = 0.0  # per query-key pair (compute.attention_flops)
+    padded_speedup: float = 1.0  # the padded step's attention kernel against blockwise
 
     @classmethod
     def of(cls, cfg, longest_prompt: int, ways: int) -> PackGeometry:
         """From `cfg.train` (packing, pack_length, tokens_per_micro_batch, micro_batches), the
-        widest prompt and the trainer's batch shards (rows default to `default_row_len`).
+        widest prompt and the trainer's batch shards (`ways`).
+
+        Micro-steps are cut from the packed rows by a token budget per batch shard:
+        `train.tokens_per_micro_batch`, else what one of the padded step's micro-steps holds
+        (its rows per shard x the padded row), so a packed batch of short completions runs
+        as few micro-steps as its rows need, each no bigger than a padded one. Rows are
+        `train.pack_length` long, else `default_row_len` cut to the budget.
         `train.packing: auto` keeps the padded step as a choice only where its micro-steps
-        hold no more positions per shard than `train.tokens_per_micro_batch` allows (the
-        budget bounds every micro-step, whichever the layout); else it always packs."""
-        t = cfg.train
+        hold no more positions per shard than the budget allows."""
+        t, m = cfg.train, cfg.model
         padded_row = prompt_width(longest_prompt, longest_prompt) + cfg.sampler.max_new_tokens
-        row_len = t.pack_length or default_row_len(padded_row, cfg.model.attention_block_size)
-        rows_per_micro = None
-        if t.tokens_per_micro_batch:
-            rows_per_micro = max(1, t.tokens_per_micro_batch // row_len) * ways
         padded_micro = t.prompts_per_step * t.group_size // t.micro_batches // ways * padded_row
-        auto = t.packing == "auto" and padded_micro <= (t.tokens_per_micro_batch or padded_micro)
-        return cls(row_len, rows_per_micro or ways * t.micro_batches, rows_per_micro, auto)
+        budget = t.tokens_per_micro_batch or padded_micro
+        row_len = t.pack_length
+        if not row_len:
+            row_len = default_row_len(padded_row, m.attention_block_size)
+            row_len = min(row_len, max(padded_row, budget // 8 * 8))
+        rows_per_micro = max(1, budget // row_len) * ways
+        auto = t.packing == "auto" and padded_micro <= budget
+        kernel = resolve(m.attention, queries=padded_row, keys=padded_row,
+                         block_size=m.attention_block_size, dtype=m.dtype, query_offset=0,
+                         head_dim=m.resolved_head_dim)  # fmt: skip
+        fused = FUSED_ATTENTION_SPEEDUP if kernel in ("cudnn", "splash") else 1.0
+        return cls(row_len, rows_per_micro, rows_per_micro, auto,
+                   2.0 * matmul_params(m), float(attention_flops(m)), fused)  # fmt: skip
+
+    def cost(self, positions: int, pairs: float, *, padded: bool) -> float:
+        """A step's forward cost in blockwise-attention FLOPs: its positions' matmuls and its
+        attended query-key pairs, the padded step's at its kernel's speed."""
+        attention = self.attention_flops * pairs
+        return self.matmul_flops * positions + (attention / self.padded_speedup if padded
+                                                else attention)  # fmt: skip
 
     def pack(self, batch, group_size: int) -> tuple[PackedBatch, dict[str, int]]:
         """`pack` in these rows, and the metrics row's train_tokens / train_positions."""
@@ -143,11 +181,24 @@ class PackGeometry:
 
     def layout(self, batch, group_size: int, padded: dict[str, int]):
         """(the batch the step computes, its metrics): packed, or with `auto` the padded
-        `batch` where packing would compute as many positions as its `padded` layout or more
-        (completions that nearly fill their budget)."""
+        `batch` where packing would not save `MIN_SAVING` of the padded step's cost: the
+        positions both compute, and the query-key pairs their attention scores (a padded
+        row's prompt once per group and its causal triangle; a packed row's whole causal
+        triangle, an upper bound for the blockwise kernel, which skips only blocks hidden in
+        every row) with the padded step's fused kernel counted at its speed."""
         packed, stats = self.pack(batch, group_size)
-        if self.auto and stats["train_positions"] >= padded["train_positions"]:
-            return batch, padded
+        if self.auto:
+            b, n = np.shape(batch.tokens)
+            p, width = b // group_size, np.shape(batch.prompt_tokens)[1]
+            padded_pairs = p * width * (width + 1) / 2 + b * (n * width + n * (n + 1) / 2)
+            rows = stats["train_positions"] // self.row_len
+            packed_pairs = rows * self.row_len * (self.row_len + 1) / 2
+            keep = self.cost(padded["train_positions"], padded_pairs, padded=True)
+            if (
+                self.cost(stats["train_positions"], packed_pairs, padded=False)
+                > (1 - MIN_SAVING) * keep
+            ):
+                return batch, padded
         return packed, stats
 
 
