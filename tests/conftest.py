@@ -12,8 +12,7 @@ import os
 # (several hosts on 127.0.0.1) compile with the same flags: `xla_flags`.
 COMPILE_FLAGS = "--xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false"
 os.environ["XLA_FLAGS"] = (
-    os.environ.get("XLA_FLAGS", "")
-    + f" --xla_force_host_platform_device_count=8 {COMPILE_FLAGS}"
+    os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count=8 {COMPILE_FLAGS}"
 ).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # One persistent XLA compilation cache per test session (a fresh folder each run, inherited by
@@ -35,6 +34,7 @@ import pytest
 def xla_flags(devices: int) -> str:
     """XLA_FLAGS for a process a test starts: `devices` fake CPU devices, the suite's level."""
     return f"--xla_force_host_platform_device_count={devices} {COMPILE_FLAGS}"
+
 
 FIXTURES = Path(__file__).parent / "fixtures"
 HF_FIXTURES = FIXTURES / "hf"
