@@ -485,6 +485,9 @@ def _row(s: _Step, ended: float, totals: dict, clock: RunClock, cfg, evaluation)
         "skipped_updates": totals["skipped_updates"],
         "dropped_batches": totals["dropped_batches"],
     }
+    if s.staleness[1] == 0:  # every token sampled by the parameters trained: numerics alone
+        row["mismatch_numeric"] = row["mismatch"]
+        row["mismatch_numeric_max"] = row["mismatch_max"]
     if cfg.hosts.generator_groups:  # rows lost generator groups had in flight (drawn again)
         row["lost_rows"] = totals["lost_rows"]
     if evaluation is not None:

@@ -7,8 +7,11 @@ import os
 # classic elemental emitters in place of the MLIR fusion emitters. Measured on a tiny run
 # (2-core AMD EPYC, jax 0.10.2): its XLA compiles took 6.8 s at the defaults' level 0 and
 # 2.5 s with both (its train step 2.0 s -> 0.6 s); at XLA's defaults, 4.6 s for the train step
-# alone. Both change float results in the last bits (measured: 1e-10), which no test may
-# depend on: results differ that much between processor kinds too. The processes tests start
+# alone. Level 0 costs the few tests that run long (code runs about half as fast: the
+# bootstrap coverage test 26 s against 15 s), but without it the larger programs' compiles
+# (memory plans, MoE) make the whole suite slower: 21:51 against 13:00 with both. Both change
+# float results in the last bits (measured: 1e-10), which no test may depend on: results
+# differ that much between processor kinds too. The processes tests start
 # (several hosts on 127.0.0.1) compile with the same flags: `xla_flags`.
 COMPILE_FLAGS = "--xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false"
 os.environ["XLA_FLAGS"] = (

@@ -68,6 +68,14 @@ def test_off_policy_modes_respect_the_staleness_bound(mode, tmp_path):
     assert max(r["staleness_max"] for r in rows) <= 2
     if mode == "ppo_off_policy":  # two batches per policy: staleness 0, 1, 0, 1, ...
         assert [r["staleness_max"] for r in rows[1:]] == [0, 1, 0, 1, 0]
+    # `mismatch` mixes policy lag with sampler/trainer numerics; where no token is stale the
+    # row also carries it as the numerics alone, and nowhere else.
+    for r in rows[1:]:
+        fresh = r["staleness_max"] == 0
+        assert ("mismatch_numeric" in r) is fresh, r
+        assert not fresh or (r["mismatch_numeric"], r["mismatch_numeric_max"]) == (
+            r["mismatch"], r["mismatch_max"])  # fmt: skip
+    assert any(r["staleness_max"] > 0 for r in rows[1:])
 
 
 def test_sync_runs_with_one_seed_are_identical(tmp_path):

@@ -25,7 +25,9 @@ class LossConfig:
     kl_coef: float | None = None  # grpo: k3 KL to the policy at the start of RL
     # Drop the objective of tokens ("token") or whole sequences ("sequence", by their
     # geometric-mean ratio) whose ratio pi_trainer / pi_sampler lies outside
-    # [1 / mismatch_threshold, mismatch_threshold], with every loss kind (losses.py).
+    # [1 / mismatch_threshold, mismatch_threshold], with every loss kind (losses.py). The
+    # ratio is the sampler/trainer numerics and, off-policy, up to k versions of policy lag
+    # together: the mask bounds both (a hard trust region), not the numerics alone.
     mismatch_mask: Literal["none", "token", "sequence"] = "none"
     mismatch_threshold: float = 2.0
 
