@@ -143,16 +143,11 @@ def recipe(path: str, seeds: int, plan: bool) -> None:
                       mask * ones, -ones, np.ones(p * g, np.float32))  # fmt: skip
         _, stats = pack(batch, g, geometry.row_len, row_multiple=geometry.row_multiple)
         before = bucket_rows(stats.rows, ways * t.micro_batches) * geometry.row_len
-        pairs_pad = p * prompt_len * (prompt_len + 1) / 2 + p * g * (
-            n * prompt_len + n * (n + 1) / 2
-        )
-        pairs_pack = stats.bucket * geometry.row_len * (geometry.row_len + 1) / 2
         fused = dataclasses.replace(geometry, padded_speedup=FUSED_ATTENTION_SPEEDUP)
-        cost = {
-            name: geo.cost(stats.train_positions, pairs_pack, padded=False)
-            / geo.cost(padded, pairs_pad, padded=True)
-            for name, geo in (("here", geometry), ("fused", fused))
-        }
+        cost = {}
+        for name, geo in (("here", geometry), ("fused", fused)):
+            packed_cost, padded_cost = geo.costs(batch, g, padded, stats.train_positions)
+            cost[name] = packed_cost / padded_cost
         print(f"  seed {seed}: lengths mean {n_b.mean():,.0f} (median {np.median(n_b):,.0f}); "
               f"positions padded {padded / 1e6:.2f}M in {t.micro_batches} micro-steps, packed "
               f"{stats.train_positions / 1e6:.2f}M in {stats.bucket // geometry.rows_per_micro} "

@@ -179,25 +179,29 @@ class PackGeometry:
             "train_packed": 1,
         }
 
+    def costs(self, batch, group_size: int, padded_positions: int, packed_positions: int):
+        """(packed, padded) costs of a batch (`cost`): the positions each computes, and the
+        query-key pairs its attention scores: a padded row's prompt once per group and its
+        completion's keys; a packed row's whole causal triangle (an upper bound for the
+        blockwise kernel, which skips only blocks hidden in every row)."""
+        b, n = np.shape(batch.tokens)
+        p, width = b // group_size, np.shape(batch.prompt_tokens)[1]
+        padded_pairs = p * width * (width + 1) / 2 + b * (n * width + n * (n + 1) / 2)
+        packed_pairs = packed_positions // self.row_len * self.row_len * (self.row_len + 1) / 2
+        return (
+            self.cost(packed_positions, packed_pairs, padded=False),
+            self.cost(padded_positions, padded_pairs, padded=True),
+        )
+
     def layout(self, batch, group_size: int, padded: dict[str, int]):
         """(the batch the step computes, its metrics): packed, or with `auto` the padded
-        `batch` where packing would not save `MIN_SAVING` of the padded step's cost: the
-        positions both compute, and the query-key pairs their attention scores (a padded
-        row's prompt once per group and its causal triangle; a packed row's whole causal
-        triangle, an upper bound for the blockwise kernel, which skips only blocks hidden in
-        every row) with the padded step's fused kernel counted at its speed."""
+        `batch` where packing would not save `MIN_SAVING` of the padded step's cost
+        (`costs`, the padded step's fused kernel counted at its speed)."""
         packed, stats = self.pack(batch, group_size)
         if self.auto:
-            b, n = np.shape(batch.tokens)
-            p, width = b // group_size, np.shape(batch.prompt_tokens)[1]
-            padded_pairs = p * width * (width + 1) / 2 + b * (n * width + n * (n + 1) / 2)
-            rows = stats["train_positions"] // self.row_len
-            packed_pairs = rows * self.row_len * (self.row_len + 1) / 2
-            keep = self.cost(padded["train_positions"], padded_pairs, padded=True)
-            if (
-                self.cost(stats["train_positions"], packed_pairs, padded=False)
-                > (1 - MIN_SAVING) * keep
-            ):
+            cost = self.costs(batch, group_size, padded["train_positions"],
+                              stats["train_positions"])  # fmt: skip
+            if cost[0] > (1 - MIN_SAVING) * cost[1]:
                 return batch, padded
         return packed, stats
 
