@@ -516,3 +516,29 @@ def test_a_multi_turn_plan_on_the_slot_engine_holds_whole_episodes_per_slot():
     # With the prompt columns set (a longer first observation fed as given), only those.
     sized = plan(load_config(TINY, [*overrides, "task.prompt_tokens=12"]))["generate"]
     assert sized["kv_cache_bytes"] == 16 * (12 + 96) * per_column
+
+
+def test_a_hosts_plan_bounds_the_trainers_evaluation_as_it_bounds_the_generators():
+    """With generator jobs the trainer evaluates on its own mesh; on a CPU its bf16 programs
+    are planned, like the generator's, as the smaller of two upper bounds: as compiled (with
+    float32 copies of the weights and cache an accelerator never makes) and in float32.
+    Unbounded, the 8B recipe's trainer planned a 57 GiB evaluation decode chunk."""
+    import dataclasses
+
+    from jaxrl_scale.memory.generator import evaluate_memory
+
+    cfg = load_config(TINY, [*LONG, "model.dtype=bfloat16", "hosts.generator_groups=1",
+                             "hosts.generator_mesh.data=2", "pipeline.mode=sync"])  # fmt: skip
+    report = plan(cfg, prompt_len=8)
+    mesh, _ = sharding.make_meshes(cfg)
+    wide_model = dataclasses.replace(cfg.model, dtype="float32")
+    bf16 = evaluate_memory(cfg, mesh, 8, copy=True, own_copy=True)
+    f32 = evaluate_memory(dataclasses.replace(cfg, model=wide_model), mesh, 8, copy=True,
+                          own_copy=True)  # fmt: skip
+    ev = report["trainer_evaluate"]
+    assert ev["working_bytes"] == min(bf16["working_bytes"], f32["working_bytes"])
+    assert ev["working_bytes"] < bf16["working_bytes"]  # the copies the CPU makes are left out
+    assert report["trainer_host"]["evaluation_bytes"] == ev["per_device_bytes"]
+    assert ev["per_device_bytes"] == (
+        bf16["parameters_bytes"] + bf16["decode_state_bytes"] + ev["working_bytes"]
+    )

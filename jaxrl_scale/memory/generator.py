@@ -3,6 +3,7 @@ prefill, and held-out evaluation, each with the copies of the weights in flight.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import TYPE_CHECKING, Any
 
 import jax
@@ -201,6 +202,28 @@ def generator_devices(report: dict[str, Any]) -> dict[str, Any]:
         "evaluation_bytes": ev["per_device_bytes"],
         "per_device_bytes": params + state + working + ev["per_device_bytes"],
     }
+
+
+def bound_evaluation(ev: dict[str, Any], float32_program: dict[str, Any]) -> None:
+    """An evaluation plan's working memory: the smaller of its bf16 program as the CPU
+    compiles it and the same evaluation in float32 (`float32_config`), both upper bounds."""
+    ev["working_bytes_as_compiled"] = ev["working_bytes"]
+    ev["working_bytes"] = min(ev["working_bytes"], float32_program["working_bytes"])
+    ev["per_device_bytes"] = ev["parameters_bytes"] + ev["decode_state_bytes"] + ev["working_bytes"]
+
+
+def float32_config(cfg: ExperimentConfig) -> ExperimentConfig | None:
+    """The config whose programs are the second upper bound on a CPU (None where there is
+    none: another backend, or a float32 model). The CPU compiler has no bf16 matmuls: it
+    converts their operands (every layer's weights, the whole KV cache) to float32 copies
+    that an accelerator never makes. The same program in float32 has no such copies and
+    activations twice as wide. (A bfloat16 LoRA base is widened with it, or its kernels would
+    be cast to float32 copies there.)"""
+    if jax.default_backend() != "cpu" or cfg.model.dtype == "float32":
+        return None
+    m = cfg.model
+    lora = dataclasses.replace(m.lora, base_dtype="float32")
+    return dataclasses.replace(cfg, model=dataclasses.replace(m, dtype="float32", lora=lora))
 
 
 def bound_temporaries(part: dict[str, Any], float32_program: int) -> None:

@@ -9,7 +9,7 @@ import jax
 import numpy as np
 
 from jaxrl_scale.memory.abstract import abstract_params, adapter_bytes
-from jaxrl_scale.memory.generator import evaluate_memory
+from jaxrl_scale.memory.generator import bound_evaluation, evaluate_memory, float32_config
 from jaxrl_scale.parallel import sharding
 
 if TYPE_CHECKING:  # the root config composes every part's section
@@ -45,6 +45,11 @@ def plan_hosts(report: dict[str, Any], cfg: ExperimentConfig, mesh, prompt_len: 
     held = 2 * -(-total // mesh.devices.size)
     train = report["train_step"]
     evaluation = evaluate_memory(cfg, mesh, prompt_len, copy=True, own_copy=True)
+    wide_cfg = float32_config(cfg)
+    if wide_cfg is not None:  # the CPU's bf16 programs: the smaller of two upper bounds
+        wide = evaluate_memory(wide_cfg, mesh, prompt_len, copy=True, own_copy=True)
+        bound_evaluation(evaluation, wide)
+    report["trainer_evaluate"] = evaluation
     resident = train["parameters_bytes"] + train["optimizer_state_bytes"]
     report["trainer_host"] = {
         "train_step_bytes": train["per_device_bytes"],

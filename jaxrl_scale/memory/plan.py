@@ -18,8 +18,10 @@ from jaxrl_scale.memory.abstract import (
     task_prompt_len,
 )
 from jaxrl_scale.memory.generator import (
+    bound_evaluation,
     bound_temporaries,
     evaluate_memory,
+    float32_config,
     generate_memory,
     generator_devices,
     prefill_memory,
@@ -127,28 +129,15 @@ def plan(
         **({"experts": experts_note} if experts_note else {}),
         **programs(cfg),
     }
-    if jax.default_backend() == "cpu" and cfg.model.dtype != "float32":
-        # The CPU compiler has no bf16 matmuls: it converts their operands (every layer's
-        # weights, the whole KV cache) to float32 copies that an accelerator never makes. The
-        # same program in float32 has no such copies and activations twice as wide: its
-        # temporaries are a second upper bound. Report the smaller one. (A bfloat16 LoRA
-        # base is widened with it, or its kernels would be cast to float32 copies there.)
-        m = cfg.model
-        lora_f32 = dataclasses.replace(m.lora, base_dtype="float32")
-        wide = programs(
-            dataclasses.replace(cfg, model=dataclasses.replace(m, dtype="float32", lora=lora_f32))
-        )
+    wide_cfg = float32_config(cfg)
+    if wide_cfg is not None:  # the CPU's bf16 programs: the smaller of two upper bounds
+        wide = programs(wide_cfg)
         for name in ("train_step", "generate", "prefill"):
             bound_temporaries(report[name], wide[name]["temporaries_bytes"])
         report["prefill"]["extra_bytes"] = min(
             report["prefill"]["extra_bytes"], wide["prefill"]["extra_bytes"]
         )
-        ev, wide_ev = report["evaluate"], wide["evaluate"]
-        ev["working_bytes_as_compiled"] = ev["working_bytes"]
-        ev["working_bytes"] = min(ev["working_bytes"], wide_ev["working_bytes"])
-        ev["per_device_bytes"] = (
-            ev["parameters_bytes"] + ev["decode_state_bytes"] + ev["working_bytes"]
-        )
+        bound_evaluation(report["evaluate"], wide["evaluate"])
     report["generator"] = generator_devices(report)
     names = ["train_step", "generator"]
     if processes > 1 and own_devices and not cfg.hosts.generator_groups:
