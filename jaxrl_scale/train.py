@@ -165,7 +165,7 @@ def setup(cfg: ExperimentConfig, out: str | Path, *, resume: bool = True, task=N
     # ---------------------------------------------------------------- resume
     # The resume order: the train state (parameters, optimizer, step) onto this run's mesh;
     # the curriculum as of the last batch drawn; the rng key and running totals; the batches
-    # generated but not trained on (sync, ppo_off_policy, lockstep), placed on the trainer,
+    # generated but not trained on (sync, ppo_off_policy, lockstep), on the host,
     # those staler than this run's k dropped and counted (pipeline.make_feeder); then the
     # metrics rows after the checkpoint's step are cut (MetricsWriter) and the forecaster
     # replays the eval curve so far (train_run; both on process 0, which alone keeps the log).
@@ -177,7 +177,7 @@ def setup(cfg: ExperimentConfig, out: str | Path, *, resume: bool = True, task=N
     if resume:
         restored = checkpointer.restore_latest(
             abstract_like(jax.device_put(state, state_sharding)),
-            lambda tree: rollouts_from_host(tree, worker, router_replay=cfg.model.router_replay),
+            lambda tree: rollouts_from_host(tree, router_replay=cfg.model.router_replay),
             base=base_fingerprint,
         )
     if restored is not None:
@@ -240,15 +240,27 @@ def train_run(run: Run) -> list[dict[str, Any]]:
             params, _ = warm_start(train_state.params, worker.graphdef, worker.task,
                                    cfg.warm_start, seed=cfg.seed, frozen=run.frozen)  # fmt: skip
             train_state = run.new_train_state(params)  # a KL reference is this policy
-        evaluation = worker.evaluate_row(train_state.params, jax.random.fold_in(key, 10**9))
-        forecasts.observe(0, 0.0, evaluation)
+    # Generator jobs evaluate too (`RemoteFeeder.evaluate`): their hub is up before the first
+    # evaluation. Other feeders start after it, so no generator runs beside it.
+    source, feeder = _feeder(cfg, worker, train_state.params, start, key, remote_only=True)
+
+    def evaluate(params, eval_key, version: int, placed=None) -> dict[str, Any]:
+        if hasattr(feeder, "evaluate"):  # by the generator groups, of the published version
+            return feeder.evaluate(version, eval_key)
+        return worker.evaluate_row(params, eval_key, placed=placed)
+
+    if not run.resumed:
+        evaluation = evaluate(train_state.params, jax.random.fold_in(key, 10**9), start.step)
+        if distributed.is_main():  # (the only process with generator jobs' evaluations)
+            forecasts.observe(0, 0.0, evaluation)
         rows.append({**dict.fromkeys(("step", "policy_version", "staleness_max"), 0),
                      "compute_flops": 0.0, "device_seconds": 0.0, "tokens": 0,
                      **evaluation})  # fmt: skip
         metrics_log.write(rows[-1])
     # ---------------------------------------------------------------- the loop
     clock = RunClock(run.devices, seconds=totals["device_seconds"])  # from the first RL step
-    source, feeder = _feeder(cfg, worker, train_state.params, start, key)
+    if feeder is None:
+        source, feeder = _feeder(cfg, worker, train_state.params, start, key)
     # What each update moves to a generator (each generator job pulls its own copy).
     update_bytes = worker.update_bytes(train_state.params, remote=source is None)
     unlogged: _Step | None = None  # a step dispatched but not yet read back
@@ -286,7 +298,8 @@ def train_run(run: Run) -> list[dict[str, Any]]:
             _charge_dropped(feeder.take_dropped(), totals)
             totals["lost_rows"] += feeder.take_lost_rows() if source is None else 0
             staleness = _staleness(ro.versions, version=step - 1, k=staleness_bound(cfg.pipeline))
-            train_state, metrics = run.train_step(train_state, ro.batch)
+            batch = worker.to_trainer(ro.batch)  # host rows into their shards
+            train_state, metrics = run.train_step(train_state, batch)
             feeder.trained(train_state.params, step)  # lockstep: the next batch starts here
             if unlogged is not None:  # the step before: its metrics are ready (or nearly)
                 finish(unlogged, ended=began)
@@ -307,7 +320,7 @@ def train_run(run: Run) -> list[dict[str, Any]]:
                     # The generator's newest copy is this step's: no copy of its own beside it.
                     newest = None if source is None else source.newest()
                     placed = newest[1] if newest is not None and newest[0] == step else None
-                    evaluation = worker.evaluate_row(train_state.params, eval_key, placed=placed)
+                    evaluation = evaluate(train_state.params, eval_key, step, placed=placed)
             finish(unlogged, time.perf_counter(), evaluation)
             unlogged = None
             if evaluation is not None and _should_stop(forecasts.overall):
@@ -354,9 +367,15 @@ def export_run(run_dir: str | Path, out: str | Path, *, peft_out=None) -> list[P
 # --------------------------------------------------------------------------- helpers
 
 
-def _feeder(cfg: ExperimentConfig, worker: RolloutWorker, params, start: RunState, key):
+def _feeder(
+    cfg: ExperimentConfig, worker: RolloutWorker, params, start: RunState, key, *,
+    remote_only: bool = False,
+):  # fmt: skip
     """(the generator's ParamsSource or None, the feeder): generator jobs on other hosts
-    (`hosts.generator_groups`) are fed through the hub; else pipeline.py's feeders."""
+    (`hosts.generator_groups`) are fed through the hub; else pipeline.py's feeders
+    (`remote_only`: (None, None) for those)."""
+    if remote_only and not cfg.hosts.generator_groups:
+        return None, None
     if cfg.hosts.generator_groups:
         from jaxrl_scale.hosts.hub import RemoteFeeder  # the transport: only where it is used
 

@@ -1,6 +1,5 @@
 """One RunState as one orbax item: round trip, resharded restore, pending batches, damage."""
 
-import types
 import warnings
 
 import jax
@@ -22,8 +21,6 @@ from jaxrl_scale.rl.checkpoint import (
 from jaxrl_scale.rl.curriculum import Curriculum
 from jaxrl_scale.rl.rollout import Rollouts, rollouts_from_host, rollouts_to_host
 from jaxrl_scale.rl.step import Batch, init_train_state
-
-KEEP_HOST = types.SimpleNamespace(to_trainer=lambda batch: batch)  # a worker that places nothing
 
 
 def _restore(run_dir, target, pending_from_host):
@@ -82,7 +79,7 @@ def test_a_run_state_round_trips_as_one_item_and_reshards(tmp_path):
 
     eight = make_mesh(MeshConfig(data=8))  # a different device count: resharded on restore
     target = abstract_like(_train_state(eight))
-    restored = _restore(tmp_path, target, lambda tree: rollouts_from_host(tree, KEEP_HOST))
+    restored = _restore(tmp_path, target, lambda tree: rollouts_from_host(tree))
     assert restored.step == 6 and restored.totals == saved.totals
     w = restored.train.params["w"]
     assert w.sharding.mesh.devices.size == 8
@@ -103,7 +100,7 @@ def test_a_run_state_round_trips_as_one_item_and_reshards(tmp_path):
 def test_no_pending_batches_and_no_checkpoint(tmp_path):
     mesh = make_mesh(MeshConfig(data=1))
     target = abstract_like(_train_state(mesh))
-    from_host = lambda tree: rollouts_from_host(tree, KEEP_HOST)  # noqa: E731
+    from_host = lambda tree: rollouts_from_host(tree)  # noqa: E731
     assert _restore(tmp_path, target, from_host) is None
     ckpt = Checkpointer(tmp_path)
     ckpt.save(_run_state(mesh, step=2, pending=[]), rollouts_to_host)
@@ -156,11 +153,11 @@ def test_waiting_batches_keep_their_recorded_experts_for_a_replaying_run():
     routes = np.random.default_rng(0).integers(0, 8, (4, 5 + 3, 2, 2)).astype(np.uint8)
     replayed = dataclasses.replace(ro, batch=dataclasses.replace(ro.batch, routes=routes))
     tree = rollouts_to_host([replayed])
-    back = rollouts_from_host(tree, KEEP_HOST, router_replay=True)[0].batch
+    back = rollouts_from_host(tree, router_replay=True)[0].batch
     np.testing.assert_array_equal(back.routes, routes)
     with pytest.warns(UserWarning, match="1 waiting batches .*router_replay is off"):
-        assert rollouts_from_host(tree, KEEP_HOST)[0].batch.routes is None  # routes afresh
+        assert rollouts_from_host(tree)[0].batch.routes is None  # routes afresh
     plain = rollouts_to_host([ro])
     assert "routes" not in plain["0"]["batch"]
     with pytest.raises(ConfigError, match="model.router_replay: .* without recording"):
-        rollouts_from_host(plain, KEEP_HOST, router_replay=True)
+        rollouts_from_host(plain, router_replay=True)

@@ -202,6 +202,10 @@ def test_the_slots_are_split_over_the_generator_mesh(tmp_path):
     params = run.start.train.params
     ro = run.worker.rollouts(lambda chunk: (0, params), jax.random.key(0))
     assert ro.batch.behavior_logp.shape[0] == 16  # 4 prompts x 4
+    # The batch waits on the host; the trainer places each device's rows when it takes it.
+    assert all(isinstance(x, np.ndarray) for x in jax.tree.leaves(ro.batch))
+    placed = run.worker.to_trainer(ro.batch)
+    assert placed.tokens.addressable_shards[0].data.shape[0] == 2  # 16 rows over 8 devices
     state = run.worker.engine.state
     for x in (state.cache.k[0], state.tokens, state.done):
         assert x.sharding.mesh.devices.size == 8
@@ -302,17 +306,30 @@ def test_greedy_decoding_on_a_mesh_equals_static_with_groups_cut_by_shards(qwen2
         np.testing.assert_allclose(f.logp, np.asarray(static.behavior_logp[f.request]), atol=1e-5)
 
 
-def test_scanned_layers_prefill_and_admit_what_layer_by_layer_does(qwen2):
-    """model.scan_layers: the static prefill and the slot engine's admission run the prompt
-    through one scan of the layers (a stacked prompt-sized cache, widened per layer after);
-    the tokens and log-probs equal the layer-by-layer model's, on one device and on a mesh."""
+def test_scanned_layers_prefill_and_admit_what_layer_by_layer_does():
+    """A mixture of experts with model.scan_layers (`ModelConfig.scan_prompts`; a dense
+    model's prompts run layer by layer): the static prefill and the slot engine's admission
+    run the prompt through one scan of the layers (a stacked prompt-sized cache, widened per
+    layer after); the tokens and log-probs equal the layer-by-layer model's, on one device
+    and on a mesh."""
+    import dataclasses
+
     from jaxrl_scale.config import MeshConfig
+    from jaxrl_scale.models.config import ModelConfig
+    from jaxrl_scale.models.policy import Policy
     from jaxrl_scale.parallel.sharding import make_mesh, shard_module
 
-    scanned = load_pretrained(HF_FIXTURES / "qwen2", scan_layers=True)[0]
-    eos = _eos_ids(qwen2)
-    want = generate(qwen2, PROMPTS, max_new_tokens=N_NEW, temperature=0.0, eos_ids=eos)
-    got = generate(scanned, PROMPTS, max_new_tokens=N_NEW, temperature=0.0, eos_ids=eos)
+    cfg = ModelConfig(architecture="qwen3_moe", qk_norm=True, vocab_size=64, hidden_size=16,
+                      intermediate_size=32, num_layers=2, num_heads=2, num_kv_heads=1,
+                      num_experts=4, num_experts_per_tok=2, moe_intermediate_size=8)  # fmt: skip
+    layered = Policy(cfg, rngs=nnx.Rngs(params=3))
+    scanned = Policy(dataclasses.replace(cfg, scan_layers=True), rngs=nnx.Rngs(params=3))
+    dense = dataclasses.replace(cfg, architecture="qwen3", num_experts=0, scan_layers=True)
+    assert scanned.cfg.scan_prompts and not dense.scan_prompts
+    prompts = [[t % 64 for t in p] for p in PROMPTS]
+    eos = (1,)
+    want = generate(layered, prompts, max_new_tokens=N_NEW, temperature=0.0, eos_ids=eos)
+    got = generate(scanned, prompts, max_new_tokens=N_NEW, temperature=0.0, eos_ids=eos)
     np.testing.assert_array_equal(np.asarray(got.completion_tokens), want.completion_tokens)
     np.testing.assert_allclose(np.asarray(got.behavior_logp), want.behavior_logp, atol=1e-5)
     mesh = make_mesh(MeshConfig(data=8, fsdp=1, tensor=1))
@@ -320,10 +337,10 @@ def test_scanned_layers_prefill_and_admit_what_layer_by_layer_does(qwen2):
     engine = SlotEngine(graphdef, slots=8, prompt_len=16, n_new=N_NEW, repeat=2,
                         sampling=Sampling(0.0), eos_ids=eos, pad_id=0, model_cfg=scanned.cfg,
                         key=jax.random.key(1), mesh=mesh)  # fmt: skip
-    for i, p in enumerate(PROMPTS):
+    for i, p in enumerate(prompts):
         engine.submit(i, p)
     done = _drain(engine, nnx.state(shard_module(scanned, mesh)), steps=4)
-    assert len(done) == 2 * len(PROMPTS)
+    assert len(done) == 2 * len(prompts)
     for f in done:
         np.testing.assert_array_equal(f.tokens, np.asarray(want.completion_tokens[f.request]))
         np.testing.assert_allclose(f.logp, np.asarray(want.behavior_logp[f.request]), atol=1e-5)

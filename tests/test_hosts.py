@@ -15,7 +15,7 @@ from conftest import FAST, ROOT, TINY_CONFIG, xla_flags
 from flax import nnx
 
 from jaxrl_scale.config import ConfigError, MeshConfig, load_config
-from jaxrl_scale.hosts.hub import broadcast_bucket, generator_devices
+from jaxrl_scale.hosts.hub import generator_devices
 from jaxrl_scale.hosts.weights import WeightClient, WeightServer
 from jaxrl_scale.models.policy import Policy, for_generation
 from jaxrl_scale.parallel import sharding
@@ -94,16 +94,26 @@ def test_a_generator_group_counts_every_axis_of_its_mesh():
         assert generator_devices(cfg) == n, mesh
 
 
-def test_a_batch_is_broadcast_in_a_few_lengths():
-    """Every distinct length compiles the trainer processes' broadcast of a batch again: the
-    lengths are rounded up to buckets, at most 12.5% above the batch."""
-    assert broadcast_bucket(1) == broadcast_bucket(65536) == 65536
-    assert broadcast_bucket(65537) == 65536 + 8192  # an eighth of 2^16 above it
-    assert broadcast_bucket(3_000_000) == 12 * 2**18  # 2^21 <= n < 2^22: steps of 2^18
-    lengths = range(2_000_000, 2_400_000, 997)  # batches within 20% of one another
-    buckets = {broadcast_bucket(n) for n in lengths}
-    assert len(buckets) <= 3
-    assert all(n <= broadcast_bucket(n) <= 1.125 * n for n in lengths)
+def test_trainer_processes_fetch_a_batch_host_to_host_until_each_has_it():
+    """Process 0 serves each batch's frames to the other trainer processes over ZeroMQ (no
+    collective puts the bytes on a device); a batch is dropped once every reader took it,
+    and a wait that is not answered fails naming the server."""
+    from jaxrl_scale.hosts.hub import BatchServer, fetch_batch
+
+    server = BatchServer("127.0.0.1", readers=2, timeout=5)
+    try:
+        frames = [b'{"header": {}}', np.arange(1 << 20, dtype=np.uint8).tobytes()]
+        server.put(3, frames)
+        assert fetch_batch(server.address, 3, timeout=5) == frames
+        assert server.held() == [3]  # one reader still to come
+        assert fetch_batch(server.address, 3, timeout=5) == frames
+        assert server.held() == []
+        with pytest.raises(RuntimeError, match="batch 3 is not held here"):
+            fetch_batch(server.address, 3, timeout=5)
+    finally:
+        server.close()
+    with pytest.raises(TimeoutError, match=f"batch server at {server.address}"):
+        fetch_batch(server.address, 4, timeout=0.5)
 
 
 def _hub_cfg(port):
@@ -150,6 +160,73 @@ def test_the_hub_drops_malformed_batches_and_goes_on():
     finally:
         push.close(0)
         req.close(0)
+        hub.stop(grace=0.1)
+
+
+def test_the_groups_make_the_held_out_evaluation_and_a_lost_groups_part_goes_again():
+    """The trainer's evaluation of a version is handed to the generator groups in parts,
+    before any batch; a malformed result is dropped, a part whose group falls silent for
+    hosts.lost_after goes to the next group asking, and the trainer gets every part's
+    scores in order."""
+    import threading
+
+    import zmq
+
+    from jaxrl_scale.hosts.hub import Hub, encode_batch
+    from jaxrl_scale.rl.curriculum import Curriculum
+
+    port = _free_port()
+    hosts = ["hosts.generator_groups=2", f"hosts.hub=127.0.0.1:{port}", "hosts.lost_after=1"]
+    cfg = load_config(TINY_CONFIG, [*FAST, *hosts, "pipeline.mode=pipeline_rl"])
+    hub = Hub(cfg, Curriculum(64, seed=0), start=0, k=1, chunks=1, weights=[])
+    ctx = zmq.Context.instance()
+    push, a, b = ctx.socket(zmq.PUSH), ctx.socket(zmq.REQ), ctx.socket(zmq.REQ)
+    got = []
+    try:
+        push.connect(f"tcp://127.0.0.1:{port + 1}")
+        gens = []
+        for sock, token in ((a, "a"), (b, "b")):
+            sock.connect(f"tcp://127.0.0.1:{port}")
+            sock.send_json({"op": "join", "group": token, "host": "here", "token": token})
+            assert sock.poll(10_000)
+            gens.append(sock.recv_json()["gen"])
+
+        def ask(sock, gen, seq):
+            sock.send_json({"op": "work", "run": hub.run, "gen": gen, "seq": seq})
+            assert sock.poll(10_000)
+            return sock.recv_json()
+
+        parts = [(0, 3), (3, 8)]  # FAST: 8 held-out examples, 2 samples each
+        waiter = threading.Thread(target=lambda: got.append(hub.evaluate(5, [1, 2], parts)))
+        waiter.start()
+        time.sleep(0.5)  # the trainer thread's request is in
+        first = ask(a, gens[0], 1)
+        assert first == {"eval": 0, "part": 0, "lo": 0, "hi": 3, "version": 5, "key": [1, 2],
+                         "parts": 2}  # fmt: skip
+        second = ask(b, gens[1], 1)
+        assert second["part"] == 1 and "batch" not in second
+        header = {"eval": 0, "part": 1, "gen": gens[1], "run": hub.run, "counts": {"n": 2}}
+        push.send_multipart(encode_batch(header, {"scores": np.ones((4, 2))}))  # 5 rows due
+        deadline = time.monotonic() + 1.5  # group a falls silent; b only beats
+        while time.monotonic() < deadline:
+            b.send_json({"op": "beat", "run": hub.run, "gen": gens[1]})
+            assert b.poll(10_000) and "version" in b.recv_json()
+            time.sleep(0.2)
+        # The malformed part and the lost group's go out again, to the group that asks.
+        again = [ask(b, gens[1], 2 + i) for i in range(2)]
+        assert sorted(w["part"] for w in again) == [0, 1] and all(w["eval"] == 0 for w in again)
+        for j, rows in ((0, 3), (1, 5)):
+            header = {"eval": 0, "part": j, "gen": gens[1], "run": hub.run, "counts": {"n": j}}
+            push.send_multipart(encode_batch(header, {"scores": np.full((rows, 2), j)}))
+        waiter.join(timeout=10)
+        (results,) = got
+        assert [r[0].shape for r in results] == [(3, 2), (5, 2)]
+        assert [r[1] for r in results] == [{"n": 0}, {"n": 1}]
+        assert hub.rejected == 0  # a malformed part is handed out again, not counted lost
+        assert "batch" in ask(b, gens[1], 4)  # then batches again
+    finally:
+        for sock in (push, a, b):
+            sock.close(0)
         hub.stop(grace=0.1)
 
 
@@ -396,8 +473,9 @@ def test_generator_role_without_a_trainer_fails_naming_the_hub(tmp_path):
 
 def test_memory_plans_the_trainer_and_a_generator_group_apart():
     """With generator jobs, the plan has the trainer's devices (train step, and the two
-    versions kept for the generators, each split over all trainer devices) and one group's
-    devices (two copies: decoding and receiving; no evaluation: the trainer evaluates)."""
+    versions kept for the generators, each split over all trainer devices; no evaluation)
+    and one group's devices (two copies: decoding and receiving; held-out evaluation waves
+    between its batches, in a batch's place)."""
     from jaxrl_scale.memory import plan
 
     cfg = load_config(TINY_CONFIG, ["mesh.data=4", "hosts.generator_groups=2",
@@ -408,10 +486,15 @@ def test_memory_plans_the_trainer_and_a_generator_group_apart():
     trainer, gen = report["trainer_host"], report["generator"]
     assert trainer["held_versions_bytes"] == 2 * -(-total // 4)  # float32 model: same bytes
     assert (
-        trainer["per_device_bytes"] >= trainer["train_step_bytes"] + trainer["held_versions_bytes"]
+        trainer["per_device_bytes"] == trainer["train_step_bytes"] + trainer["held_versions_bytes"]
     )
-    assert gen["evaluation_bytes"] == 0
     assert gen["parameters_bytes"] == 2 * report["generate"]["parameters_bytes"]
+    batch = gen["decode_state_bytes"] + gen["working_bytes"]
+    evaluation = report["evaluate"]
+    assert evaluation["parameters_bytes"] == 0  # it decodes with the copy the group holds
+    assert gen["per_device_bytes"] == gen["parameters_bytes"] + max(
+        batch, evaluation["per_device_bytes"]
+    )
     assert report["generate_mesh"] == {"data": 2, "fsdp": 1, "expert": 1, "tensor": 1}
     assert report["fits"] is True
 
@@ -448,3 +531,54 @@ def test_multi_turn_episodes_run_on_a_generator_job(tmp_path, processes):
     for r in rows:
         assert 1 <= r["turns_mean"] <= 2 and r["env_errors"] == 0
         assert r["gen_tokens"] <= 2 * 4 * 16  # sampled tokens only: 2 turns of <= 4
+
+
+# The shipped multi-host recipes: (trainer processes, devices per host). Each runs on that
+# topology (its meshes, generator group, pipeline mode and k as written) on 127.0.0.1, with
+# fake CPU devices, the model and the shapes shrunk, through the launcher users run.
+RECIPES = {"scalerl_qwen3-8b_math.yaml": (1, 8), "scalerl_qwen3-30b-a3b_math.yaml": (2, 8)}
+# What shrinks: the model to a few thousand parameters (its architecture, dtype, attention,
+# remat, scan and router replay kept), the task to arithmetic (the math task needs a
+# checkpoint's tokenizer), the lengths and the batch; the meshes, groups and pipeline stay.
+SHRUNK = [
+    "task.name=arithmetic", "task.num_train=64", "task.num_eval=16",
+    "task.arithmetic.max_digits=1", "model.vocab_size=32", "model.hidden_size=32",
+    "model.intermediate_size=64", "model.num_layers=2", "model.num_heads=4",
+    "model.num_kv_heads=2", "model.head_dim=8", "model.logits_chunk_size=8",
+    "sampler.max_new_tokens=6", "sampler.interruption=null", "sampler.slots=32",
+    "train.prompts_per_step=2", "train.group_size=16", "train.micro_batches=1",
+    "train.eval_every=0", "train.eval_samples=2", "train.steps=6", "checkpoint.every=0",
+    "forecast.every=0", "optim.warmup_steps=1", "hosts.timeout=120",
+]  # fmt: skip
+MOE = ["model.num_experts=8", "model.num_experts_per_tok=2", "model.moe_intermediate_size=16"]
+
+
+@pytest.mark.parametrize("recipe", sorted(RECIPES))
+def test_each_multi_host_recipe_runs_on_its_topology(tmp_path, recipe):
+    """Its trainer processes x devices form the recipe's mesh, its generator group has the
+    recipe's mesh on a host of its own, and the pipeline is the one it names: PipelineRL-8
+    runs with tokens more than one version stale, never more than k."""
+    trainers, devices = RECIPES[recipe]
+    cfg = load_config(ROOT / "configs" / recipe)
+    assert cfg.mesh.data * cfg.mesh.fsdp * cfg.mesh.expert * cfg.mesh.tensor == trainers * devices
+    assert generator_devices(cfg) == devices and cfg.hosts.generator_groups == 1
+    assert cfg.pipeline.mode == "pipeline_rl" and cfg.pipeline.generator_devices == 0
+    k = cfg.pipeline.max_staleness
+    out = tmp_path / "run"
+    shrunk = [*SHRUNK, *(MOE if cfg.model.num_experts else [])]
+    args = ["--config", str(ROOT / "configs" / recipe), "--out", str(out)]
+    args += [x for s in shrunk for x in ("--set", s)]
+    script = ROOT / "launch" / "local_disaggregated.sh"
+    cmd = ["bash", str(script), "--port", str(_free_port()), "--devices", str(devices),
+           "--generator-devices", str(devices), str(trainers), "1", "--", *args]  # fmt: skip
+    env = _env("trainer")
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=420)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    rows = [r for r in read_metrics(out) if r["step"] > 0]
+    assert [r["step"] for r in rows] == list(range(1, 7))
+    assert all(r["staleness_max"] <= k for r in rows)
+    assert max(r["staleness_max"] for r in rows) >= 2  # PipelineRL-k, not lockstep
+    assert "runs as" not in done.stderr  # no reduced bound was warned about
+    # Held-out evaluations (step 0 and the last) are made by the generator group.
+    assert [r["step"] for r in read_metrics(out) if "eval_pass_rate" in r] == [0, 6]
+    assert done.stdout.count("generating evaluation") == 2

@@ -518,27 +518,46 @@ def test_a_multi_turn_plan_on_the_slot_engine_holds_whole_episodes_per_slot():
     assert sized["kv_cache_bytes"] == 16 * (12 + 96) * per_column
 
 
-def test_a_hosts_plan_bounds_the_trainers_evaluation_as_it_bounds_the_generators():
-    """With generator jobs the trainer evaluates on its own mesh; on a CPU its bf16 programs
-    are planned, like the generator's, as the smaller of two upper bounds: as compiled (with
-    float32 copies of the weights and cache an accelerator never makes) and in float32.
-    Unbounded, the 8B recipe's trainer planned a 57 GiB evaluation decode chunk."""
-    import dataclasses
+@pytest.mark.parametrize("batching", ["static", "continuous"])
+def test_a_dense_models_prompts_run_without_a_stacked_copy_of_the_weights(batching):
+    """The programs that start rows (a wave's prefill, the engine's admission) on a
+    data-parallel generator, whose devices each hold the whole model: with `scan_layers` a
+    scan would take the layers' weights as one stacked copy, a copy of the model on every
+    device (27 GiB of the 8B recipe's admission as the planner compiles it). Four more layers
+    add far less than their weights."""
+    from jaxrl_scale.memory.generator import prefill_memory
 
-    from jaxrl_scale.memory.generator import evaluate_memory
+    def temporaries(layers):
+        cfg = load_config(TINY, [
+            "model.hidden_size=256", "model.intermediate_size=1024", f"model.num_layers={layers}",
+            "model.scan_layers=true", "mesh.data=4", "sampler.max_new_tokens=8",
+            "train.prompts_per_step=4", "train.group_size=4", "sampler.slots=16",
+            f"sampler.batching={batching}",
+        ])  # fmt: skip
+        mesh = sharding.make_mesh(cfg.mesh, jax.devices()[:4])
+        return prefill_memory(cfg, mesh, 8, copy=True)["temporaries_bytes"]
 
-    cfg = load_config(TINY, [*LONG, "model.dtype=bfloat16", "hosts.generator_groups=1",
-                             "hosts.generator_mesh.data=2", "pipeline.mode=sync"])  # fmt: skip
-    report = plan(cfg, prompt_len=8)
-    mesh, _ = sharding.make_meshes(cfg)
-    wide_model = dataclasses.replace(cfg.model, dtype="float32")
-    bf16 = evaluate_memory(cfg, mesh, 8, copy=True, own_copy=True)
-    f32 = evaluate_memory(dataclasses.replace(cfg, model=wide_model), mesh, 8, copy=True,
-                          own_copy=True)  # fmt: skip
-    ev = report["trainer_evaluate"]
-    assert ev["working_bytes"] == min(bf16["working_bytes"], f32["working_bytes"])
-    assert ev["working_bytes"] < bf16["working_bytes"]  # the copies the CPU makes are left out
-    assert report["trainer_host"]["evaluation_bytes"] == ev["per_device_bytes"]
-    assert ev["per_device_bytes"] == (
-        bf16["parameters_bytes"] + bf16["decode_state_bytes"] + ev["working_bytes"]
-    )
+    d, f = 256, 1024
+    per_layer = 4 * (4 * d * d + 3 * d * f)  # float32: attention (at most) and the MLP
+    assert temporaries(6) - temporaries(2) < 4 * per_layer / 4
+
+
+def test_scored_batches_wait_on_the_host_and_the_plan_counts_them():
+    """Up to k batches wait for the trainer, and it trains one: k + 1 on the host (never on
+    the trainer's devices), each with router replay's experts at every position (one byte
+    per id up to 256 experts), by hand."""
+    moe = ["model.architecture=qwen3_moe", "model.qk_norm=true", "model.num_experts=8",
+           "model.num_experts_per_tok=2", "model.moe_intermediate_size=32",
+           "model.router_replay=true", "model.num_layers=2", "model.qkv_bias=false",
+           "pipeline.max_staleness=4"]  # fmt: skip
+    cfg = load_config(TINY, [*LONG, *moe])
+    from jaxrl_scale.memory.plan import host_batches
+
+    got = host_batches(cfg, prompt_len=8)
+    rows, length, n = 64, 8, 64  # 8 prompts x 8; LONG's 64 new tokens
+    plain = rows * (length * (4 + 1) + n * (4 + 1 + 4 + 4) + 4)
+    routes = rows * (length + n) * 2 * 2  # 2 routed layers x top-2, uint8
+    assert got == {"batch_bytes": plain + routes, "routes_bytes": routes, "batches": 5,
+                   "host_bytes": 5 * (plain + routes)}  # fmt: skip
+    sync = host_batches(load_config(TINY, [*LONG, "pipeline.mode=sync"]), prompt_len=8)
+    assert sync["batches"] == 1 and sync["routes_bytes"] == 0

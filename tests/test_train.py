@@ -299,6 +299,7 @@ def test_generator_on_its_own_devices_gets_weights_by_device_put(tmp_path):
     )
     assert ro.completion_tokens.devices() == set(devices[4:])
     batch = run.worker.rollouts(lambda chunk: frozen, jax.random.key(1)).batch
+    batch = run.worker.to_trainer(batch)  # (it waits on the host until taken)
     for leaf in jax.tree.leaves(batch):  # on the trainer, split over its data axis
         assert leaf.sharding.device_set == set(devices[:4])
         assert not leaf.sharding.is_fully_replicated

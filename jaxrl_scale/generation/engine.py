@@ -222,10 +222,10 @@ def _prefill_into(state, graphdef, params, tokens, mask, key, source, budget, *,
         return jax.lax.with_sharding_constraint(x, batch_sharding(mesh, x.ndim))
 
     tokens, mask, source, budget = map(rows, (tokens, mask, source, budget))
-    # The prompts' layers run as one scan where the model scans its layers (one layer's
-    # buffers live at a time, not every layer's: an MoE layer's routed pairs are large); the
-    # prompt-sized cache comes back stacked and is split per layer for the slots.
-    scan = model.cfg.scan_layers
+    # The prompts' layers run as one scan for a mixture of experts (`ModelConfig.scan_prompts`:
+    # one layer's routed pairs live at a time); the prompt-sized cache comes back stacked
+    # and is split per layer for the slots.
+    scan = model.cfg.scan_prompts
     cache = KVCache.empty(model.cfg, *tokens.shape, stacked=scan)
     if not scan:
         cache = jax.tree.map(rows, cache)

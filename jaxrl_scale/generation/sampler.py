@@ -212,20 +212,28 @@ def prefill(
     model = nnx.merge(graphdef, params)
     p, length = prompt_tokens.shape
     b = p * repeat
-    # Where the model scans its layers the prompts run as one scan (one layer's buffers live
-    # at a time) into a prompt-sized stacked cache, then each layer's keys and values are
-    # widened by the completion's columns; else layer by layer into the full cache.
-    scan = model.cfg.scan_layers
-    cache = KVCache.empty(model.cfg, p, length if scan else length + n_new, stacked=scan)
-    split = (lambda x: _constrain_batch(x, mesh, 0)) if repeat == 1 else (lambda x: x)
-    if not scan:  # the rows are the batch (repeat 1): split them over the mesh from the start
+    # Rows are split over the mesh's batch axes as soon as they exist. Prompts that are the
+    # rows (repeat 1), layer by layer: straight into the full cache. Otherwise (a scanned
+    # forward, `ModelConfig.scan_prompts`, or prompts copied into G rows each) into a
+    # prompt-sized cache, whose rows are repeated and split before each layer's keys and
+    # values are widened by the completion's columns: widened first, every device would
+    # hold a full-length cache of every prompt.
+    scan = model.cfg.scan_prompts
+    direct = not scan and repeat == 1
+    cache = KVCache.empty(model.cfg, p, length + n_new if direct else length, stacked=scan)
+    split = lambda x: _constrain_batch(x, mesh, 0)  # noqa: E731
+    if direct:
         cache = jax.tree.map(split, cache)
     positions = jnp.maximum(jnp.cumsum(prompt_mask, axis=1) - 1, 0)
     with traced_on(mesh):
         h_btd, cache, chosen = model.extend(
             cache, prompt_tokens, positions, prompt_mask, 0, scan=scan, return_routes=True
         )
-    if scan:
+    if not direct:
+        # One [rows, K, S, E] array per layer (a scanned forward's stack, unstacked).
+        cache = KVCache(k=tuple(cache.k), v=tuple(cache.v), valid=cache.valid)
+        rows = lambda x: split(jnp.repeat(x, repeat, axis=0) if repeat > 1 else x)  # noqa: E731
+        cache, h_btd, prompt_mask, chosen = jax.tree.map(rows, (cache, h_btd, prompt_mask, chosen))
         widen = lambda x: split(jnp.pad(x, ((0, 0), (0, 0), (0, n_new), (0, 0))))  # noqa: E731
         cache = KVCache(
             k=tuple(widen(x) for x in cache.k),
@@ -233,11 +241,6 @@ def prefill(
             valid=split(jnp.pad(cache.valid, ((0, 0), (0, n_new)))),
         )
     routes = prompt_routes(model.cfg, chosen, n_new)
-    if repeat > 1:
-        cache, h_btd, prompt_mask, routes = jax.tree.map(
-            lambda x: _constrain_batch(jnp.repeat(x, repeat, axis=0), mesh, 0),
-            (cache, h_btd, prompt_mask, routes),
-        )
     key, budget_key = jax.random.split(key)
     if interruption is None:
         think_budget = jnp.full((b,), n_new + 1, jnp.int32)  # never reached

@@ -42,7 +42,7 @@ from jaxrl_scale.models.policy import Policy, for_generation
 from jaxrl_scale.parallel import sharding
 from jaxrl_scale.rl.episodes import EpisodeRunner
 from jaxrl_scale.rl.generator import WaveGenerator
-from jaxrl_scale.rl.rollout import score_episodes, score_rollout
+from jaxrl_scale.rl.rollout import held_out_scores, score_episodes, score_rollout
 from jaxrl_scale.tasks import make_scorer, make_task
 from jaxrl_scale.tasks.env import EnvRunner
 
@@ -325,17 +325,23 @@ def run_generator(cfg: ExperimentConfig, group: int) -> int:
                     return 0
                 if work.get("rejoin"):
                     break
-                if "batch" not in work:
+                if "batch" not in work and "eval" not in work:
                     time.sleep(work.get("wait", 0.05))
                     continue
-                print(f"{name}: generating batch {work['batch']}", flush=True)
+                what = f"batch {work.get('batch')}"
+                if "eval" in work:
+                    what = f"evaluation {work['eval']} part {work['part']} of {work['version']}"
+                print(f"{name}: generating {what}", flush=True)
                 try:
-                    frames = _make_batch(cfg, scorer, waves, weights, work, run_key, sampling,
-                                         base, episodes)  # fmt: skip
+                    if "eval" in work:
+                        frames = _evaluate_part(cfg, scorer, waves, weights, work, base, episodes)
+                    else:
+                        frames = _make_batch(cfg, scorer, waves, weights, work, run_key,
+                                             sampling, base, episodes)  # fmt: skip
                 except Rejoin:
                     break
                 except Stopped:  # said, not counted: the trainer has trained its last step
-                    print(f"{name}: batch {work['batch']} left unfinished", flush=True)
+                    print(f"{name}: {what} left unfinished", flush=True)
                     break
                 header = json.loads(frames[0])
                 header.update(run=session["run"], gen=session["gen"])
@@ -398,6 +404,27 @@ def _make_batch(
     header = {"batch": work["batch"], "stats": scored.stats,
               "seconds": time.perf_counter() - start}  # fmt: skip
     return encode_batch(header, arrays)
+
+
+def _evaluate_part(cfg, scorer, waves, weights: Weights, work: dict, base=None,
+                   episodes=None) -> list[bytes]:  # fmt: skip
+    """Score part of a held-out evaluation (examples lo..hi-1, k samples each) with exactly
+    the version asked for; its frames for the hub (scores [hi - lo, k], counts)."""
+    version = work["version"]
+    key = jax.random.wrap_key_data(np.asarray(work["key"], np.uint32))
+    if work["parts"] > 1:  # each part draws its own samples
+        key = jax.random.fold_in(key, work["part"])
+
+    def params_for_chunk(chunk: int):
+        got = weights.get(version=version)
+        return -1, lora.merge_params(base, got[1])  # (the trainer's eval: no version recorded)
+
+    examples = scorer.task.eval_examples[work["lo"] : work["hi"]]
+    scores, counts = held_out_scores(cfg, scorer, waves.generate, episodes, params_for_chunk,
+                                     examples, key)  # fmt: skip
+    counts = {k: v.item() if hasattr(v, "item") else v for k, v in counts.items()}
+    header = {"eval": work["eval"], "part": work["part"], "counts": counts}
+    return encode_batch(header, {"scores": np.asarray(scores, np.float64)})
 
 
 def main(cfg: ExperimentConfig, group: int) -> int:

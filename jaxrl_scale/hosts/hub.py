@@ -5,6 +5,7 @@ takes their scored batches back, and the feeder the train loop reads them from.
     Hub (thread): ZeroMQ ROUTER  <-- join / work / beat (JSON) --   HubClient
                   ZeroMQ PULL    <-- scored batch (JSON + .npz) --   (PUSH)
     every trainer process: WeightServer (weights.py) <-- pull over jax.experimental.transfer
+    trainer process 0: BatchServer (REP) --> a taken batch's bytes to processes 1..T-1
 
 Why ZeroMQ: the generator groups are separate jobs (a `jax.distributed` job whose process
 dies takes the whole job down with it, and its key-value store is only for processes of one
@@ -47,7 +48,7 @@ from jaxrl_scale.generation.sampler import Rollout
 from jaxrl_scale.hosts.weights import WeightServer
 from jaxrl_scale.parallel import distributed
 from jaxrl_scale.rl.curriculum import Curriculum
-from jaxrl_scale.rl.rollout import Rollouts, Scored
+from jaxrl_scale.rl.rollout import Rollouts, Scored, held_out_row
 
 if TYPE_CHECKING:  # the root config composes every part's section
     from jaxrl_scale.config import ExperimentConfig
@@ -189,6 +190,11 @@ class Hub:
         self._arrived: dict[int, tuple[dict, dict, dict]] = {}  # n -> (header, arrays, curric.)
         self._early: dict[int, tuple[dict, dict]] = {}  # guarded by _cond: arrived, an
         # earlier batch not yet (hub thread writes, the trainer thread counts them)
+        # Held-out evaluations the trainer waits for, guarded by _cond: id -> {"version",
+        # "key", "parts": [(lo, hi)], "todo": parts not handed out, "assigned": part -> gen,
+        # "results": part -> (scores, counts)} (trainer thread adds, hub thread fills).
+        self._evals: dict[int, dict] = {}
+        self._eval_ids = iter(range(2**31))
         self._stopping: float | None = None  # when stopping: the time the hub thread ends by
         self._failed: BaseException | None = None
         self.lost_rows = self.lost_batches = self.rejected = 0  # hub thread; read when joined
@@ -232,6 +238,35 @@ class Hub:
                         f"(last seen: {self._describe_gens()})"
                     )
             return self._arrived.pop(number)
+
+    def evaluate(self, version: int, key: list[int], parts: list[tuple[int, int]]) -> list:
+        """A held-out evaluation of `version` by the generator groups: part j, the held-out
+        examples parts[j] = (lo, hi), goes to the next group asking for work (before any
+        batch), decoded with exactly that version and sampling key `key` (the key's data;
+        folded with j where there are several parts). Each part's (scores [hi - lo, k],
+        counts), once all arrived; a part whose group is lost is handed out again."""
+        timeout = self.cfg.hosts.timeout
+        with self._cond:
+            e = next(self._eval_ids)
+            self._evals[e] = {"version": version, "key": key, "parts": parts, "assigned": {},
+                              "todo": list(range(len(parts))), "results": {}}  # fmt: skip
+            job = self._evals[e]
+            try:
+                while len(job["results"]) < len(parts):
+                    if self._failed is not None:
+                        raise RuntimeError("the trainer's hub failed") from self._failed
+                    self._cond.wait(timeout=0.5)
+                    silent = time.monotonic() - self._last_heard
+                    if silent > timeout:
+                        raise TimeoutError(
+                            f"trainer hub {self.cfg.hosts.hub}: no generator group has been "
+                            f"heard from for {silent:.0f} s while waiting for the held-out "
+                            f"evaluation of version {version} (last seen: "
+                            f"{self._describe_gens()})"
+                        )
+            finally:
+                del self._evals[e]
+        return [job["results"][j] for j in range(len(parts))]
 
     def has(self, number: int) -> bool:
         with self._cond:
@@ -311,15 +346,63 @@ class Hub:
             return {"version": self._published_now()}
         if op == "work":  # a retried request (same seq) gets the same answer
             if msg.get("seq") is None or msg["seq"] != gen["seq"]:
-                reply = self.dispatch.assign(msg["gen"], self._published_now())
+                # A part of an evaluation the trainer waits for comes before any batch.
+                reply = self._eval_part(msg["gen"])
+                if reply is None:
+                    reply = self.dispatch.assign(msg["gen"], self._published_now())
+                    if reply is not None:
+                        gen["batches"].add(reply["batch"])  # until it arrives
                 gen["seq"], gen["reply"] = msg.get("seq"), reply
-                if reply is not None:
-                    gen["batches"].add(reply["batch"])  # until it arrives
             return gen["reply"] or {"wait": 0.05}
         if op == "leave":
             self._lose(msg["gen"], "left")
             return {"ok": True}
         return {"error": f"unknown op {op!r}"}
+
+    def _eval_part(self, gen_id: int) -> dict | None:
+        with self._cond:
+            for e, job in self._evals.items():
+                if job["todo"]:
+                    j = job["todo"].pop(0)
+                    job["assigned"][j] = gen_id
+                    lo, hi = job["parts"][j]
+                    return {"eval": e, "part": j, "lo": lo, "hi": hi, "version": job["version"],
+                            "key": job["key"], "parts": len(job["parts"])}  # fmt: skip
+        return None
+
+    def _receive_eval(self, header: dict, frames: list[bytes]) -> None:
+        """A part of a held-out evaluation: its scores [examples of the part, k] and counts."""
+        try:
+            gen_id, e, j = header["gen"], int(header["eval"]), int(header["part"])
+            scores = decode_arrays(frames[1])["scores"]
+            counts = dict(header["counts"])
+            if not all(isinstance(v, int | float) for v in counts.values()):
+                raise ValueError("its counts are not numbers")
+        except (ValueError, KeyError, TypeError, IndexError, OSError) as err:
+            self.rejected += 1
+            print(f"hub: a malformed evaluation was dropped ({err}); {self.rejected} so far",
+                  file=sys.stderr, flush=True)  # fmt: skip
+            return
+        with self._cond:
+            job = self._evals.get(e) if header.get("run") == self.run else None
+            ok = job is not None and job["assigned"].get(j) == gen_id and j not in job["results"]
+            if ok:
+                lo, hi = job["parts"][j]
+                want = (hi - lo, self.cfg.train.eval_samples)
+                if scores.shape != want:
+                    print(f"hub: evaluation part {j} has scores of shape {scores.shape}, "
+                          f"expected {want}; handed out again", file=sys.stderr,
+                          flush=True)  # fmt: skip
+                    del job["assigned"][j]
+                    job["todo"].append(j)
+                    return
+                job["results"][j] = (scores, counts)
+                self._cond.notify_all()
+        if not ok:
+            self.rejected += 1
+            print(f"hub: evaluation {e} part {j} from generator {gen_id} was not this run's "
+                  f"to make; dropped ({self.rejected} so far)", file=sys.stderr,
+                  flush=True)  # fmt: skip
 
     def _published_now(self) -> int:
         with self._cond:
@@ -332,6 +415,8 @@ class Hub:
     def _receive(self, frames: list[bytes]) -> None:
         try:
             header = json.loads(frames[0])
+            if isinstance(header, dict) and "eval" in header:
+                return self._receive_eval(header, frames)
             gen_id, n = header["gen"], int(header["batch"])
             arrays = decode_arrays(frames[1])
             check_batch(self.cfg, header, arrays)
@@ -369,6 +454,13 @@ class Hub:
         self.lost_rows += self.rows * len(mine)
         self.lost_batches += len(mine)
         lost = f"; its batch(es) {mine} ({self.rows * len(mine)} rows) are handed out again"
+        with self._cond:  # and the parts of evaluations it had, not yet back
+            for e, job in self._evals.items():
+                for j in [j for j, g in job["assigned"].items() if g == gen_id]:
+                    if j not in job["results"]:
+                        del job["assigned"][j]
+                        job["todo"].append(j)
+                        lost += f"; evaluation {e} part {j} is handed out again"
         print(f"hub: generator group {gen['group']} on {gen['host']} {why}{lost}",
               file=sys.stderr, flush=True)  # fmt: skip
 
@@ -381,7 +473,8 @@ class Hub:
 
 class RemoteFeeder:
     """The train loop's feeder when generators are separate jobs (`hosts.generator_groups`):
-    batch n is taken from the hub (process 0) and broadcast to the other trainer processes;
+    batch n is taken from the hub (process 0), and the other trainer processes fetch its bytes
+    from process 0's `BatchServer`;
     every trainer process publishes each version to its weight server. The interface is
     pipeline.py's feeders'."""
 
@@ -391,11 +484,16 @@ class RemoteFeeder:
         self.pending: list[Any] = []  # in flight on other hosts: drawn again on resume
         self.dropped: list[Any] = []
         host = address(cfg)
+        self.batches = None
+        if distributed.is_main():
+            self.batches = BatchServer(host, jax.process_count() - 1, cfg.hosts.timeout)
         gen_devices = generator_devices(cfg)
         self.weights = WeightServer(worker.mesh, cfg.model, gen_devices, host=host,
                                     timeout=cfg.hosts.timeout)  # fmt: skip
         self.weights.publish(version, params)  # what generators start from
         everyone = _allgather_json(self.weights.address)
+        main = self.batches.address if self.batches is not None else ""
+        self._batch_server = _allgather_json({"batches": main})[0]["batches"]
         self.hub = None
         if distributed.is_main():
             self.hub = Hub(cfg, worker.curriculum, start=version, k=k, chunks=worker.chunks,
@@ -410,13 +508,20 @@ class RemoteFeeder:
         frames = None
         key = f"jaxrl_scale/batch/{self.start + n}"
         if self.hub is not None:
-            header, arrays, curriculum = self.hub.take(n)
+            try:
+                header, arrays, curriculum = self.hub.take(n)
+            except BaseException:
+                distributed.announce(key, "failed")  # the other processes stop waiting
+                raise
             frames = encode_batch({"header": header}, {**arrays, **{
                 f"curriculum.{k}": np.asarray(v) for k, v in curriculum.items()}})  # fmt: skip
-            distributed.announce(key)
+            self.batches.put(n, frames)
+            distributed.announce(key, "ok")
         else:  # wait outside any collective: generation may take longer than one may wait
-            distributed.wait_for(key, self.cfg.hosts.timeout * 4, f"batch {n} from the hub")
-        frames = _broadcast_frames(frames)
+            if self._wait_for_main(key, f"batch {n} from the hub") != "ok":
+                raise RuntimeError(f"trainer process 0 failed to take batch {n} from the hub "
+                                   "(its log says why)")  # fmt: skip
+            frames = fetch_batch(self._batch_server, n, self.cfg.hosts.timeout)
         header = json.loads(frames[0])["header"]
         arrays = decode_arrays(frames[1])
         curriculum = {k.split(".", 1)[1]: v for k, v in arrays.items() if k.startswith("curr")}
@@ -425,6 +530,51 @@ class RemoteFeeder:
                         dict(header["stats"]))  # fmt: skip
         self.taken += 1
         return self.worker.assemble(scored, arrays["indices"], curriculum, header["seconds"])
+
+    def evaluate(self, version: int, key) -> dict[str, float]:
+        """The held-out evaluation of `version` (published), made by the generator groups:
+        the held-out examples in one part per group the run is planned for
+        (`hosts.generator_groups`), each decoded with that version alone; the row
+        (`rollout.held_out_row`) on process 0, which alone logs and forecasts ({} on the
+        others)."""
+        done = f"jaxrl_scale/eval/{version}"
+        if self.hub is None:  # waiting in no collective: the groups pull weights from here
+            if self._wait_for_main(done, f"the held-out evaluation of version {version}") != "ok":
+                raise RuntimeError(f"the held-out evaluation of version {version} failed on "
+                                   "trainer process 0 (its log says why)")  # fmt: skip
+            return {}
+        try:
+            row = self._evaluate(version, key)
+        except BaseException:
+            distributed.announce(done, "failed")
+            raise
+        distributed.announce(done, "ok")
+        return row
+
+    def _wait_for_main(self, key: str, what: str) -> str | None:
+        """Wait on a trainer process other than 0 for process 0's announcement of `key`,
+        without a limit of its own: process 0 bounds each wait (it fails when no generator
+        group has been heard from for hosts.timeout, and says so here), and a process 0 that
+        dies ends the whole `jax.distributed` job. A long evaluation, or a slow first batch,
+        is waited for, as process 0 waits."""
+        while True:
+            try:
+                return distributed.wait_for(key, self.cfg.hosts.timeout, what)
+            except TimeoutError:
+                continue
+
+    def _evaluate(self, version: int, key) -> dict[str, float]:
+        examples = self.worker.task.eval_examples
+        n, parts = len(examples), max(1, min(self.cfg.hosts.generator_groups, len(examples)))
+        bounds = [(n * j // parts, n * (j + 1) // parts) for j in range(parts)]
+        key_data = np.asarray(jax.random.key_data(key)).tolist()
+        results = self.hub.evaluate(version, key_data, bounds)
+        scores = np.concatenate([r[0] for r in results])
+        counts: dict[str, float] = {}
+        for (lo, hi), (_, part) in zip(bounds, results, strict=True):
+            for name, v in part.items():  # means weighted by their examples, counts summed
+                counts[name] = counts.get(name, 0) + (v * (hi - lo) / n if "_mean" in name else v)
+        return held_out_row(scores, counts, examples)
 
     def trained(self, params, version: int) -> None:
         self.weights.publish(version, params)
@@ -446,6 +596,8 @@ class RemoteFeeder:
     def stop(self) -> None:
         if self.hub is not None:
             self.hub.stop()
+        if self.batches is not None:
+            self.batches.close()
         self.weights.close()
 
     def untrained(self) -> int:
@@ -485,27 +637,83 @@ def _allgather_json(value: dict) -> list[dict]:
     return [json.loads(bytes(row).decode().strip()) for row in np.asarray(got)]
 
 
-def broadcast_bucket(n: int) -> int:
-    """The bytes a batch of `n` bytes is broadcast in: at least 64 KiB, else `n` rounded up
-    to an eighth of its power of two (at most 12.5% more). Every distinct length compiles
-    the broadcast again; batches' lengths vary with their header and their rows, and fall
-    in a few of these buckets."""
-    if n <= 1 << 16:
-        return 1 << 16
-    step = 1 << (n.bit_length() - 4)
-    return -(-n // step) * step
+class BatchServer:
+    """Trainer process 0's batches for the other trainer processes, host to host: a ZeroMQ
+    REP socket answers "batch n" with its two frames (JSON header, arrays). Nothing goes
+    through a device: a collective broadcast would put every batch's bytes on each trainer
+    process's devices (with router replay most of a batch), and compile again for every
+    new length. A batch is kept until each of the `readers` processes has taken it.
+    `put` runs on the train loop's thread and the socket's thread serves: `_frames` is shared
+    by the two, behind `_lock`."""
+
+    def __init__(self, host: str, readers: int, timeout: float):
+        self.readers, self.timeout = readers, timeout
+        self._frames: dict[int, list[bytes]] = {}
+        self._left: dict[int, int] = {}
+        self._lock = threading.Lock()
+        socket = zmq.Context.instance().socket(zmq.REP)  # owned by the serving thread after this
+        socket.setsockopt(zmq.LINGER, 0)
+        self.address = f"{host}:{socket.bind_to_random_port(f'tcp://{host}')}"
+        self._stopping = threading.Event()
+        self._thread = threading.Thread(target=self._serve, args=(socket,), daemon=True,
+                                        name="batch-server")  # fmt: skip
+        self._thread.start()
+
+    def put(self, n: int, frames: list[bytes]) -> None:
+        if self.readers:
+            with self._lock:
+                self._frames[n], self._left[n] = frames, self.readers
+
+    def held(self) -> list[int]:
+        with self._lock:
+            return sorted(self._frames)
+
+    def _serve(self, socket) -> None:
+        try:
+            while not self._stopping.is_set():
+                if not socket.poll(100):
+                    continue
+                request = socket.recv()
+                try:
+                    n = int(json.loads(request)["batch"])
+                except (ValueError, KeyError, TypeError) as e:
+                    socket.send_multipart([json.dumps({"error": f"bad request: {e}"}).encode()])
+                    continue
+                with self._lock:
+                    frames = self._frames.get(n)
+                    if frames is not None:
+                        self._left[n] -= 1
+                        if not self._left[n]:  # every reader has it
+                            del self._frames[n], self._left[n]
+                if frames is None:
+                    error = {"error": f"batch {n} is not held here", "held": self.held()}
+                    socket.send_multipart([json.dumps(error).encode()])
+                else:
+                    socket.send_multipart([b"{}", *frames], copy=False)
+        finally:
+            socket.close()
+
+    def close(self) -> None:
+        self._stopping.set()
+        self._thread.join(timeout=5)
 
 
-def _broadcast_frames(frames: list[bytes] | None) -> list[bytes]:
-    """Process 0's frames on every trainer process (a collective over the trainer's job)."""
-    if jax.process_count() == 1:
-        return frames
-    sizes = np.zeros(2, np.int64) if frames is None else np.array([len(f) for f in frames])
-    sizes = np.asarray(multihost_utils.broadcast_one_to_all(sizes))
-    joined = np.zeros(broadcast_bucket(int(sizes.sum())), np.uint8)
-    if frames is not None:
-        data = b"".join(frames)
-        joined[: len(data)] = np.frombuffer(data, np.uint8)
-    joined = np.asarray(multihost_utils.broadcast_one_to_all(joined))[: int(sizes.sum())]
-    joined = joined.tobytes()
-    return [joined[: sizes[0]], joined[sizes[0] :]]
+def fetch_batch(address: str, n: int, timeout: float) -> list[bytes]:
+    """Batch n's frames from trainer process 0's `BatchServer` at `address` (host:port)."""
+    socket = zmq.Context.instance().socket(zmq.REQ)
+    socket.setsockopt(zmq.LINGER, 0)
+    try:
+        socket.connect(f"tcp://{address}")
+        socket.send(json.dumps({"batch": n}).encode())
+        if not socket.poll(int(timeout * 1000)):
+            raise TimeoutError(
+                f"no answer in {timeout:.0f} s from trainer process 0's batch server at "
+                f"{address} (batch {n})"
+            )
+        reply = socket.recv_multipart()
+    finally:
+        socket.close()
+    status = json.loads(reply[0])
+    if "error" in status:
+        raise RuntimeError(f"trainer process 0's batch server at {address}: {status['error']}")
+    return reply[1:]

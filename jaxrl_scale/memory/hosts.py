@@ -9,7 +9,6 @@ import jax
 import numpy as np
 
 from jaxrl_scale.memory.abstract import abstract_params, adapter_bytes
-from jaxrl_scale.memory.generator import bound_evaluation, evaluate_memory, float32_config
 from jaxrl_scale.parallel import sharding
 
 if TYPE_CHECKING:  # the root config composes every part's section
@@ -30,31 +29,24 @@ def group_mesh(cfg: ExperimentConfig):
 
 def plan_hosts(report: dict[str, Any], cfg: ExperimentConfig, mesh, prompt_len: int) -> None:
     """Generators are jobs of their own: their devices hold two copies (the one decoding and
-    the version being received) and no evaluation (the trainer evaluates); the trainer's hold
-    the train step, and beside the train state the versions its weight server keeps laid out
-    for the generators (`weights.WeightServer`: 2, each split over all trainer devices), and
-    between steps a held-out evaluation with a copy of its own. With LoRA a version is its
-    adapters."""
-    gen = report["generator"]
-    gen["per_device_bytes"] -= gen["evaluation_bytes"]
-    gen["evaluation_bytes"] = 0
+    the version being received) and evaluate held-out prompts between their batches, in a
+    batch's place (hub.py: the trainer hands its evaluations to the groups); the trainer's
+    hold the train step, and beside the train state the versions its weight server keeps
+    laid out for the generators (`weights.WeightServer`: 2, each split over all trainer
+    devices). With LoRA a version is its adapters."""
+    gen, ev = report["generator"], report["evaluate"]
+    batch = gen["decode_state_bytes"] + gen["working_bytes"]
+    gen["evaluation_bytes"] = max(0, ev["per_device_bytes"] - batch)  # beyond a batch's
+    gen["evaluation_between_batches"] = True
+    gen["per_device_bytes"] = gen["parameters_bytes"] + max(batch, ev["per_device_bytes"])
     _, params = abstract_params(cfg, mesh, generation=True)
     total = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(params))
     if cfg.model.lora.enabled:  # a version is its adapters (the generators hold the base)
         total = adapter_bytes(params, per_device=False)
     held = 2 * -(-total // mesh.devices.size)
     train = report["train_step"]
-    evaluation = evaluate_memory(cfg, mesh, prompt_len, copy=True, own_copy=True)
-    wide_cfg = float32_config(cfg)
-    if wide_cfg is not None:  # the CPU's bf16 programs: the smaller of two upper bounds
-        wide = evaluate_memory(wide_cfg, mesh, prompt_len, copy=True, own_copy=True)
-        bound_evaluation(evaluation, wide)
-    report["trainer_evaluate"] = evaluation
-    resident = train["parameters_bytes"] + train["optimizer_state_bytes"]
     report["trainer_host"] = {
         "train_step_bytes": train["per_device_bytes"],
         "held_versions_bytes": held,
-        "evaluation_bytes": evaluation["per_device_bytes"],
-        "per_device_bytes": held + max(train["per_device_bytes"],
-                                       resident + evaluation["per_device_bytes"]),
-    }  # fmt: skip
+        "per_device_bytes": held + train["per_device_bytes"],
+    }

@@ -30,7 +30,9 @@ from jaxrl_scale.memory.hosts import group_mesh, plan_hosts
 from jaxrl_scale.memory.report import advice
 from jaxrl_scale.memory.train_step import train_step_memory
 from jaxrl_scale.parallel import sharding
+from jaxrl_scale.rl.pipeline import staleness_bound
 from jaxrl_scale.rl.rollout import decodes_with_copy
+from jaxrl_scale.rl.step import Batch
 
 if TYPE_CHECKING:  # the root config composes every part's section
     from jaxrl_scale.config import ExperimentConfig
@@ -139,6 +141,7 @@ def plan(
         )
         bound_evaluation(report["evaluate"], wide["evaluate"])
     report["generator"] = generator_devices(report)
+    report["host_batches"] = host_batches(cfg, prompt_len)
     names = ["train_step", "generator"]
     if processes > 1 and own_devices and not cfg.hosts.generator_groups:
         report["weight_transfer"] = plan_transfer(report, cfg, mesh, processes)
@@ -192,4 +195,24 @@ def plan_transfer(report: dict[str, Any], cfg: ExperimentConfig, mesh, processes
         "staged_leaf_bytes": staged,
         "cast_weights_bytes": cast,
         "per_device_bytes": resident + cast + staged,
+    }
+
+
+def host_batches(cfg: ExperimentConfig, prompt_len: int) -> dict[str, Any]:
+    """Scored batches wait on the host (`rollout.Rollouts`): up to k = the staleness bound
+    ahead of the trainer (in the feeder's queue, or at the hub of generator jobs on the
+    trainer's process 0), and the one it trains, placed in its shards only when taken (on
+    the devices it is the train step's batch argument). A batch's bytes as padded rows, with
+    router replay's experts (`model.route_dtype`, every prompt and completion position)."""
+    rows = cfg.train.prompts_per_step * cfg.train.group_size
+    n_new = cfg.task.max_episode_tokens if cfg.task.max_turns > 1 else cfg.sampler.max_new_tokens
+    shapes = Batch.shapes(rows, prompt_len, n_new, cfg.model)
+    nbytes = lambda x: 0 if x is None else math.prod(x.shape) * x.dtype.itemsize  # noqa: E731
+    batch = sum(nbytes(x) for x in jax.tree.leaves(shapes))
+    k = staleness_bound(cfg.pipeline)
+    return {
+        "batch_bytes": batch,
+        "routes_bytes": nbytes(shapes.routes),
+        "batches": k + 1,
+        "host_bytes": (k + 1) * batch,
     }

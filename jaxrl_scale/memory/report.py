@@ -197,16 +197,19 @@ def format_plan(report: dict[str, Any]) -> str:
     first, ev, gen = report["prefill"], report["evaluate"], report["generator"]
     lines.append(f"\n{first['program']}: {_gib(first['extra_bytes'])} per device beyond the "
                  "parameters and the slots' state")  # fmt: skip
+    between = gen.get("evaluation_between_batches", False)  # a generator job's
+    where = "between its batches, in a batch's place" if between else "beside the generator"
     lines.append(
         f"held-out evaluation: {ev['waves']} wave(s) of {ev['rows_per_wave']} rows, "
-        f"{_gib(ev['per_device_bytes'])} per device beside the generator"
+        f"{_gib(ev['per_device_bytes'])} per device {where}"
     )
     lines.append("\nthe generator's devices hold at once, per device:")
     lines += _table([
         ("parameter copies", gen["parameters_bytes"]),
         ("decode state (KV cache, rows)", gen["decode_state_bytes"]),
         (f"working ({gen['working_program']})", gen["working_bytes"]),
-        ("held-out evaluation", gen["evaluation_bytes"]),
+        ("held-out evaluation" + (" (beyond a batch's)" if between else ""),
+         gen["evaluation_bytes"]),
         ("total", gen["per_device_bytes"]),
     ])  # fmt: skip
     if "pool_bytes" in report:
@@ -219,11 +222,11 @@ def format_plan(report: dict[str, Any]) -> str:
     verdicts = {"train_step": "train step", "generator": "generator's devices"}
     if "trainer_host" in report:
         part = report["trainer_host"]
-        lines.append("\nthe trainer's devices hold, per device (generators are jobs of their own):")
+        lines.append("\nthe trainer's devices hold, per device (generators are jobs of their own, "
+                     "and make its held-out evaluations):")  # fmt: skip
         lines += _table([
             ("train step", part["train_step_bytes"]),
             ("versions held for the generators", part["held_versions_bytes"]),
-            ("or, between steps, evaluation", part["evaluation_bytes"]),
             ("total", part["per_device_bytes"]),
         ])  # fmt: skip
         verdicts = {"trainer_host": "trainer's devices", "generator": "a generator group's"}
@@ -247,6 +250,15 @@ def format_plan(report: dict[str, Any]) -> str:
         lines.append(f"\ntrain step + generator on the same devices ({how}): "
                      f"{_gib(part['per_device_bytes'])} per device")  # fmt: skip
         verdicts = {"train_step": "train step", "train_and_generate": "train + generator"}
+    if "host_batches" in report:
+        part = report["host_batches"]
+        routes = part["routes_bytes"]
+        experts = f", {_gib(routes)} of it router replay's experts" if routes else ""
+        lines.append(
+            f"\nscored batches wait on the trainer's host, not its devices: up to "
+            f"{part['batches']} (k + 1) of {_gib(part['batch_bytes'])}{experts}: "
+            f"{_gib(part['host_bytes'])} of host memory"
+        )
     for name, title in verdicts.items():
         part = report[name]
         if "fits" in part:

@@ -265,6 +265,18 @@ class ModelConfig:
         return sum(self.routed(i) for i in range(self.num_layers))
 
     @property
+    def scan_prompts(self) -> bool:
+        """Whether the programs that run prompts into a cache for decoding (a wave's prefill,
+        the slot engine's admission) scan the layers. A scan takes its layers' weights as
+        one stacked copy (Policy.forward), a whole copy of the weights on every device that
+        holds them unsplit (a data-parallel generator: 15 GiB a device at 8B in bf16); the
+        layers in sequence reuse one layer's buffers for the next, so a dense model's prompts
+        run unscanned. A mixture of experts keeps the scan (`scan_layers`): its routed pairs
+        are large and, unscanned, each layer's are not reused (the 30B-A3B shape's admission
+        grows 1.2 GiB a layer unscanned, 0.4 scanned, its experts split 8 ways)."""
+        return self.scan_layers and self.routed_layers > 0
+
+    @property
     def route_dtype(self):
         """The dtype recorded expert ids travel in (router replay): one byte for up to 256
         experts (Qwen3-30B-A3B: 48 layers x 8 ids = 384 bytes a token), two above."""

@@ -315,7 +315,9 @@ class EngineBatches(_OnGenerator):
                 self.finished.setdefault(row.request, []).append(row)
         self.queued.pop(0)
         rows = [f for r in requests for f in sorted(self.finished.pop(r), key=lambda f: f.row)]
-        stack = lambda name: jnp.asarray(np.stack([getattr(f, name) for f in rows]))  # noqa: E731
+        # On the host, where scoring reads it and the trainer places its rows in their shards
+        # when it takes the batch (with router replay its experts are most of its bytes).
+        stack = lambda name: np.stack([getattr(f, name) for f in rows])  # noqa: E731
         ro = Rollout(
             prompt_tokens=stack("prompt"),
             prompt_mask=stack("prompt_mask"),
@@ -323,8 +325,8 @@ class EngineBatches(_OnGenerator):
             completion_mask=stack("mask"),
             behavior_logp=stack("logp"),
             versions=stack("versions"),
-            finish_reason=jnp.asarray([f.finish_reason for f in rows], jnp.int32),
-            lengths=jnp.asarray([f.length for f in rows], jnp.int32),
+            finish_reason=np.asarray([f.finish_reason for f in rows], np.int32),
+            lengths=np.asarray([f.length for f in rows], np.int32),
             routes=None if rows[0].routes is None else stack("routes"),
         )
         return indices, ro

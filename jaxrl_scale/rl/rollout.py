@@ -1,15 +1,17 @@
 """The rollout worker: prompts -> generation -> scores -> advantages -> a batch for the trainer.
 
 worker = RolloutWorker(cfg, task, graphdef, mesh=mesh, gen_mesh=None)
-ro = worker.rollouts(params_for_chunk, key)   # Rollouts: batch on the trainer's devices, ...
+ro = worker.rollouts(params_for_chunk, key)   # Rollouts: batch on the host, ...
+batch = worker.to_trainer(ro.batch)          # in the trainer's shards
 rate = worker.evaluate(params, key)           # held-out mean@k
 
 It owns the task, its tokenizer, the curriculum and the sampling settings; the generation
 itself is `generation.py`'s (static waves, or the slot engine's batch queue). It is the one
 place where rollouts cross between host and device: completions come to the host to be
-decoded and scored, and the scored batch goes to the trainer's devices (each process placing
-its own rows in a multi-process run); `rollouts_to_host` / `rollouts_from_host` do the same
-for batches a checkpoint keeps.
+decoded and scored, the scored batch stays on the host while it waits, and `to_trainer` puts
+it in the trainer's shards when the train loop takes it (each process placing its own rows
+in a multi-process run); `rollouts_to_host` / `rollouts_from_host` keep waiting batches in a
+checkpoint.
 
 Threads. `rollouts` runs on the thread that feeds the trainer (the generator thread in
 threaded `pipeline_rl`, else the main thread) and is the only code that touches the
@@ -61,7 +63,10 @@ if TYPE_CHECKING:  # the root config composes every part's section
 class Rollouts:
     """One scored generation round: everything the trainer needs."""
 
-    batch: Batch | PackedBatch  # on the trainer's devices (packed with train.packing)
+    # Host arrays (packed with train.packing), placed in the trainer's shards when the train
+    # loop takes the batch (`RolloutWorker.to_trainer`): the batches waiting in a feeder
+    # hold no device memory (with router replay their experts are most of their bytes).
+    batch: Batch | PackedBatch
     indices: np.ndarray  # [P] prompt indices
     versions: np.ndarray  # [B, N] policy version per sampled token (-1 elsewhere)
     stats: dict[str, float]
@@ -156,8 +161,8 @@ class RolloutWorker:
     # ------------------------------------------------------------------ placement
 
     def to_trainer(self, batch: Batch) -> Batch:
-        """The batch split over the trainer mesh's batch axes, from wherever it was made.
-        Across processes the batch is on the host and each process places its own rows."""
+        """The batch (host arrays) split over the trainer mesh's batch axes, each device given
+        only its own rows; across processes each process places its own."""
         shardings = sharding.batch_shardings(batch, self.mesh)
         if self.multiprocess:
             return jax.tree.map(distributed.place, batch, shardings)
@@ -257,15 +262,14 @@ class RolloutWorker:
 
     def assemble(self, scored: Scored, indices, curriculum: dict, seconds: float) -> Rollouts:
         """The trainer's batch from a scored rollout (made here or by a generator job):
-        advantages, the batch placed on the trainer's devices, the row's statistics.
+        advantages, the batch on the host, the row's statistics.
         `curriculum`: the snapshot taken after the batch's pass rates were recorded."""
         cfg, ro = self.cfg, scored.ro
         adv, keep = group_advantages(
             scored.rewards, cfg.train.group_size, normalize=cfg.loss.normalize,
             baseline=cfg.loss.baseline,
         )  # fmt: skip
-        batch, layout = _trainer_batch(ro, adv, keep, cfg.train.group_size, self.packing,
-                                       host=self.multiprocess)  # fmt: skip
+        batch, layout = _trainer_batch(ro, adv, keep, cfg.train.group_size, self.packing)
         stats = {
             **scored.stats,
             **layout,  # train_tokens, train_positions
@@ -273,8 +277,7 @@ class RolloutWorker:
             "retired": int(np.asarray(curriculum["retired"]).sum()),
             "gen_seconds": seconds,
         }
-        return Rollouts(self.to_trainer(batch), np.asarray(indices), scored.versions, stats,
-                        curriculum)  # fmt: skip
+        return Rollouts(batch, np.asarray(indices), scored.versions, stats, curriculum)
 
     def _curriculum_snapshot(self) -> dict[str, np.ndarray]:
         """The curriculum as a checkpoint keeps it. A batch queued ahead in the engine was
@@ -296,42 +299,60 @@ class RolloutWorker:
         return row["eval_pass_rate"], row["eval_sampling_sd"]
 
     def evaluate_row(self, params, key, *, placed=None) -> dict[str, float]:
-        """The metrics of a held-out evaluation: `eval_pass_rate` (mean@k) and its sampling
-        sd `eval_sampling_sd` (see `sampling_sd`), and for a mixture of domains the same over
-        each domain's prompts (`eval_pass_rate/<domain>`, `eval_sampling_sd/<domain>`).
-        `placed`: the same parameters already as the generator decodes them (the newest
-        published copy), evaluated without placing another copy beside the generator's."""
-        k = self.cfg.train.eval_samples
-        examples = self.task.eval_examples
+        """The metrics of a held-out evaluation (`held_out_row`) of `params`. `placed`: the
+        same parameters already as the generator decodes them (the newest published copy),
+        evaluated without placing another copy beside the generator's."""
         frozen = (-1, self.to_generator(params) if placed is None else placed)
-        sampling = Sampling(self.cfg.train.eval_temperature)
-        if self.episodic:  # whole episodes; the pass rate is the mean episode return
-            _, returns, stats = self.episodes.run(
-                lambda chunk: frozen, examples, key, sampling=sampling, repeat=k
-            )
-            scores = returns.reshape(len(examples), k)
-            keep = ("turns_mean", "env_errors", "episodes_truncated", "tool_errors")
-            counts = {name: stats[name] for name in keep}
-        else:
-            ro = self.generate(
-                lambda chunk: frozen,
-                self._encode(examples),
-                key,
-                sampling=sampling,
-                n_new=self.cfg.sampler.max_new_tokens,
-                repeat=k,
-            )
-            texts = completion_texts(self.tok, ro)
-            scored = self.scorer(texts, [examples[i // k] for i in range(len(texts))])
-            scores, counts = scored.passed.reshape(len(examples), k), scored.counts
-        row = {"eval_pass_rate": float(scores.mean()), "eval_sampling_sd": sampling_sd(scores)}
-        row.update({f"eval_{name}": v for name, v in counts.items()})  # errors, turns, ...
-        domains = np.array([e.get("domain") for e in examples], dtype=object)
-        for d in dict.fromkeys(domains.tolist()) if domains[0] is not None else ():
-            mine = scores[domains == d]
-            row[f"eval_pass_rate/{d}"] = float(mine.mean())
-            row[f"eval_sampling_sd/{d}"] = sampling_sd(mine)
-        return row
+        examples = self.task.eval_examples
+        scores, counts = held_out_scores(
+            self.cfg, self.scorer, self.generate, self.episodes if self.episodic else None,
+            lambda chunk: frozen, examples, key,
+        )  # fmt: skip
+        return held_out_row(scores, counts, examples)
+
+
+def held_out_scores(
+    cfg: ExperimentConfig, scorer, generate, episodes, params_for_chunk, examples, key
+) -> tuple[np.ndarray, dict[str, float]]:
+    """k = train.eval_samples samples of each held-out example, scored: ([examples, k]
+    pass signals, or episode returns for a multi-turn task; the scorer's or the episodes'
+    counts). `generate`: static waves (`WaveGenerator.generate`); `episodes`: a multi-turn
+    task's runner, else None. Run by the trainer's worker, or by a generator job for a part
+    of the held-out set (hosts/hub.py)."""
+    k = cfg.train.eval_samples
+    sampling = Sampling(cfg.train.eval_temperature)
+    if episodes is not None:  # whole episodes; the pass rate is the mean episode return
+        _, returns, stats = episodes.run(params_for_chunk, examples, key, sampling=sampling,
+                                         repeat=k)  # fmt: skip
+        keep = ("turns_mean", "env_errors", "episodes_truncated", "tool_errors")
+        return returns.reshape(len(examples), k), {name: stats[name] for name in keep}
+    tok = scorer.task.tokenizer
+    ro = generate(
+        params_for_chunk,
+        [tok.encode(e["prompt"]) for e in examples],
+        key,
+        sampling=sampling,
+        n_new=cfg.sampler.max_new_tokens,
+        repeat=k,
+    )
+    texts = completion_texts(tok, ro)
+    scored = scorer(texts, [examples[i // k] for i in range(len(texts))])
+    return scored.passed.reshape(len(examples), k), dict(scored.counts)
+
+
+def held_out_row(scores: np.ndarray, counts: dict[str, float], examples) -> dict[str, float]:
+    """The metrics of a held-out evaluation from its scores [examples, k]: `eval_pass_rate`
+    (mean@k) and its sampling sd `eval_sampling_sd` (see `sampling_sd`), the counts as
+    `eval_<name>`, and for a mixture of domains the same over each domain's prompts
+    (`eval_pass_rate/<domain>`, `eval_sampling_sd/<domain>`)."""
+    row = {"eval_pass_rate": float(scores.mean()), "eval_sampling_sd": sampling_sd(scores)}
+    row.update({f"eval_{name}": v for name, v in counts.items()})  # errors, turns, ...
+    domains = np.array([e.get("domain") for e in examples], dtype=object)
+    for d in dict.fromkeys(domains.tolist()) if domains[0] is not None else ():
+        mine = scores[domains == d]
+        row[f"eval_pass_rate/{d}"] = float(mine.mean())
+        row[f"eval_sampling_sd/{d}"] = sampling_sd(mine)
+    return row
 
 
 @dataclasses.dataclass(frozen=True)
@@ -429,16 +450,12 @@ def sampling_sd(scores) -> float:
     return float(np.sqrt(np.sum(np.var(scores, axis=1, ddof=1)) / k) / n)
 
 
-def _trainer_batch(ro, adv, keep, group_size: int, packing: PackGeometry | None, *, host: bool):
-    """(the batch the trainer computes, its row's train_tokens / train_positions /
-    train_packed): packed in `packing`'s rows (`PackGeometry.layout`), or padded. Built on the
-    host across processes (each process then places its rows) and for packing; else where
-    the rollout was generated, moved device to device."""
-    if host or packing is not None or not isinstance(ro.lengths, jax.Array):
-        ro = jax.tree.map(distributed.to_host, ro)
-        batch = Batch.from_rollout(ro, adv, keep, xp=np)
-    else:
-        batch = Batch.from_rollout(ro, adv, keep)
+def _trainer_batch(ro, adv, keep, group_size: int, packing: PackGeometry | None):
+    """(the batch the trainer computes, on the host; its row's train_tokens /
+    train_positions / train_packed): packed in `packing`'s rows (`PackGeometry.layout`), or
+    padded."""
+    ro = jax.tree.map(distributed.to_host, ro)
+    batch = Batch.from_rollout(ro, adv, keep, xp=np)
     padded = padded_layout(ro, group_size)
     return (batch, padded) if packing is None else packing.layout(batch, group_size, padded)
 
@@ -469,11 +486,9 @@ def rollouts_to_host(batches: list[Rollouts]) -> dict[str, Any]:
     return {str(i): one(ro) for i, ro in enumerate(batches)}
 
 
-def rollouts_from_host(
-    tree: dict[str, Any], worker: RolloutWorker, *, router_replay: bool = False
-) -> list[Rollouts]:
-    """The inverse of `rollouts_to_host`, each batch placed on the trainer's devices, with its
-    recorded experts where the run replays them (`router_replay`: model.router_replay)."""
+def rollouts_from_host(tree: dict[str, Any], *, router_replay: bool = False) -> list[Rollouts]:
+    """The inverse of `rollouts_to_host` (host batches, as a feeder hands them over), with
+    their recorded experts where the run replays them (`router_replay`: model.router_replay)."""
     out, unreplayed = [], 0
     for i in range(len(tree)):
         t = tree[str(i)]
@@ -488,7 +503,7 @@ def rollouts_from_host(
             )
         out.append(
             Rollouts(
-                worker.to_trainer(_batch_from_host(fields)),
+                _batch_from_host(fields),
                 t["indices"],
                 t["versions"],
                 {k: np.asarray(v).item() for k, v in t["stats"].items()},
