@@ -497,6 +497,36 @@ def test_memory_plans_the_trainer_and_a_generator_group_apart():
     )
     assert report["generate_mesh"] == {"data": 2, "fsdp": 1, "expert": 1, "tensor": 1}
     assert report["fits"] is True
+    from jaxrl_scale.memory.report import format_plan
+
+    assert (
+        "planned as 1 trainer process (--processes: its hosts), and each generator group "
+        "as one process" in format_plan(report)
+    )
+
+
+def test_memory_plans_the_trainers_layout_of_a_new_version():
+    """Publishing lays the new version out while two are held, beside the train state; the
+    layout program's temporaries are planned. Where a leaf's split over the trainer differs
+    from the row layout's (mesh.tensor > 1), XLA's partitioner replicates it first: at least
+    the largest leaf on each device; a replicated train state needs none."""
+    from jaxrl_scale.memory import plan
+
+    wide = ["model.hidden_size=256", "model.intermediate_size=1024", "hosts.generator_groups=1",
+            "hosts.generator_mesh.data=2"]  # fmt: skip
+    largest = 256 * 1024 * 4  # an MLP kernel, float32
+    split = ["mesh.data=1", "mesh.fsdp=2", "mesh.tensor=2"]
+    for mesh, least, most in [(["mesh.data=4"], 0, 64), (split, largest, None)]:
+        report = plan(load_config(TINY_CONFIG, [*mesh, *wide]))
+        trainer, train = report["trainer_host"], report["train_step"]
+        version = trainer["held_versions_bytes"] // 2
+        resident = train["parameters_bytes"] + train["optimizer_state_bytes"]
+        layout = trainer["layout_temporaries_bytes"]
+        assert trainer["publish_bytes"] == resident + 3 * version + layout
+        assert layout >= least and (most is None or layout <= most), (mesh, layout)
+        assert trainer["per_device_bytes"] == max(
+            trainer["publish_bytes"], train["per_device_bytes"] + 2 * version
+        )
 
 
 def test_model_sampler_and_engine_do_not_load_the_transport():
@@ -536,7 +566,7 @@ def test_multi_turn_episodes_run_on_a_generator_job(tmp_path, processes):
 # The shipped multi-host recipes: (trainer processes, devices per host). Each runs on that
 # topology (its meshes, generator group, pipeline mode and k as written) on 127.0.0.1, with
 # fake CPU devices, the model and the shapes shrunk, through the launcher users run.
-RECIPES = {"scalerl_qwen3-8b_math.yaml": (1, 8), "scalerl_qwen3-30b-a3b_math.yaml": (2, 8)}
+RECIPES = {"scalerl_qwen3-8b_math.yaml": (1, 8), "scalerl_qwen3-30b-a3b_math.yaml": (4, 8)}
 # What shrinks: the model to a few thousand parameters (its architecture, dtype, attention,
 # remat, scan and router replay kept), the task to arithmetic (the math task needs a
 # checkpoint's tokenizer), the lengths and the batch; the meshes, groups and pipeline stay.

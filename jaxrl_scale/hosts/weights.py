@@ -37,22 +37,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxrl_scale.models.config import ModelConfig
 from jaxrl_scale.models.policy import for_generation
-
-AXIS = "rows"
-
-
-def _rows_mesh(devices) -> Mesh:
-    return Mesh(np.asarray(devices), (AXIS,))
-
-
-def _to_rows(x, rows: int):
-    flat = x.reshape(-1)
-    chunk = -(-flat.size // rows)
-    return jnp.pad(flat, (0, rows * chunk - flat.size)).reshape(rows, chunk)
-
-
-def _from_rows(r, shape):
-    return r.reshape(-1)[: math.prod(shape)].reshape(shape)
+from jaxrl_scale.parallel.rows import AXIS, from_rows, layout_program, rows_mesh
 
 
 def start_server(host: str):
@@ -70,13 +55,9 @@ class WeightServer:
         self.rows = math.lcm(mesh.devices.size, gen_devices)
         self.keep, self.timeout = keep, timeout
         self.host = host
-        target = NamedSharding(_rows_mesh(mesh.devices.flat), PartitionSpec(AXIS))
-
-        def layout(params):
-            leaves = jax.tree.leaves(for_generation(params, model, copy=False))
-            return [_to_rows(x, self.rows) for x in leaves]
-
-        self._layout = jax.jit(layout, out_shardings=target)
+        self._layout = layout_program(
+            mesh, self.rows, lambda p: for_generation(p, model, copy=False)
+        )
         self._held: dict[int, list[jax.Array]] = {}
         self._sizes: list[int] = []  # each leaf's element count (set by the first publish)
         self._cond = threading.Condition()
@@ -166,10 +147,10 @@ class WeightClient:
         self.dtypes = [str(x.dtype) for x in jax.tree.leaves(abstract)]
         self.devices = list(mesh.devices.flat)
         self.timeout = timeout
-        self.rows_sharding = NamedSharding(_rows_mesh(self.devices), PartitionSpec(AXIS))
+        self.rows_sharding = NamedSharding(rows_mesh(self.devices), PartitionSpec(AXIS))
         shapes = self.shapes
         self._unlayout = jax.jit(
-            lambda rows: [_from_rows(r, s) for r, s in zip(rows, shapes, strict=True)],
+            lambda rows: [from_rows(r, s) for r, s in zip(rows, shapes, strict=True)],
             out_shardings=jax.tree.leaves(shardings),
         )
         self.transfer = start_server(host)

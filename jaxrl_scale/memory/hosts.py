@@ -3,13 +3,16 @@ mesh and the programs its devices compile."""
 
 from __future__ import annotations
 
+import math
 from typing import TYPE_CHECKING, Any
 
 import jax
 import numpy as np
 
-from jaxrl_scale.memory.abstract import abstract_params, adapter_bytes
+from jaxrl_scale.memory.abstract import abstract_params, abstract_policy, adapter_bytes, placed
+from jaxrl_scale.models.policy import for_generation
 from jaxrl_scale.parallel import sharding
+from jaxrl_scale.parallel.rows import layout_program
 
 if TYPE_CHECKING:  # the root config composes every part's section
     from jaxrl_scale.config import ExperimentConfig
@@ -43,10 +46,28 @@ def plan_hosts(report: dict[str, Any], cfg: ExperimentConfig, mesh, prompt_len: 
     total = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(params))
     if cfg.model.lora.enabled:  # a version is its adapters (the generators hold the base)
         total = adapter_bytes(params, per_device=False)
-    held = 2 * -(-total // mesh.devices.size)
+    version = -(-total // mesh.devices.size)
     train = report["train_step"]
+    resident = train["parameters_bytes"] + train["optimizer_state_bytes"]
+    # Publishing (between steps) lays the new version out while the two before are held,
+    # beside the train state: three versions and the layout program's temporaries.
+    layout = _layout_temporaries(cfg, mesh, int(np.prod(list(report["generate_mesh"].values()))))
+    publish = resident + 3 * version + layout
     report["trainer_host"] = {
         "train_step_bytes": train["per_device_bytes"],
-        "held_versions_bytes": held,
-        "per_device_bytes": held + train["per_device_bytes"],
+        "held_versions_bytes": 2 * version,
+        "publish_bytes": publish,
+        "layout_temporaries_bytes": layout,
+        "per_device_bytes": max(2 * version + train["per_device_bytes"], publish),
     }
+
+
+def _layout_temporaries(cfg: ExperimentConfig, mesh, gen_devices: int) -> int:
+    """Per-device temporaries of the program that lays a version out for the generators
+    (`parallel.rows.layout_program`, as `weights.WeightServer` runs it), compiled for the
+    trained parameters as the train state holds them (with LoRA the adapters)."""
+    _, _, trained = abstract_policy(cfg)
+    rows = math.lcm(mesh.devices.size, gen_devices)
+    cast = lambda p: for_generation(p, cfg.model, copy=False)  # noqa: E731
+    program = layout_program(mesh, rows, cast).lower(placed(trained, mesh)).compile()
+    return int(program.memory_analysis().temp_size_in_bytes)

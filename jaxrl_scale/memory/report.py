@@ -32,7 +32,8 @@ def advice(name: str, part: dict[str, Any], cfg: ExperimentConfig, report) -> st
         )
     if name == "trainer_host":
         return (
-            "the train step and the versions kept for the generators do not fit: more trainer "
+            "the train step and the versions kept for the generators (or a version being laid "
+            "out beside them and the train state) do not fit: more trainer "
             f"devices (mesh.fsdp), {micro}, model.remat"
         )
     state = part["parameters_bytes"] + part["optimizer_state_bytes"]
@@ -131,8 +132,11 @@ def format_plan(report: dict[str, Any]) -> str:
         f"{report['max_new_tokens']:,})",
         f"attention: {report['attention']}",
     ]
-    if report.get("processes", 1) > 1:
-        lines.append(f"planned as {report['processes']} processes (the trainer's hosts)")
+    n = report.get("processes", 1)
+    where = f"planned as {n} trainer process{'es' if n > 1 else ''} (--processes: its hosts)"
+    if "trainer_host" in report:
+        where += ", and each generator group as one process on a host like this one"
+    lines.append(where)
     if "experts" in report:
         lines.append(f"experts: {report['experts']}")
     titles = {
@@ -227,6 +231,8 @@ def format_plan(report: dict[str, Any]) -> str:
         lines += _table([
             ("train step", part["train_step_bytes"]),
             ("versions held for the generators", part["held_versions_bytes"]),
+            ("or, publishing a version", part["publish_bytes"]),
+            ("  (its layout's temporaries)", part["layout_temporaries_bytes"]),
             ("total", part["per_device_bytes"]),
         ])  # fmt: skip
         verdicts = {"trainer_host": "trainer's devices", "generator": "a generator group's"}
