@@ -230,6 +230,51 @@ def test_the_groups_make_the_held_out_evaluation_and_a_lost_groups_part_goes_aga
         hub.stop(grace=0.1)
 
 
+def test_a_group_that_beats_but_makes_no_progress_counts_as_lost():
+    """A hung decode: the group holds a batch and its heartbeat goes on, but it starts no
+    decode chunk for hosts.stalled_after seconds; it counts as lost (its batch handed out
+    again, its rows counted) while a group whose chunks go on keeps its batch."""
+    import zmq
+
+    from jaxrl_scale.hosts.hub import Hub
+    from jaxrl_scale.rl.curriculum import Curriculum
+
+    port = _free_port()
+    hosts = ["hosts.generator_groups=2", f"hosts.hub=127.0.0.1:{port}", "hosts.stalled_after=1"]
+    cfg = load_config(TINY_CONFIG, [*FAST, *hosts, "pipeline.mode=pipeline_rl"])
+    hub = Hub(cfg, Curriculum(64, seed=0), start=0, k=1, chunks=1, weights=[])
+    ctx = zmq.Context.instance()
+    socks = [ctx.socket(zmq.REQ), ctx.socket(zmq.REQ)]
+
+    def call(sock, msg):
+        sock.send_json({"run": hub.run, **msg})
+        assert sock.poll(10_000)
+        return sock.recv_json()
+
+    try:
+        gens = []
+        for i, sock in enumerate(socks):
+            sock.connect(f"tcp://127.0.0.1:{port}")
+            gens.append(
+                call(sock, {"op": "join", "group": i, "host": "here", "token": str(i)})["gen"]
+            )
+            assert "batch" in call(sock, {"op": "work", "gen": gens[i], "seq": 1})
+        deadline = time.monotonic() + 2.0
+        step = 0
+        while time.monotonic() < deadline:
+            step += 1
+            hung = call(socks[0], {"op": "beat", "gen": gens[0], "progress": 1})
+            call(socks[1], {"op": "beat", "gen": gens[1], "progress": step})
+            time.sleep(0.1)
+        assert hung.get("rejoin") or call(socks[0], {"op": "beat", "gen": gens[0]}).get("rejoin")
+        assert "version" in call(socks[1], {"op": "beat", "gen": gens[1], "progress": step + 1})
+        assert hub.lost_rows == 16 and hub.lost_batches == 1  # FAST: 4 prompts x 4, one batch
+    finally:
+        for sock in socks:
+            sock.close(0)
+        hub.stop(grace=0.1)
+
+
 def test_the_dispatch_keeps_cursors_only_for_batches_not_yet_back():
     from jaxrl_scale.hosts.hub import Dispatch
     from jaxrl_scale.rl.curriculum import Curriculum
@@ -432,12 +477,14 @@ def test_one_generator_group_in_lockstep_equals_the_colocated_lockstep_run(tmp_p
 
 
 def test_the_trainer_killed_resumes_and_its_generator_rejoins(tmp_path, processes):
-    """The trainer is SIGKILLed once its checkpoint at step 2 exists; started again with the same
-    run directory it resumes there, and the generator, still running, rejoins by itself."""
+    """The trainer is SIGKILLed once its checkpoint at step 2 exists and started again, with
+    the same run directory, only after longer than hosts.timeout (a restart's load and
+    compile): it resumes there, and the generator, still running, waited for it and rejoins
+    by itself."""
     port = _free_port()
     out = tmp_path / "run"
     extra = ["train.steps=16", "checkpoint.every=2", "hosts.generator_groups=1",
-             "pipeline.max_staleness=2", "hosts.timeout=120"]  # fmt: skip
+             "pipeline.max_staleness=2", "hosts.timeout=8"]  # fmt: skip
     args = _args(out, port + 1, *extra)
     gen_log = tmp_path / "gen.log"
     gen = processes.start(_env("generator", JAXRL_GROUP="0"), args, gen_log)
@@ -449,6 +496,8 @@ def test_the_trainer_killed_resumes_and_its_generator_rejoins(tmp_path, processe
     assert first.wait(timeout=30) == -signal.SIGKILL, "the trainer ended before it was killed"
     killed_at = max(r["step"] for r in read_metrics(out))
     assert killed_at < 16
+    _wait_for(lambda: "lost the trainer" in gen_log.read_text(), 60, "the generator to miss it")
+    time.sleep(4)  # (it went silent more than hosts.timeout ago)
     second_log = tmp_path / "trainer2.log"
     second = processes.start(_env("trainer"), args, second_log)
     _finish(second, 300, second_log, gen_log, first_log)

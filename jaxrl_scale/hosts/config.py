@@ -26,10 +26,18 @@ class HostsConfig:
     # waited for; a generator retries the trainer for this long (a trainer restarting).
     timeout: float = 300.0
     lost_after: float = 60.0  # seconds of silence after which a group's batch is drawn again
+    # Seconds a generator group that has worked for a trainer waits for it to come back when
+    # it falls silent (a restart: load, restore and compile can take minutes at 8B) before
+    # it gives up; a group that never reached a trainer gives up after `timeout`.
+    restart_timeout: float = 1800.0
+    # Seconds a group holding work may go without progress (a decode chunk started, a piece of
+    # work asked for) while its heartbeat goes on, before it counts as lost: a hung decode.
+    # Generous: a first compile and a batch's scoring (sandboxed programs) count as no progress.
+    stalled_after: float = 1800.0
 
     def __post_init__(self):
         require(self.generator_groups >= 0, "hosts.generator_groups", "must be >= 0")
         host, _, port = self.hub.rpartition(":")
         require(bool(host) and port.isdigit(), "hosts.hub", f"must be host:port, got {self.hub!r}")
-        for name in ("timeout", "lost_after"):
+        for name in ("timeout", "lost_after", "restart_timeout", "stalled_after"):
             require(getattr(self, name) > 0, f"hosts.{name}", "must be > 0 seconds")

@@ -11,11 +11,14 @@ records the version that sampled it. Under a fixed schedule (`pipeline.mode: syn
 exactly those.
 
 When the trainer goes away (killed, restarting from its checkpoint), requests go unanswered:
-the process keeps asking for `hosts.timeout` seconds, then rejoins the new trainer (a new run
-id), dropping what it held; after that long with no trainer it exits with an error naming the
-hub. Threads: the main thread owns the control and data sockets and the decoding; the puller
-thread owns the `WeightClient`; the heartbeat thread its own control socket; the versions
-held and the newest announced are shared behind `Weights._cond`.
+after `hosts.timeout` seconds of that (or of weights that do not come) the group drops what it
+held and asks to join again for up to `hosts.restart_timeout` seconds, so a trainer that
+restarts (load, restore, compile) finds it waiting; a new trainer answers with a new run id.
+A group that reaches no trainer at all exits after `hosts.timeout`, naming the hub. Threads:
+the main thread owns the control and data sockets and the decoding; the puller thread owns the
+`WeightClient`; the heartbeat thread its own control socket; both outlive any one trainer
+(a failure is handed to the main thread, which rejoins). The versions held, the newest
+announced and a failure are shared behind `Weights._cond`.
 """
 
 from __future__ import annotations
@@ -65,6 +68,11 @@ class Stopped(Exception):
     """The trainer said stop (its run is over) while this group was generating a batch."""
 
 
+class TrainerLost(Exception):
+    """The trainer could not be reached (silent for `hosts.timeout`, or weights that did not
+    come): rejoin, waiting for it to come back (`hosts.restart_timeout`)."""
+
+
 class Requester:
     """Request/reply to the hub over ZeroMQ with a per-try timeout, retried until `patience`
     seconds have passed (then TimeoutError naming the hub and the request). One owner thread."""
@@ -111,6 +119,7 @@ class Weights:
         self._stopped = False  # the hub answered a heartbeat with stop: the run is over
         self._failed: BaseException | None = None
         self._newest: int | None = None  # the newest version the hub announced
+        self._progress = 0  # decode chunks started: the heartbeat tells the hub (a hang shows)
         self._stop = threading.Event()
         self._threads = [
             threading.Thread(target=self._beat, name="heartbeat", daemon=True),
@@ -120,9 +129,11 @@ class Weights:
             thread.start()
 
     def attach(self, session: dict) -> None:
-        """A new join: what was held belongs to the trainer before it."""
+        """A new join: what was held, and a failure recorded, belong to the trainer before it
+        (the heartbeat and puller threads go on: they outlive any one trainer)."""
         with self._cond:
             self._session, self._held, self._using, self._gone = session, {}, None, False
+            self._failed = None
             self._newest = session["version"]
             self._want = None  # an exact version asked of the trainer before is not this one's
             self._cond.notify_all()
@@ -133,21 +144,20 @@ class Weights:
         deadline = time.monotonic() + self.timeout
         with self._cond:
             self._want = version
+            self._progress += 1
             self._cond.notify_all()
             while True:
                 if self._stopped:
                     raise Stopped
                 if self._gone:
                     raise Rejoin
-                if isinstance(self._failed, TimeoutError):  # the trainer went quiet
-                    raise self._failed
-                if self._failed is not None:
-                    raise RuntimeError("pulling weights failed") from self._failed
+                if self._failed is not None:  # the trainer went quiet, or a pull failed
+                    raise TrainerLost(str(self._failed)) from self._failed
                 have = version if version in self._held else max(self._held, default=-1)
                 if have == version or (version is None and self._held and have >= at_least):
                     break
                 if time.monotonic() > deadline:
-                    raise TimeoutError(
+                    raise TrainerLost(
                         f"generator group {self.group}: no weights of version "
                         f"{version if version is not None else f'>= {at_least}'} from the "
                         f"trainer (hub {self.hub}) in {self.timeout:.0f} s"
@@ -173,15 +183,22 @@ class Weights:
 
     def _beat(self) -> None:
         """The heartbeat: tells the hub this group is alive (also while a pull or a long
-        decode runs) and learns the newest version published."""
+        decode runs) and learns the newest version published. A beat the trainer leaves
+        unanswered for `timeout` is handed to the decoding thread (which rejoins) and the
+        beats go on, for the trainer that comes back."""
         beat = Requester(self.hub, patience=self.timeout, what=f"generator group {self.group}")
         try:
             while not self._stop.wait(0.25):
                 with self._cond:
-                    session = self._session
+                    session, progress = self._session, self._progress
                 if session is None:
                     continue
-                reply = beat.request({"op": "beat", "run": session["run"], "gen": session["gen"]})
+                try:
+                    reply = beat.request({"op": "beat", "run": session["run"],
+                                          "gen": session["gen"], "progress": progress})  # fmt: skip
+                except Exception as e:  # surfaced to the decoding thread
+                    self._fail(e, session)
+                    continue
                 with self._cond:
                     if self._session is session:
                         self._gone = self._gone or "rejoin" in reply
@@ -190,53 +207,62 @@ class Weights:
                         self._cond.notify_all()
                 if reply.get("stop"):  # a batch waiting for weights that will never come
                     return
-        except BaseException as e:  # surfaced to the decoding thread
-            self._fail(e)
         finally:
             beat.close()
 
     def _pull(self) -> None:
         """Pulls the version decoding wants (exact, or the newest published) while decoding
-        goes on with the one it has."""
-        session = broken = None  # broken: the session a pull was cut off in
-        try:
-            while not self._stop.is_set():
-                with self._cond:
-                    self._cond.wait(timeout=0.1)
-                    if self._session is not session:
-                        session = self._session
-                        self.client.connect(session["weights"])
-                    want = self._want if self._want is not None else self._newest
-                    if session is None or session is broken or want is None or want in self._held:
-                        continue
-                    if want > self._newest:
-                        continue
-                try:  # laid out by the decoding thread when it takes them (`get`)
-                    rows = self.client.pull_rows(want)
-                    # Arrived whole before decoding may use them: a transfer cut off (the
-                    # trainer died mid-pull) fails here, not in a decode step later.
-                    params = _Rows(jax.block_until_ready(rows))
-                except LookupError:  # superseded meanwhile: ask for the newest next
+        goes on with the one it has. A pull that fails is handed to the decoding thread
+        (which rejoins) and this thread goes on, for the next session."""
+        session = broken = None  # broken: the session a pull failed in
+        while not self._stop.is_set():
+            with self._cond:
+                self._cond.wait(timeout=0.1)
+                if self._session is not session:
+                    session = self._session
+                    self.client.connect(session["weights"])
+                want = self._want if self._want is not None else self._newest
+                if session is None or session is broken or want is None or want in self._held:
                     continue
-                except jax.errors.JaxRuntimeError as e:
-                    print(f"weights: pulling version {want} failed ({e}); pulling again once "
-                          "this group has rejoined", file=sys.stderr, flush=True)  # fmt: skip
-                    broken = session  # (decoding waits for a version, as for a slow pull)
+                if want > self._newest:
                     continue
-                with self._cond:
-                    if self._session is session:
-                        self._held[want] = params
-                        keep = {want, self._using}
-                        for v in [v for v in self._held if v not in keep]:
-                            del self._held[v]
-                        self._cond.notify_all()
-        except BaseException as e:  # surfaced to the decoding thread
-            self._fail(e)
+            try:  # laid out by the decoding thread when it takes them (`get`)
+                params = _Rows(self._arrived(self.client.pull_rows(want), want))
+            except LookupError:  # superseded meanwhile: ask for the newest next
+                continue
+            except Exception as e:  # the trainer died mid-pull, or went quiet
+                print(f"weights: pulling version {want} failed ({e}); pulling again once "
+                      "this group has rejoined", file=sys.stderr, flush=True)  # fmt: skip
+                broken = session
+                self._fail(e, session)
+                continue
+            with self._cond:
+                if self._session is session:
+                    self._held[want] = params
+                    keep = {want, self._using}
+                    for v in [v for v in self._held if v not in keep]:
+                        del self._held[v]
+                    self._cond.notify_all()
 
-    def _fail(self, e: BaseException) -> None:
+    def _arrived(self, rows, version: int):
+        """`rows` once every block has arrived, before decoding may use them (a transfer cut
+        off, the trainer dying mid-pull, fails here rather than in a decode step later); a
+        TimeoutError naming the trainer after `timeout` seconds."""
+        deadline = time.monotonic() + self.timeout
+        while not all(x.is_ready() for x in jax.tree.leaves(rows)):
+            if time.monotonic() > deadline:
+                raise TimeoutError(
+                    f"generator group {self.group}: version {version}'s weights had not "
+                    f"arrived from the trainer (hub {self.hub}) after {self.timeout:.0f} s"
+                )
+            time.sleep(0.01)
+        return jax.block_until_ready(rows)
+
+    def _fail(self, e: BaseException, session: dict | None) -> None:
         with self._cond:
-            self._failed = e
-            self._cond.notify_all()
+            if self._session is session:  # (a failure of a session before is not this one's)
+                self._failed = e
+                self._cond.notify_all()
 
 
 def _model(cfg: ExperimentConfig):
@@ -310,16 +336,23 @@ def run_generator(cfg: ExperimentConfig, group: int) -> int:
     sampling = Sampling(s.temperature, s.top_p, s.top_k)
     run_key = jax.random.key(cfg.seed)
     made = seq = 0
+    patience = cfg.hosts.timeout  # to reach a trainer at all; then for it to come back
     try:
         while True:
             token = secrets.token_hex(8)  # a retried join is the same join
-            session = control.request({"op": "join", "group": group, "host": host, "token": token})
+            join = {"op": "join", "group": group, "host": host, "token": token}
+            session = control.request(join, patience=patience)
+            patience = cfg.hosts.restart_timeout
             weights.attach(session)
             print(f"{name}: joined the trainer at {cfg.hosts.hub}", flush=True)
             while not weights.stopped:  # (the hub is gone once every group was told)
                 seq += 1
                 ask = {"op": "work", "run": session["run"], "gen": session["gen"], "seq": seq}
-                work = control.request(ask, stopped=lambda: weights.stopped)
+                try:
+                    work = control.request(ask, stopped=lambda: weights.stopped)
+                except TimeoutError as e:
+                    _waiting(name, e, patience)
+                    break
                 if work.get("stop"):
                     print(f"{name}: stopped by the trainer after {made} batch(es)", flush=True)
                     return 0
@@ -340,6 +373,9 @@ def run_generator(cfg: ExperimentConfig, group: int) -> int:
                                              sampling, base, episodes)  # fmt: skip
                 except Rejoin:
                     break
+                except TrainerLost as e:  # what it was making is lost; the hub counts it
+                    _waiting(name, e, patience)
+                    break
                 except Stopped:  # said, not counted: the trainer has trained its last step
                     print(f"{name}: {what} left unfinished", flush=True)
                     break
@@ -356,6 +392,11 @@ def run_generator(cfg: ExperimentConfig, group: int) -> int:
         control.close()
         data.close()
         client.close()
+
+
+def _waiting(name: str, why: BaseException, patience: float) -> None:
+    print(f"{name}: lost the trainer ({why}); waiting up to {patience:.0f} s for it to come "
+          "back (hosts.restart_timeout)", file=sys.stderr, flush=True)  # fmt: skip
 
 
 def _make_batch(

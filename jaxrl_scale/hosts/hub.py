@@ -326,7 +326,8 @@ class Hub:
             gen = next(self._gen_ids)
             self._joins[msg.get("token")] = gen
             self._gens[gen] = {"group": msg.get("group"), "host": msg.get("host"),
-                               "seen": now, "batches": set(), "seq": None}  # fmt: skip
+                               "seen": now, "batches": set(), "seq": None,
+                               "progress": None, "progressed": now}  # fmt: skip
             self._heard()
             print(f"hub: generator group {msg.get('group')} on {msg.get('host')} joined",
                   file=sys.stderr, flush=True)  # fmt: skip
@@ -343,9 +344,12 @@ class Hub:
             self.stopped_told.add(msg["gen"])
             return {"stop": True}
         if op == "beat":
+            if msg.get("progress") != gen["progress"]:
+                gen["progress"], gen["progressed"] = msg.get("progress"), now
             return {"version": self._published_now()}
         if op == "work":  # a retried request (same seq) gets the same answer
             if msg.get("seq") is None or msg["seq"] != gen["seq"]:
+                gen["progressed"] = now  # (what it had is done; what it gets starts now)
                 # A part of an evaluation the trainer waits for comes before any batch.
                 reply = self._eval_part(msg["gen"])
                 if reply is None:
@@ -443,10 +447,25 @@ class Hub:
             self._cond.notify_all()
 
     def _find_lost(self) -> None:
-        now = time.monotonic()
+        now, hosts = time.monotonic(), self.cfg.hosts
         for gen_id, gen in list(self._gens.items()):
-            if now - gen["seen"] > self.cfg.hosts.lost_after:
+            stalled = now - gen["progressed"]
+            if now - gen["seen"] > hosts.lost_after:
                 self._lose(gen_id, f"silent for {now - gen['seen']:.0f} s")
+            elif stalled > hosts.stalled_after and self._holds_work(gen_id):
+                self._lose(gen_id, f"made no progress for {stalled:.0f} s while its heartbeat "
+                                   "went on (hosts.stalled_after)")  # fmt: skip
+
+    def _holds_work(self, gen_id: int) -> bool:
+        """Whether the group has a batch, or a part of an evaluation, not yet back."""
+        if self._gens[gen_id]["batches"]:
+            return True
+        with self._cond:
+            return any(
+                g == gen_id and j not in job["results"]
+                for job in self._evals.values()
+                for j, g in job["assigned"].items()
+            )
 
     def _lose(self, gen_id: int, why: str) -> None:
         gen = self._gens.pop(gen_id)
