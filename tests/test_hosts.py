@@ -222,7 +222,7 @@ def test_the_groups_make_the_held_out_evaluation_and_a_lost_groups_part_goes_aga
         (results,) = got
         assert [r[0].shape for r in results] == [(3, 2), (5, 2)]
         assert [r[1] for r in results] == [{"n": 0}, {"n": 1}]
-        assert hub.rejected == 0  # a malformed part is handed out again, not counted lost
+        assert hub.rejected == 1  # the malformed part: dropped, counted, handed out again
         assert "batch" in ask(b, gens[1], 4)  # then batches again
     finally:
         for sock in (push, a, b):

@@ -394,9 +394,10 @@ class Hub:
                 lo, hi = job["parts"][j]
                 want = (hi - lo, self.cfg.train.eval_samples)
                 if scores.shape != want:
+                    self.rejected += 1  # dropped, and the part handed out again
                     print(f"hub: evaluation part {j} has scores of shape {scores.shape}, "
-                          f"expected {want}; handed out again", file=sys.stderr,
-                          flush=True)  # fmt: skip
+                          f"expected {want}; dropped ({self.rejected} so far) and handed out "
+                          "again", file=sys.stderr, flush=True)  # fmt: skip
                     del job["assigned"][j]
                     job["todo"].append(j)
                     return
