@@ -224,20 +224,24 @@ class Hub:
 
     def take(self, number: int) -> tuple[dict, dict, dict]:
         """Batch `number` once it arrived: (header, arrays, curriculum snapshot)."""
-        timeout = self.cfg.hosts.timeout
         with self._cond:
-            while number not in self._arrived:
-                if self._failed is not None:
-                    raise RuntimeError("the trainer's hub failed") from self._failed
-                self._cond.wait(timeout=0.5)
-                silent = time.monotonic() - self._last_heard
-                if silent > timeout:
-                    raise TimeoutError(
-                        f"trainer hub {self.cfg.hosts.hub}: no generator group has been heard "
-                        f"from for {silent:.0f} s while waiting for batch {number} "
-                        f"(last seen: {self._describe_gens()})"
-                    )
+            self._wait(lambda: number in self._arrived, f"batch {number}")
             return self._arrived.pop(number)
+
+    def _wait(self, done, what: str) -> None:
+        """Wait (holding `_cond`) until `done()`: a failed hub thread raises, and so does no
+        generator group heard from for `hosts.timeout` seconds, naming `what` and the groups."""
+        while not done():
+            if self._failed is not None:
+                raise RuntimeError("the trainer's hub failed") from self._failed
+            self._cond.wait(timeout=0.5)
+            silent = time.monotonic() - self._last_heard
+            if silent > self.cfg.hosts.timeout:
+                raise TimeoutError(
+                    f"trainer hub {self.cfg.hosts.hub}: no generator group has been heard from "
+                    f"for {silent:.0f} s while waiting for {what} (last seen: "
+                    f"{self._describe_gens()})"
+                )
 
     def evaluate(self, version: int, key: list[int], parts: list[tuple[int, int]]) -> list:
         """A held-out evaluation of `version` by the generator groups: part j, the held-out
@@ -245,25 +249,14 @@ class Hub:
         batch), decoded with exactly that version and sampling key `key` (the key's data;
         folded with j where there are several parts). Each part's (scores [hi - lo, k],
         counts), once all arrived; a part whose group is lost is handed out again."""
-        timeout = self.cfg.hosts.timeout
         with self._cond:
             e = next(self._eval_ids)
             self._evals[e] = {"version": version, "key": key, "parts": parts, "assigned": {},
                               "todo": list(range(len(parts))), "results": {}}  # fmt: skip
             job = self._evals[e]
             try:
-                while len(job["results"]) < len(parts):
-                    if self._failed is not None:
-                        raise RuntimeError("the trainer's hub failed") from self._failed
-                    self._cond.wait(timeout=0.5)
-                    silent = time.monotonic() - self._last_heard
-                    if silent > timeout:
-                        raise TimeoutError(
-                            f"trainer hub {self.cfg.hosts.hub}: no generator group has been "
-                            f"heard from for {silent:.0f} s while waiting for the held-out "
-                            f"evaluation of version {version} (last seen: "
-                            f"{self._describe_gens()})"
-                        )
+                self._wait(lambda: len(job["results"]) == len(parts),
+                           f"the held-out evaluation of version {version}")  # fmt: skip
             finally:
                 del self._evals[e]
         return [job["results"][j] for j in range(len(parts))]
