@@ -1,7 +1,7 @@
 """Runs across hosts, on this machine: the weight sync between processes, and the throughput of
 generator jobs against colocated lockstep.
 
-    python benchmarks/bench_hosts.py [--part sync|run|all] [--hidden 512 --layers 8]
+    python benchmarks/bench_hosts.py [--part sync|engine|run|all] [--hidden 512 --layers 8]
     python benchmarks/bench_hosts.py --part sync --qwen05b     # Qwen2.5-0.5B's shape
 
 sync: a server process (2 CPU devices, the model's parameters fsdp-sharded) publishes a version
@@ -9,6 +9,12 @@ in the generator's dtype (bf16); this process (2 other devices) pulls it over
 jax.experimental.transfer, `--repeats` times. Prints bytes/s and the ratio of the pull's time to
 a local device-to-device copy of the same bytes in one process (`jax.device_put` onto other
 devices), measured here too.
+
+engine: 1 trainer process + 2 generator groups on the RL workload below, with completions
+of heavy-tailed length (the random policy's own EOS, one token of 32: geometric lengths, mean
+about 30, cut at 96), decoded by the groups in static waves and on the slot engine
+(`sampler.batching`). Prints samples/s of each over steps after the second, their ratio, the
+groups' slot occupancy and the trainer's idle fraction.
 
 run: the same RL workload (tiny arithmetic, 12 prompts x 4, 16 steps, k = 4) as 1 trainer
 process + 2 generator groups (launch/local_disaggregated.sh) and as 3 colocated processes in
@@ -29,6 +35,8 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+import numpy as np
 
 ROOT = Path(__file__).resolve().parent.parent
 CONFIG = ROOT / "configs" / "tiny_arithmetic.yaml"
@@ -132,14 +140,15 @@ WORKLOAD = ["model.hidden_size=64", "model.intermediate_size=192", "task.num_tra
             "sampler.batching=static"]  # fmt: skip
 
 
-def _run(kind: str, out: Path, steps: int, k: int) -> list[dict]:
-    sets = [*WORKLOAD, f"train.steps={steps}", f"pipeline.max_staleness={k}"]
+def _run(kind: str, out: Path, steps: int, k: int, *extra: str, groups: int = 2) -> list[dict]:
+    sets = [*WORKLOAD, f"train.steps={steps}", f"pipeline.max_staleness={k}", *extra]
     train_args = ["--config", str(CONFIG), "--out", str(out)]
     for s in sets:
         train_args += ["--set", s]
     port = str(29900 + (os.getpid() % 50) * 10)
     if kind == "disaggregated":
-        cmd = ["bash", str(ROOT / "launch/local_disaggregated.sh"), "--port", port, "1", "2"]
+        cmd = ["bash", str(ROOT / "launch/local_disaggregated.sh"), "--port", port, "1",
+               str(groups)]  # fmt: skip
     else:
         cmd = ["bash", str(ROOT / "launch/local_multiprocess.sh"), "--port", port,
                "--processes", "3"]  # fmt: skip
@@ -149,6 +158,35 @@ def _run(kind: str, out: Path, steps: int, k: int) -> list[dict]:
     if done.returncode != 0:
         raise RuntimeError(f"{kind} run failed:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def _samples_per_s(rows: list[dict], rows_per_step: int, devices: int) -> float:
+    """Samples/s over the steps after the second (the first two compile)."""
+    timed = rows[2:]
+    wall = (timed[-1]["device_seconds"] - rows[1]["device_seconds"]) / devices
+    return len(timed) * rows_per_step / wall
+
+
+def engine(args) -> None:
+    heavy = ["sampler.max_new_tokens=384", "sampler.chunk_size=8", "sampler.admit_every=8",
+             "train.packing=true"]
+    results = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for batching in ("static", "continuous"):
+            rows = _run("disaggregated", Path(tmp) / batching, args.steps, 8, *heavy,
+                        f"sampler.batching={batching}")  # fmt: skip
+            rows = [r for r in rows if r["step"] > 0]
+            results[batching] = (
+                _samples_per_s(rows, 12 * 4, 6),
+                np.mean([r.get("slot_occupancy", np.nan) for r in rows[2:]]),
+                np.mean([r["trainer_idle_fraction"] for r in rows[2:]]),
+                np.mean([r["gen_length_mean"] for r in rows[2:]]),
+            )
+    for batching, (sps, occupancy, idle, length) in results.items():
+        print(f"{batching:>11}: {sps:8.1f} samples/s  mean length {length:5.1f}  slot "
+              f"occupancy {occupancy:.0%}  trainer waiting {idle:.0%}")  # fmt: skip
+    ratio = results["continuous"][0] / results["static"][0]
+    print(f"generator groups on the slot engine / in static waves: {ratio:.2f}x samples/s")
 
 
 def run(args) -> None:
@@ -172,7 +210,7 @@ def run(args) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--part", choices=("sync", "run", "all"), default="all")
+    parser.add_argument("--part", choices=("sync", "engine", "run", "all"), default="all")
     parser.add_argument("--hidden", type=int, default=512)
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--qwen05b", action="store_true")
@@ -186,6 +224,8 @@ def main() -> None:
         os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=4")
         os.environ.setdefault("JAX_PLATFORMS", "cpu")
         sync(args)
+    if args.part in ("engine", "all"):
+        engine(args)
     if args.part in ("run", "all"):
         run(args)
 

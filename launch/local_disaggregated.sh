@@ -89,10 +89,11 @@ status=0
 for pid in "${trainer_pids[@]}"; do
   wait "$pid" || status=$?
 done
-# The hub tells generators to stop; give them a moment, then make sure.
+# The hub tells generators to stop; give them a moment, then make sure (SIGKILL: a SIGTERM
+# would drain a group, which finishes the work it holds first).
 for pid in "${generator_pids[@]}"; do
   for _ in 1 2 3 4 5 6 7 8 9 10; do kill -0 "$pid" 2>/dev/null || break; sleep 0.5; done
-  kill "$pid" 2>/dev/null || true
+  kill -KILL "$pid" 2>/dev/null || true
   wait "$pid" 2>/dev/null || true
 done
 exit "$status"

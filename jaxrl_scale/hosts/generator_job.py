@@ -25,7 +25,9 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import secrets
+import signal
 import socket
 import sys
 import threading
@@ -44,13 +46,18 @@ from jaxrl_scale.models import lora
 from jaxrl_scale.models.policy import Policy, for_generation
 from jaxrl_scale.parallel import sharding
 from jaxrl_scale.rl.episodes import EpisodeRunner
-from jaxrl_scale.rl.generator import WaveGenerator
+from jaxrl_scale.rl.generator import EngineBatches, WaveGenerator
 from jaxrl_scale.rl.rollout import held_out_scores, score_episodes, score_rollout
 from jaxrl_scale.tasks import make_scorer, make_task
 from jaxrl_scale.tasks.env import EnvRunner
 
 if TYPE_CHECKING:  # the root config composes every part's section
     from jaxrl_scale.config import ExperimentConfig
+
+
+# Fault drills only (benchmarks/bench_soak.py): seconds each weight pull is held open after
+# the trainer processes offered their blocks, so a drill can kill a group during a pull.
+PULL_DELAY = float(os.environ.get("JAXRL_PULL_DELAY", "0"))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -227,7 +234,11 @@ class Weights:
                 if want > self._newest:
                     continue
             try:  # laid out by the decoding thread when it takes them (`get`)
-                params = _Rows(self._arrived(self.client.pull_rows(want), want))
+                rows = self.client.pull_rows(want)
+                if PULL_DELAY:  # a fault drill: the pull is held open (offered, in flight)
+                    print(f"weights: pulling version {want}", flush=True)
+                    time.sleep(PULL_DELAY)
+                params = _Rows(self._arrived(rows, want))
             except LookupError:  # superseded meanwhile: ask for the newest next
                 continue
             except Exception as e:  # the trainer died mid-pull, or went quiet
@@ -305,6 +316,8 @@ def _generation_base(cfg: ExperimentConfig, m, mesh):
 
 def run_generator(cfg: ExperimentConfig, group: int) -> int:
     """Serve the trainer as generator group `group` until it says stop; the exit status."""
+    name = f"generator group {group} ({socket.gethostname()})"
+    drain = Drain(name)  # (before the model is built: a drain while it is, is one too)
     host = address(cfg, trainer=False)
     mesh = sharding.make_mesh(cfg.hosts.generator_mesh, jax.local_devices())
     model_cfg, graphdef, abstract, tokenizer = _model(cfg)
@@ -325,7 +338,6 @@ def run_generator(cfg: ExperimentConfig, group: int) -> int:
         episodes = EpisodeRunner(cfg, task, tok, waves.generate, envs)
     client = WeightClient(abstract, sharding.state_shardings(abstract, mesh), mesh, host=host,
                           timeout=cfg.hosts.timeout)  # fmt: skip
-    name = f"generator group {group} ({socket.gethostname()})"
     control = Requester(cfg.hosts.hub, patience=cfg.hosts.timeout, what=name)
     data = zmq.Context.instance().socket(zmq.PUSH)
     data.setsockopt(zmq.LINGER, 2000)
@@ -337,53 +349,93 @@ def run_generator(cfg: ExperimentConfig, group: int) -> int:
     run_key = jax.random.key(cfg.seed)
     made = seq = 0
     patience = cfg.hosts.timeout  # to reach a trainer at all; then for it to come back
+    on_engine = episodes is None and cfg.batching == "continuous"
+    batch_rows = cfg.train.prompts_per_step * cfg.train.group_size
+
+    def push(frames: list[bytes], session: dict, sent: dict[str, list]) -> None:
+        header = json.loads(frames[0])
+        header.update(run=session["run"], gen=session["gen"])
+        frames[0] = json.dumps(header).encode()
+        data.send_multipart(frames)
+        if "eval" in header:
+            sent["sent_evals"].append([header["eval"], header["part"]])
+        else:
+            sent["sent"].append(header["batch"])
+
     try:
         while True:
+            if drain.asked:  # before it joined: nothing held, nothing to tell
+                print(f"{name}: drained before it joined", flush=True)
+                return 0
             token = secrets.token_hex(8)  # a retried join is the same join
             join = {"op": "join", "group": group, "host": host, "token": token}
             session = control.request(join, patience=patience)
             patience = cfg.hosts.restart_timeout
             weights.attach(session)
             print(f"{name}: joined the trainer at {cfg.hosts.hub}", flush=True)
+            # Continuous batching: the batches this session was handed, in the slot engine
+            # (what a trainer before handed out is not this one's: a new engine per join).
+            engine = None
+            if on_engine:
+                engine = EngineBatches(cfg, graphdef, tok, waves.interruption, mesh=mesh,
+                                       prompt_len=-(-longest // 8) * 8, sampling=sampling,
+                                       slots=cfg.sampler.slots or batch_rows)  # fmt: skip
+            done_at = time.perf_counter()  # the last batch pushed (a batch's seconds)
+            sent: dict[str, list] = {"sent": [], "sent_evals": []}  # this session's
             while not weights.stopped:  # (the hub is gone once every group was told)
-                seq += 1
-                ask = {"op": "work", "run": session["run"], "gen": session["gen"], "seq": seq}
-                try:
-                    work = control.request(ask, stopped=lambda: weights.stopped)
-                except TimeoutError as e:
-                    _waiting(name, e, patience)
-                    break
-                if work.get("stop"):
-                    print(f"{name}: stopped by the trainer after {made} batch(es)", flush=True)
+                if drain.asked and (engine is None or not engine.queued):
+                    _leave(control, session, sent, name, made)
                     return 0
-                if work.get("rejoin"):
-                    break
-                if "batch" not in work and "eval" not in work:
-                    time.sleep(work.get("wait", 0.05))
-                    continue
-                what = f"batch {work.get('batch')}"
-                if "eval" in work:
+                work = None
+                if not drain.asked and (engine is None or len(engine.queued) < _AHEAD):
+                    seq += 1
+                    ask = {"op": "work", "run": session["run"], "gen": session["gen"],
+                           "seq": seq}  # fmt: skip
+                    try:
+                        work = control.request(ask, stopped=lambda: weights.stopped)
+                    except TimeoutError as e:
+                        _waiting(name, e, patience)
+                        break
+                    if work.get("stop"):
+                        print(f"{name}: stopped by the trainer after {made} batch(es)",
+                              flush=True)  # fmt: skip
+                        return 0
+                    if work.get("rejoin"):
+                        break
+                    idle = engine is None or not engine.queued
+                    if "batch" not in work and "eval" not in work:
+                        if idle:
+                            time.sleep(work.get("wait", 0.05))
+                            continue
+                        work = None
+                what = f"batch {work.get('batch')}" if work else ""
+                if work and "eval" in work:
                     what = f"evaluation {work['eval']} part {work['part']} of {work['version']}"
-                print(f"{name}: generating {what}", flush=True)
+                if work:
+                    print(f"{name}: generating {what}", flush=True)
                 try:
-                    if "eval" in work:
+                    if work and "eval" in work:
                         frames = _evaluate_part(cfg, scorer, waves, weights, work, base, episodes)
-                    else:
+                    elif work and (engine is None or work["schedule"] is not None):
                         frames = _make_batch(cfg, scorer, waves, weights, work, run_key,
                                              sampling, base, episodes)  # fmt: skip
+                    else:  # queued behind what the engine holds; one engine run
+                        if work:
+                            _queue(engine, task, work, run_key)
+                        frames = _engine_run(cfg, scorer, engine, weights, base, done_at)
                 except Rejoin:
                     break
                 except TrainerLost as e:  # what it was making is lost; the hub counts it
                     _waiting(name, e, patience)
                     break
                 except Stopped:  # said, not counted: the trainer has trained its last step
-                    print(f"{name}: {what} left unfinished", flush=True)
+                    print(f"{name}: {what or 'the batches in the engine'} left unfinished",
+                          flush=True)  # fmt: skip
                     break
-                header = json.loads(frames[0])
-                header.update(run=session["run"], gen=session["gen"])
-                frames[0] = json.dumps(header).encode()
-                data.send_multipart(frames)
-                made += 1
+                if frames is not None:
+                    push(frames, session, sent)
+                    made += 1
+                    done_at = time.perf_counter()
             if weights.stopped:
                 print(f"{name}: stopped by the trainer after {made} batch(es)", flush=True)
                 return 0
@@ -392,6 +444,68 @@ def run_generator(cfg: ExperimentConfig, group: int) -> int:
         control.close()
         data.close()
         client.close()
+
+
+# Batches a group's slot engine holds at once: the one it hands back next and the one queued
+# behind it, whose groups take the slots the first one's finished rows leave.
+_AHEAD = 2
+
+
+def _queue(engine: EngineBatches, task, work: dict, run_key) -> None:
+    """The hub's batch into the slot engine, behind what it holds (held there until its
+    bound, `oldest`); the work and the time come back with it."""
+    prompts = [task.tokenizer.encode(task.train_examples[i]["prompt"]) for i in work["indices"]]
+    key = jax.random.fold_in(run_key, work["key"])  # (the engine's seed if it is the first)
+    engine.queue(work["indices"], prompts, key, work["oldest"], tag=(work, time.perf_counter()))
+
+
+def _engine_run(cfg, scorer, engine: EngineBatches, weights: Weights, base, done_at: float):
+    """One run of the slot engine with the newest weights held (at least the oldest queued
+    batch's bound; the batch behind it is held by the engine until its own); the frames of
+    the oldest batch if it is now complete, else None."""
+    oldest = engine.queued[0].tag[0]["oldest"]
+
+    def params_for_chunk(chunk: int):
+        version, params = weights.get(at_least=oldest)
+        return version, lora.merge_params(base, params)
+
+    engine.step(params_for_chunk)
+    if not engine.complete():
+        return None
+    _, ro, (work, queued_at) = engine.pop()
+    return _scored_frames(cfg, scorer, ro, work, max(queued_at, done_at),
+                          slot_occupancy=engine.occupancy)  # fmt: skip
+
+
+class Drain:
+    """SIGTERM drains the group (a preemptible host's notice, a scheduler scaling down, an
+    operator): it takes no new work, finishes and sends what it holds, tells the hub it
+    leaves once what it sent has arrived (nothing is handed out again, nothing counted lost),
+    and exits 0. A second SIGTERM ends it at once. `asked` is set by the handler, which runs
+    on the main thread, and read there."""
+
+    def __init__(self, name: str):
+        self.name, self.asked = name, False
+        if threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGTERM, self._handle)
+
+    def _handle(self, signum, frame) -> None:
+        if self.asked:
+            raise SystemExit(128 + signum)
+        self.asked = True
+        print(f"{self.name}: draining (SIGTERM): finishing the work it holds, then leaving",
+              flush=True)  # fmt: skip
+
+
+def _leave(control: Requester, session: dict, sent: dict[str, list], name: str, made: int):
+    """Tell the hub this drained group leaves, once what it sent has arrived there."""
+    leave = {"op": "leave", "run": session["run"], "gen": session["gen"], **sent}
+    try:
+        while (reply := control.request(leave)).get("wait"):
+            time.sleep(reply["wait"])
+    except TimeoutError as e:  # the trainer is gone: nothing to tell it
+        print(f"{name}: leaving without the trainer's answer ({e})", flush=True)
+    print(f"{name}: drained; left the trainer after {made} batch(es)", flush=True)
 
 
 def _waiting(name: str, why: BaseException, patience: float) -> None:
@@ -418,23 +532,34 @@ def _make_batch(
         return got[0], lora.merge_params(base, got[1])
 
     key = jax.random.fold_in(run_key, work["key"])
-    reference = bool(cfg.loss.kl_coef)
     if episodes is not None:  # whole episodes, as the trainer's own
         ro, rewards, stats = episodes.run(
             params_for_chunk, examples, key, sampling=sampling, repeat=g
         )
-        scored = score_episodes(cfg, ro, rewards, stats, reference=reference)
-    else:
-        ro = waves.generate(
-            params_for_chunk,
-            [task.tokenizer.encode(e["prompt"]) for e in examples],
-            key,
-            sampling=sampling,
-            n_new=cfg.sampler.max_new_tokens,
-            repeat=g,
-            with_fill=True,
-        )
-        scored = score_rollout(cfg, scorer, ro, examples, reference=reference)
+        scored = score_episodes(cfg, ro, rewards, stats, reference=bool(cfg.loss.kl_coef))
+        return _frames(scored, work, time.perf_counter() - start)
+    ro = waves.generate(
+        params_for_chunk,
+        [task.tokenizer.encode(e["prompt"]) for e in examples],
+        key,
+        sampling=sampling,
+        n_new=cfg.sampler.max_new_tokens,
+        repeat=g,
+        with_fill=True,
+    )
+    return _scored_frames(cfg, scorer, ro, work, start)
+
+
+def _scored_frames(cfg, scorer, ro, work: dict, start: float, **stats) -> list[bytes]:
+    """Score a batch's rollout (the work's prompts, in order): its frames for the hub, with
+    `stats` beside the scores'."""
+    examples = [scorer.task.train_examples[i] for i in work["indices"]]
+    scored = score_rollout(cfg, scorer, ro, examples, reference=bool(cfg.loss.kl_coef))
+    scored.stats.update(stats)
+    return _frames(scored, work, time.perf_counter() - start)
+
+
+def _frames(scored, work: dict, seconds: float) -> list[bytes]:
     arrays = {
         f: np.asarray(getattr(scored.ro, f))
         for f in ROLLOUT_FIELDS
@@ -442,8 +567,7 @@ def _make_batch(
     }
     arrays.update(rewards=scored.rewards, pass_rates=scored.pass_rates,
                   indices=np.asarray(work["indices"]))  # fmt: skip
-    header = {"batch": work["batch"], "stats": scored.stats,
-              "seconds": time.perf_counter() - start}  # fmt: skip
+    header = {"batch": work["batch"], "stats": scored.stats, "seconds": seconds}
     return encode_batch(header, arrays)
 
 

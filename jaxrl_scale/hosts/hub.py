@@ -351,8 +351,10 @@ class Hub:
                         gen["batches"].add(reply["batch"])  # until it arrives
                 gen["seq"], gen["reply"] = msg.get("seq"), reply
             return gen["reply"] or {"wait": 0.05}
-        if op == "leave":
-            self._lose(msg["gen"], "left")
+        if op == "leave":  # a drained group: what it sent must arrive before it is let go
+            if self._unarrived(msg["gen"], msg):
+                return {"wait": 0.05}
+            self._lose(msg["gen"], "left (drained)")
             return {"ok": True}
         return {"error": f"unknown op {op!r}"}
 
@@ -450,6 +452,25 @@ class Hub:
                 self._lose(gen_id, f"made no progress for {stalled:.0f} s while its heartbeat "
                                    "went on (hosts.stalled_after)")  # fmt: skip
 
+    def _unarrived(self, gen_id: int, leave: dict) -> bool:
+        """Whether a batch or an evaluation part the leaving group says it sent (`sent`:
+        batch numbers; `sent_evals`: [evaluation, part] pairs) has not arrived yet (it comes
+        on the data socket; anything it holds and did not send is handed out again)."""
+        try:
+            sent = {int(n) for n in leave.get("sent", ())}
+            parts = {(int(e), int(j)) for e, j in leave.get("sent_evals", ())}
+        except (TypeError, ValueError):
+            return False
+        if self._gens[gen_id]["batches"] & sent:
+            return True
+        with self._cond:
+            return any(
+                job["assigned"].get(j) == gen_id and j not in job["results"]
+                for e, job in self._evals.items()
+                for (e2, j) in parts
+                if e2 == e
+            )
+
     def _holds_work(self, gen_id: int) -> bool:
         """Whether the group has a batch, or a part of an evaluation, not yet back."""
         if self._gens[gen_id]["batches"]:
@@ -466,7 +487,9 @@ class Hub:
         mine = self.dispatch.requeue(sorted(gen["batches"]), gen_id)
         self.lost_rows += self.rows * len(mine)
         self.lost_batches += len(mine)
-        lost = f"; its batch(es) {mine} ({self.rows * len(mine)} rows) are handed out again"
+        lost = ""
+        if mine:
+            lost = f"; its batch(es) {mine} ({self.rows * len(mine)} rows) are handed out again"
         with self._cond:  # and the parts of evaluations it had, not yet back
             for e, job in self._evals.items():
                 for j in [j for j, g in job["assigned"].items() if g == gen_id]:

@@ -20,6 +20,7 @@ it draws from, is owned by the thread that calls `next` (the feeding thread).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
@@ -219,9 +220,12 @@ class WaveGenerator(_OnGenerator):
 
 
 class EngineBatches(_OnGenerator):
-    """Continuous batching of training batches: each batch's `train.prompts_per_step`
-    prompts drawn from `curriculum` (indices into `examples`, encoded by `encode`) and queued
-    in a slot engine of `slots` rows on `mesh`, created at the first draw."""
+    """Continuous batching of training batches in a slot engine of `slots` rows on `mesh`,
+    created at the first batch queued. Batches enter in order and are handed over in that
+    order, each once all its groups are complete. Colocated, `next` draws each batch's
+    `train.prompts_per_step` prompts from `curriculum` (indices into `examples`, encoded by
+    `encode`); a generator job (no curriculum) queues the batches the hub hands it
+    (`queue`) and runs the engine one run at a time (`step`, `complete`, `pop`)."""
 
     def __init__(
         self,
@@ -234,24 +238,30 @@ class EngineBatches(_OnGenerator):
         prompt_len: int,
         slots: int,
         sampling: Sampling,
-        curriculum: Curriculum,
-        examples: Sequence[dict],
-        encode: Callable[[Sequence[dict]], list[list[int]]],
+        curriculum: Curriculum | None = None,
+        examples: Sequence[dict] = (),
+        encode: Callable[[Sequence[dict]], list[list[int]]] | None = None,
     ):
         super().__init__(cfg, graphdef, tokenizer, interruption, mesh)
         self.prompt_len, self.slots, self.sampling = prompt_len, slots, sampling
         self.curriculum, self.examples, self.encode = curriculum, examples, encode
-        # The engine, the batches submitted and not yet handed over (this one and the next,
-        # queued behind it), and finished rows by request.
+        # The engine, the batches queued and not yet handed over (the oldest first), and
+        # finished rows by request.
         self.engine: SlotEngine | None = None
-        # Each queued batch: (prompt indices, request ids, curriculum cursor before its draw).
-        self.queued: list[tuple[np.ndarray, list[int], tuple[int, int]]] = []
+        self.queued: list[_Queued] = []
         self.finished: dict[int, list[Finished]] = {}
         self.requests = 0
+        self.chunk = 0  # engine runs so far: each asks for the newest weights
+        # The share of slot-steps with a row decoding since the batch before was handed over
+        # (`pop`), and the engine's (steps, slot-steps) counts then.
+        self.occupancy = 0.0
+        self._counts = (0, 0)
 
-    def _submit(self, key, oldest: int | None) -> None:
-        """Draw the next batch's prompts and queue them in the engine, in batch order, held
-        until the version is at least `oldest` (None: not held)."""
+    def queue(self, indices, prompts: Sequence[Sequence[int]], key, oldest: int | None,
+              tag=None) -> None:  # fmt: skip
+        """Queue a batch's prompts in the engine behind those queued, held until the version
+        is at least `oldest` (None: not held); `key` seeds the engine if it is the first.
+        `tag` comes back with the batch (`pop`)."""
         cfg = self.cfg
         if self.engine is None:
             self.engine = SlotEngine(
@@ -268,55 +278,60 @@ class EngineBatches(_OnGenerator):
                 model_cfg=cfg.model,
                 mesh=self.mesh,
             )
-        cursor = (self.curriculum.epoch, self.curriculum.position)
-        indices = self.curriculum.next_batch(cfg.train.prompts_per_step)
-        prompts = self.encode([self.examples[i] for i in indices])
         requests = list(range(self.requests, self.requests + len(prompts)))
         self.requests += len(prompts)
         for request, prompt in zip(requests, prompts, strict=True):
             self.engine.submit(request, prompt, not_before=oldest)
-        self.queued.append((indices, requests, cursor))
+        self.queued.append(_Queued(np.asarray(indices), requests, tag))
+
+    def _draw(self, key, oldest: int | None) -> None:
+        """Draw the next batch's prompts from the curriculum and queue them."""
+        cursor = (self.curriculum.epoch, self.curriculum.position)
+        indices = self.curriculum.next_batch(self.cfg.train.prompts_per_step)
+        prompts = self.encode([self.examples[i] for i in indices])
+        self.queue(indices, prompts, key, oldest, tag=cursor)
 
     def in_flight(self) -> tuple[int, int]:
         """(prompts drawn into the engine and not handed over in a batch, rows of them already
         generating or generated): work the run's end leaves untrained."""
-        prompts = sum(len(requests) for _, requests, _ in self.queued)
+        prompts = sum(len(q.requests) for q in self.queued)
         rows = 0 if self.engine is None else self.engine.busy
         return prompts, rows + sum(len(v) for v in self.finished.values())
 
     def cursor(self) -> tuple[int, int] | None:
         """The curriculum's (epoch, position) before the oldest batch still queued (drawn,
         not handed over), or None when nothing is queued."""
-        return self.queued[0][2] if self.queued else None
+        return self.queued[0].tag if self.queued else None
 
-    def next(self, params_for_chunk: ParamsForChunk, key, oldest: int | None):
-        """(prompt indices, Rollout) of the oldest queued batch, its groups in the order they
-        were drawn. The next batch is queued behind it first, so slots its rows leave are
-        taken by the next batch's groups instead of idling; a batch is returned only when all
-        its groups are complete (short answers finishing first do not jump the queue). In
-        `sync` and `ppo_off_policy` nothing is queued ahead: a round is admitted, then drained,
-        so every token of it is sampled by the parameters it was drawn for. `oldest` bounds
-        the versions of this batch's tokens; the batch queued behind it is held until the
-        version is one more (the next step's bound), so its rows may start early but never
-        stale."""
-        ahead = 2 if self.cfg.pipeline.mode == "pipeline_rl" else 1
-        while len(self.queued) < ahead:
-            bound = None if oldest is None else oldest + len(self.queued)
-            self._submit(key, bound)
-        indices, requests, _ = self.queued[0]
-        g, chunk = self.cfg.train.group_size, 0
-        while any(len(self.finished.get(r, ())) < g for r in requests):
-            # The engine's last run has ended before the next weights are asked for (as its
-            # `run` would wait for it next anyway): no program still uses the copy it leaves.
-            jax.block_until_ready(self.engine.state.done)
-            version, params = params_for_chunk(chunk)
-            chunk += 1
-            for row in self.engine.run(params, version, self.cfg.sampler.admit_every):
-                self.finished.setdefault(row.request, []).append(row)
-        self.queued.pop(0)
-        rows = [f for r in requests for f in sorted(self.finished.pop(r), key=lambda f: f.row)]
-        # On the host, where scoring reads it and the trainer places its rows in their shards
-        # when it takes the batch (with router replay its experts are most of its bytes).
+    def complete(self) -> bool:
+        """Whether the oldest queued batch has all its groups."""
+        g = self.cfg.train.group_size
+        return bool(self.queued) and all(
+            len(self.finished.get(r, ())) >= g for r in self.queued[0].requests
+        )
+
+    def step(self, params_for_chunk: ParamsForChunk) -> None:
+        """One engine run (`sampler.admit_every` decode steps) with the newest weights
+        `params_for_chunk` gives; the rows it hands back are kept by request."""
+        # The engine's last run has ended before the next weights are asked for (as its
+        # `run` would wait for it next anyway): no program still uses the copy it leaves.
+        jax.block_until_ready(self.engine.state.done)
+        version, params = params_for_chunk(self.chunk)
+        self.chunk += 1
+        for row in self.engine.run(params, version, self.cfg.sampler.admit_every):
+            self.finished.setdefault(row.request, []).append(row)
+
+    def pop(self):
+        """(prompt indices, Rollout, tag) of the oldest queued batch, once `complete`
+        (`occupancy` is then the slots' since the batch before): its
+        groups in the order they were queued, on the host, where scoring reads it and the
+        trainer places its rows in their shards when it takes the batch (with router replay
+        its experts are most of its bytes)."""
+        q = self.queued.pop(0)
+        counts = (self.engine.steps, self.engine.slot_steps)
+        steps, busy = (now - then for now, then in zip(counts, self._counts, strict=True))
+        self.occupancy, self._counts = busy / (self.slots * steps) if steps else 0.0, counts
+        rows = [f for r in q.requests for f in sorted(self.finished.pop(r), key=lambda f: f.row)]
         stack = lambda name: np.stack([getattr(f, name) for f in rows])  # noqa: E731
         ro = Rollout(
             prompt_tokens=stack("prompt"),
@@ -329,4 +344,33 @@ class EngineBatches(_OnGenerator):
             lengths=np.asarray([f.length for f in rows], np.int32),
             routes=None if rows[0].routes is None else stack("routes"),
         )
+        return q.indices, ro, q.tag
+
+    def next(self, params_for_chunk: ParamsForChunk, key, oldest: int | None):
+        """(prompt indices, Rollout) of the oldest queued batch, its groups in the order they
+        were drawn. The next batch is queued behind it first, so slots its rows leave are
+        taken by the next batch's groups instead of idling; a batch is returned only when all
+        its groups are complete (short answers finishing first do not jump the queue). In
+        `sync` and `ppo_off_policy` nothing is queued ahead: a round is admitted, then drained,
+        so every token of it is sampled by the parameters it was drawn for. `oldest` bounds
+        the versions of this batch's tokens; the batch queued behind it is held until the
+        version is one more (the next step's bound), so its rows may start early but never
+        stale. Chunks are counted from 0 in each call (a fixed schedule's swap)."""
+        ahead = 2 if self.cfg.pipeline.mode == "pipeline_rl" else 1
+        while len(self.queued) < ahead:
+            self._draw(key, None if oldest is None else oldest + len(self.queued))
+        self.chunk = 0
+        while not self.complete():
+            self.step(params_for_chunk)
+        indices, ro, _ = self.pop()
         return indices, ro
+
+
+@dataclasses.dataclass
+class _Queued:
+    """A batch in the engine: its prompts' indices, their request ids, and the caller's tag
+    (colocated: the curriculum's cursor before its draw; a generator job: the hub's work)."""
+
+    indices: np.ndarray
+    requests: list[int]
+    tag: object = None

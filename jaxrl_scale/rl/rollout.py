@@ -256,6 +256,8 @@ class RolloutWorker:
                 with_fill=True,
             )
         scored = score_rollout(self.cfg, self.scorer, ro, examples, reference=self.reference)
+        if cfg.batching == "continuous":
+            scored.stats["slot_occupancy"] = self.continuous.occupancy
         self.curriculum.update(indices, scored.pass_rates)
         seconds = time.perf_counter() - start
         return self.assemble(scored, indices, self._curriculum_snapshot(), seconds)
