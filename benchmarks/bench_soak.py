@@ -16,7 +16,8 @@ What happens, at random moments drawn from --seed (the run must outlast them: --
 
 Checked at the end (an AssertionError says which): the run completes, each step is trained
 once in the metrics (none twice, none skipped), every token within the bound k, `lost_rows`
-counted, the drained group exited 0 having left, and no process is left running: every group
+counted, the held-out evaluations made, the group that joined made batches, the drained
+group exited 0 having left, and no process is left running: every group
 still up exits once told to stop (the ones that do not are killed and reported). Prints the
 counts. The test suite runs a short form (tests/test_hosts.py).
 """
@@ -143,6 +144,7 @@ def soak(out: Path, *, steps: int, kills: int, trainers: int, groups: int, seed:
     base.setdefault("JAX_PLATFORMS", "cpu")
     sets = [*SETTINGS, *settings, f"train.steps={steps}", f"pipeline.max_staleness={k}",
             f"hosts.generator_groups={groups}", f"hosts.lost_after={lost_after}",
+            f"train.eval_every={steps // 4}",
             "hosts.timeout=60"]  # fmt: skip
     drill = Drill(out, sets, trainers=trainers, env=base, timeout=timeout)
     counts = dict(kills=0, killed_in_pull=0, stopped=0, trainer_kills=0, joined=0, drained=0)
@@ -233,6 +235,10 @@ def soak(out: Path, *, steps: int, kills: int, trainers: int, groups: int, seed:
     trained = [r["step"] for r in rows if r["step"] > 0]
     assert trained == list(range(1, steps + 1)), f"steps in the metrics: {trained}"
     assert all(r["staleness_max"] <= k for r in rows), [r["staleness_max"] for r in rows]
+    evaluated = [r["step"] for r in rows if "eval_pass_rate" in r]  # (made by the groups)
+    assert evaluated == list(range(0, steps + 1, steps // 4)), evaluated
+    joined = (out / f"group{groups}-0.log").read_text()
+    assert "generating batch" in joined, f"the group that joined made no batch:\n{joined[-2000:]}"
     counts.update(
         steps=steps,
         lost_rows=rows[-1]["lost_rows"],
@@ -242,6 +248,7 @@ def soak(out: Path, *, steps: int, kills: int, trainers: int, groups: int, seed:
     counts.update(
         lost=logs.count("silent for"),
         left=logs.count("left (drained)"),
+        left_holding_work=logs.count("left (drained);"),  # its work handed out again
         handed_out_again=logs.count("handed out again"),
         dropped=logs.count("was not this run's to make"),
     )

@@ -408,44 +408,6 @@ def _finish(p, timeout, log, *others):
     assert p.returncode == 0, tails()
 
 
-def test_two_trainers_two_generator_groups_k4_one_group_killed_and_restarted(tmp_path, processes):
-    """2 trainer processes + 2 generator groups, k = 4; generator group 0 is SIGKILLed while
-    it generates its first batch and started again: the run completes, every token within
-    the bound, the lost rows counted, and the restarted group joins and pulls weights."""
-    port = _free_port()
-    hub = port + 1
-    steps, k = 8, 4
-    extra = [f"train.steps={steps}", f"pipeline.max_staleness={k}", "hosts.generator_groups=2",
-             "hosts.lost_after=8", "hosts.timeout=120", "train.eval_every=4"]  # fmt: skip
-    out = tmp_path / "run"
-    trainers = []
-    for i in range(2):
-        env = _env("trainer", JAXRL_COORDINATOR=f"127.0.0.1:{port + 10}",
-                   JAXRL_NUM_PROCESSES="2", JAXRL_PROCESS_ID=str(i))  # fmt: skip
-        log = tmp_path / f"trainer{i}.log"
-        trainers.append((processes.start(env, _args(out, hub, *extra), log), log))
-    gen_logs = [tmp_path / "gen0.log", tmp_path / "gen1.log"]
-    victim = processes.start(_env("generator", JAXRL_GROUP="0"), _args(out, hub, *extra),
-                             gen_logs[0])  # fmt: skip
-    processes.start(_env("generator", JAXRL_GROUP="1"), _args(out, hub, *extra), gen_logs[1])
-    _wait_for(lambda: "generating batch" in gen_logs[0].read_text(), 240, "group 0's first batch")
-    victim.send_signal(signal.SIGKILL)
-    victim.wait(timeout=30)
-    restarted_log = tmp_path / "gen0-restarted.log"
-    processes.start(_env("generator", JAXRL_GROUP="0"), _args(out, hub, *extra), restarted_log)
-    for p, log in trainers:
-        _finish(p, 300, log)
-    rows = [r for r in read_metrics(out) if r["step"] > 0]
-    assert [r["step"] for r in rows] == list(range(1, steps + 1))
-    assert all(r["staleness_max"] <= k for r in rows)
-    assert max(r["staleness_max"] for r in rows) >= 1  # generators ran ahead of the trainer
-    assert rows[-1]["lost_rows"] >= 16  # the batch group 0 was generating: 4 prompts x 4
-    trainer_log = trainers[0][1].read_text()
-    assert "handed out again" in trainer_log
-    assert trainer_log.count("generator group 0 on 127.0.0.1 joined") == 2
-    _wait_for(lambda: "joined the trainer" in restarted_log.read_text(), 30, "the rejoin")
-
-
 def _lockstep_rows(tmp_path, processes, *, disaggregated: bool):
     out = tmp_path / ("dis" if disaggregated else "colocated")
     extra = ["train.steps=4", "pipeline.lockstep=true", "pipeline.max_staleness=1"]
@@ -671,7 +633,8 @@ def test_a_run_survives_the_fault_soak(tmp_path):
     times (once during a weight pull), one SIGSTOPped past hosts.lost_after, the trainer
     SIGKILLed once and resumed, a group joining mid-run and one drained: the run completes,
     each step trained once, every token within k, the lost rows counted, the drained group
-    left without loss of its own, and nothing is left running."""
+    left without loss of its own, the group that joined made batches, the held-out evaluations
+    were made by the groups on the slot engine, and nothing is left running."""
     spec = importlib.util.spec_from_file_location(
         "bench_soak", ROOT / "benchmarks" / "bench_soak.py"
     )
@@ -682,5 +645,6 @@ def test_a_run_survives_the_fault_soak(tmp_path):
     assert counts["kills"] == 5 and counts["killed_in_pull"] == 1
     assert counts["trainer_kills"] == counts["stopped"] == counts["joined"] == 1
     assert counts["lost"] >= 1  # the stopped group, at least (killed ones are silent too)
-    assert counts["left"] == 1  # the drained group, which left rather than being lost
+    assert counts["left"] == 1  # the drained group, which left rather than being lost,
+    assert counts["left_holding_work"] == 0  # with nothing of its own handed out again
     assert counts["lost_rows"] >= 0 and counts["staleness_max"] <= 4

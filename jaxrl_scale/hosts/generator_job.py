@@ -382,12 +382,19 @@ def run_generator(cfg: ExperimentConfig, group: int) -> int:
                                        slots=cfg.sampler.slots or batch_rows)  # fmt: skip
             done_at = time.perf_counter()  # the last batch pushed (a batch's seconds)
             sent: dict[str, list] = {"sent": [], "sent_evals": []}  # this session's
+            # An evaluation part handed out while the engine held batches: made once they
+            # are done, with the engine's slots freed (in a batch's place, as planned).
+            deferred = None
             while not weights.stopped:  # (the hub is gone once every group was told)
-                if drain.asked and (engine is None or not engine.queued):
+                held = engine is not None and bool(engine.queued)
+                if drain.asked and not held and deferred is None:
                     _leave(control, session, sent, name, made)
                     return 0
                 work = None
-                if not drain.asked and (engine is None or len(engine.queued) < _AHEAD):
+                if deferred is not None and not held:
+                    work, deferred = deferred, None
+                elif (not drain.asked and deferred is None
+                      and (engine is None or len(engine.queued) < _AHEAD)):  # fmt: skip
                     seq += 1
                     ask = {"op": "work", "run": session["run"], "gen": session["gen"],
                            "seq": seq}  # fmt: skip
@@ -402,12 +409,13 @@ def run_generator(cfg: ExperimentConfig, group: int) -> int:
                         return 0
                     if work.get("rejoin"):
                         break
-                    idle = engine is None or not engine.queued
                     if "batch" not in work and "eval" not in work:
-                        if idle:
+                        if not held:
                             time.sleep(work.get("wait", 0.05))
                             continue
                         work = None
+                    elif "eval" in work and held:
+                        deferred, work = work, None
                 what = f"batch {work.get('batch')}" if work else ""
                 if work and "eval" in work:
                     what = f"evaluation {work['eval']} part {work['part']} of {work['version']}"
@@ -415,6 +423,8 @@ def run_generator(cfg: ExperimentConfig, group: int) -> int:
                     print(f"{name}: generating {what}", flush=True)
                 try:
                     if work and "eval" in work:
+                        if engine is not None:
+                            engine.release()
                         frames = _evaluate_part(cfg, scorer, waves, weights, work, base, episodes)
                     elif work and (engine is None or work["schedule"] is not None):
                         frames = _make_batch(cfg, scorer, waves, weights, work, run_key,

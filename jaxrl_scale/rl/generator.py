@@ -284,6 +284,13 @@ class EngineBatches(_OnGenerator):
             self.engine.submit(request, prompt, not_before=oldest)
         self.queued.append(_Queued(np.asarray(indices), requests, tag))
 
+    def release(self) -> None:
+        """Free the engine's slots on the devices while nothing is queued (a generator job's
+        evaluation runs in their place); the next `queue` builds the engine again."""
+        if self.queued:
+            raise ValueError(f"{len(self.queued)} batch(es) are still queued in the engine")
+        self.engine, self._counts = None, (0, 0)
+
     def _draw(self, key, oldest: int | None) -> None:
         """Draw the next batch's prompts from the curriculum and queue them."""
         cursor = (self.curriculum.epoch, self.curriculum.position)
