@@ -1,7 +1,9 @@
 """A generator group's process (`jaxrl-scale train --role generator --group N`): no train state,
 no optimizer, no curriculum. It joins the trainer's hub, asks for prompts, decodes them with the
-newest weights it has pulled (static waves on its own mesh, `hosts.generator_mesh`), scores the
-completions and pushes the scored batch back, until the hub says stop.
+newest weights it has pulled (on its own mesh, `hosts.generator_mesh`: the slot engine with
+continuous batching, two of the hub's batches in it at once, else static waves), scores the
+completions and pushes the scored batch back, until the hub says stop. SIGTERM drains it: no
+new work, what it holds finished and sent, then it leaves (`Drain`).
 
 Weights arrive in flight: a heartbeat thread tells the hub the group is alive and learns the
 newest version; a puller thread pulls a newer version over `jax.experimental.transfer` while

@@ -5,17 +5,22 @@ ro = waves.generate(params_for_chunk, prompts, key, sampling=s, n_new=N, repeat=
 batches = EngineBatches(cfg, graphdef, tokenizer, interruption, mesh=m, prompt_len=L,
                         slots=S, curriculum=c, examples=train_examples)
 indices, ro = batches.next(params_for_chunk, key, oldest=v)
+batches.queue(indices, prompts, key, oldest=v)   # a generator job: the hub's batches,
+batches.step(params_for_chunk)                   # one engine run at a time,
+indices, ro, tag = batches.pop()                 # once batches.complete()
 
 `WaveGenerator` is the static path (and every held-out evaluation): prompts decoded in waves
 of at most `sampler.slots` rows, each until its longest row ends. `EngineBatches` is
 continuous batching: it draws each batch's prompts from the curriculum into the slot engine
-(`generation.engine`), queues the next batch behind it, and hands a batch over once all
-its groups are complete. Neither scores, places batches for the trainer or knows the feeder: that
-is `rollout.RolloutWorker`.
+(`generation.engine`), or takes the batches a generator job is handed, queues the next batch
+behind it, and hands a batch over once all its groups are complete. Neither scores, places
+batches for the trainer or knows the feeder: that is `rollout.RolloutWorker` (colocated) or
+the generator job (hosts/generator_job.py).
 
 Threads. A `WaveGenerator` holds no mutable state: the feeding thread's rollouts and the main
 thread's evaluation share it. An `EngineBatches`, with its engine, queue and the curriculum
-it draws from, is owned by the thread that calls `next` (the feeding thread).
+it draws from, is owned by the thread that calls `next` (the feeding thread) or, in a
+generator job, `queue` and `step` (its main thread).
 """
 
 from __future__ import annotations
