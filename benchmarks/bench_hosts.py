@@ -168,8 +168,12 @@ def _samples_per_s(rows: list[dict], rows_per_step: int, devices: int) -> float:
 
 
 def engine(args) -> None:
-    heavy = ["sampler.max_new_tokens=384", "sampler.chunk_size=8", "sampler.admit_every=8",
-             "train.packing=true"]
+    heavy = [
+        "sampler.max_new_tokens=384",
+        "sampler.chunk_size=8",
+        "sampler.admit_every=8",
+        "train.packing=true",
+    ]
     results = {}
     with tempfile.TemporaryDirectory() as tmp:
         for batching in ("static", "continuous"):
