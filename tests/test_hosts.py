@@ -2,6 +2,7 @@
 real trainer / generator processes on 127.0.0.1 (each test's processes are killed at its end)."""
 
 import importlib.util
+import json
 import os
 import signal
 import socket
@@ -73,6 +74,44 @@ def test_pulled_weights_equal_the_generation_copy_in_another_layout(
         with pytest.raises(LookupError, match=server.address["weights"]):
             client.pull(7)
     finally:
+        client.close()
+        server.close()
+
+
+def test_an_offer_nobody_pulls_is_withdrawn_and_a_pulled_one_is_not(tiny_model_config):
+    """A generator that asks for a version and dies before pulling it leaves an offer that
+    holds that version's blocks: the trainer process withdraws it once `timeout` has passed
+    (pulling it itself). An offer whose blocks arrived is acknowledged and left alone, and
+    the server goes on serving."""
+    import zmq
+
+    mesh = sharding.make_mesh(MeshConfig(data=1, fsdp=2, tensor=1), jax.devices()[:2])
+    gen_mesh = sharding.make_mesh(MeshConfig(data=2, fsdp=1, tensor=1), jax.devices()[2:4])
+    model = sharding.init_sharded(lambda rngs: Policy(tiny_model_config, rngs=rngs), mesh, 0)
+    _, params = nnx.split(model)
+    server = WeightServer(mesh, tiny_model_config, 2, host="127.0.0.1", timeout=1.0)
+    server.publish(0, params)
+    abstract = jax.eval_shape(lambda p: for_generation(p, tiny_model_config, copy=False), params)
+    client = WeightClient(abstract, sharding.state_shardings(abstract, gen_mesh), gen_mesh,
+                          host="127.0.0.1", timeout=10)  # fmt: skip
+    dead = zmq.Context.instance().socket(zmq.REQ)
+    dead.setsockopt(zmq.LINGER, 0)
+    try:
+        dead.connect(server.address["weights"])
+        dead.send(b'{"version": 0}')
+        assert dead.poll(10_000) and "uuid" in json.loads(dead.recv())  # offered, never pulled
+        client.connect([server.address])
+        first = client.pull(0)  # pulled and acknowledged
+        deadline = time.monotonic() + 10
+        while server.withdrawn < 1 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(1.5)  # past the acknowledged offer's deadline too
+        assert server.withdrawn == 1
+        again = client.pull(0)
+        for a, b in zip(jax.tree.leaves(first), jax.tree.leaves(again), strict=True):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    finally:
+        dead.close()
         client.close()
         server.close()
 
@@ -472,6 +511,33 @@ def test_the_trainer_killed_resumes_and_its_generator_rejoins(tmp_path, processe
     text = gen_log.read_text()
     assert text.count("joined the trainer") == 2, text[-2000:]
     assert gen.returncode == 0
+
+
+def test_trainer_processes_wait_for_a_slow_but_healthy_first_batch(tmp_path, processes):
+    """2 trainer processes and a group whose first batch takes 42 s to score (a user's
+    scorer, its heartbeat going on), more than 4 x hosts.timeout: process 0 waits, since the
+    group is heard from, and so do the others, however long it takes (they gave up after
+    4 x hosts.timeout before)."""
+    port = _free_port()
+    fixtures = str(ROOT / "tests" / "fixtures" / "tasks")
+    extra = ["train.steps=1", "task.name=user_task:make", "task.args.slow_first=42",
+             "warm_start.steps=0", "train.eval_every=0", "hosts.generator_groups=1",
+             "hosts.timeout=10", "task.score_timeout=120"]  # fmt: skip
+    out = tmp_path / "run"
+    gen_log = tmp_path / "gen.log"  # first: it waits for the hub (its startup is not silence)
+    processes.start(_env("generator", JAXRL_GROUP="0", PYTHONPATH=fixtures),
+                    _args(out, port + 1, *extra), gen_log)  # fmt: skip
+    trainers = []
+    for i in range(2):
+        env = _env("trainer", PYTHONPATH=fixtures, JAXRL_COORDINATOR=f"127.0.0.1:{port + 10}",
+                   JAXRL_NUM_PROCESSES="2", JAXRL_PROCESS_ID=str(i))  # fmt: skip
+        log = tmp_path / f"trainer{i}.log"
+        trainers.append((processes.start(env, _args(out, port + 1, *extra), log), log))
+    for p, log in trainers:
+        _finish(p, 240, log, gen_log)
+    rows = read_metrics(out)
+    assert [r["step"] for r in rows] == [0, 1]
+    assert rows[1]["gen_seconds"] > 40  # the first batch took that long
 
 
 def test_generator_role_without_a_trainer_fails_naming_the_hub(tmp_path):

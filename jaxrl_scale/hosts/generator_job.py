@@ -241,6 +241,7 @@ class Weights:
                     print(f"weights: pulling version {want}", flush=True)
                     time.sleep(PULL_DELAY)
                 params = _Rows(self._arrived(rows, want))
+                self.client.acknowledge()  # (else the trainer withdraws the offer in time)
             except LookupError:  # superseded meanwhile: ask for the newest next
                 continue
             except Exception as e:  # the trainer died mid-pull, or went quiet

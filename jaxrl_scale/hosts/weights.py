@@ -12,11 +12,16 @@ row in the generator's own row split, cuts or joins blocks on its devices into i
 and one compiled program turns the rows back into leaves in its mesh's sharding. (Pulling
 straight into a different sharding is not supported by the transfer API: shapes must match.)
 
-Offers are made on request, because an offer holds its arrays until they are pulled and cannot
-be withdrawn: the generator asks every trainer process's weight socket (ZeroMQ REQ/REP, JSON)
-for version v; the process offers v's blocks under a fresh id and answers with the id and the
-manifest (its blocks' rows, the leaves' shapes and dtypes). A trainer process keeps the newest
-`keep` versions (2: the one a fixed schedule still decodes with and the newest).
+Offers are made on request, because an offer holds its arrays until they are pulled: the
+generator asks every trainer process's weight socket (ZeroMQ REQ/REP, JSON) for version v; the
+process offers v's blocks under a fresh id and answers with the id and the manifest (its
+blocks' rows, the leaves' shapes and dtypes). Once the blocks have arrived the generator says
+so (`pulled`). An offer not acknowledged within `timeout` (its puller died between asking and
+pulling) is withdrawn: the transfer API has no call for it, so the process pulls the offer
+itself, onto the devices that hold it, and drops what arrives; the blocks are freed (else a
+dead puller would keep its version's blocks alive on the trainer for the rest of the run). A
+trainer process keeps the newest `keep` versions (2: the one a fixed schedule still decodes
+with and the newest).
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ import itertools
 import json
 import math
 import secrets
+import sys
 import threading
 import time
 
@@ -33,7 +39,7 @@ import jax.numpy as jnp
 import numpy as np
 import zmq
 from jax.experimental import transfer
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.sharding import Mesh, NamedSharding, PartitionSpec, SingleDeviceSharding
 
 from jaxrl_scale.models.config import ModelConfig
 from jaxrl_scale.models.policy import for_generation
@@ -69,7 +75,14 @@ class WeightServer:
         port = socket.bind_to_random_port(f"tcp://{host}")
         self.address = {"weights": f"tcp://{host}:{port}", "transfer": self.transfer.address()}
         self._stopping = threading.Event()
-        self.offered_bytes = 0  # written by the serving thread only
+        # Written by the serving thread only: bytes offered; offers not yet acknowledged
+        # (uuid -> (deadline, version, what a pull of them takes)); offers withdrawn, and
+        # the arrays of withdrawals still arriving.
+        self.offered_bytes = 0
+        self._offers: dict[int, tuple[float, int, list]] = {}
+        self.withdrawn = 0
+        self._withdrawing: list = []
+        self._self = None  # a connection to this process's own transfer server
         self._thread = threading.Thread(
             target=self._serve, args=(socket,), name="weight-server", daemon=True
         )
@@ -98,15 +111,35 @@ class WeightServer:
         try:
             while not self._stopping.is_set():
                 if not socket.poll(100):
+                    self._withdraw_stale()
                     continue
                 try:
                     request = json.loads(socket.recv())
-                    reply = self._offer(int(request["version"]))
+                    if "pulled" in request:  # those blocks have arrived: nothing to withdraw
+                        self._offers.pop(int(request["pulled"]), None)
+                        reply = {"ok": True}
+                    else:
+                        reply = self._offer(int(request["version"]))
                 except (ValueError, KeyError, TypeError) as e:
                     reply = {"error": f"bad request: {e}"}
                 socket.send(json.dumps(reply).encode())
+                self._withdraw_stale()
         finally:
             socket.close()
+
+    def _withdraw_stale(self) -> None:
+        """Pull, here, every offer not acknowledged by its deadline, and let it go."""
+        self._withdrawing = [a for a in self._withdrawing if not a.is_ready()]
+        now = time.monotonic()
+        for uuid in [u for u, (deadline, _, _) in self._offers.items() if deadline < now]:
+            _, version, specs = self._offers.pop(uuid)
+            if self._self is None:
+                self._self = self.transfer.connect(self.address["transfer"])
+            self._withdrawing += self._self.pull(uuid, specs)
+            self.withdrawn += 1
+            print(f"weights: version {version}'s offer {uuid} was not pulled in "
+                  f"{self.timeout:.0f} s (its generator died?); withdrawn",
+                  file=sys.stderr, flush=True)  # fmt: skip
 
     def _offer(self, version: int) -> dict:
         deadline = time.monotonic() + self.timeout
@@ -125,6 +158,9 @@ class WeightServer:
         uuid = next(self._ids)
         self.transfer.await_pull(uuid, arrays)
         self.offered_bytes += sum(a.nbytes for a in arrays)
+        specs = [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=SingleDeviceSharding(a.device))
+                 for a in arrays]  # fmt: skip
+        self._offers[uuid] = (time.monotonic() + self.timeout, version, specs)
         return {
             "uuid": uuid,
             "version": version,
@@ -158,6 +194,7 @@ class WeightClient:
         self._trainers: list[dict] = []
         self._sockets: list[zmq.Socket] = []
         self._connections: dict[str, object] = {}
+        self._pulled: list[int] = []  # the last pull's offers, one per trainer process
         self.pulled_bytes = 0
 
     def connect(self, trainers: list[dict]) -> None:
@@ -177,7 +214,19 @@ class WeightClient:
     def pull(self, version: int):
         """Version `version`'s parameters on this generator's devices, or raise
         `TimeoutError` / `LookupError` naming the trainer process that did not give them."""
-        return self.lay_out(self.pull_rows(version))
+        rows = jax.block_until_ready(self.pull_rows(version))
+        self.acknowledge()
+        return self.lay_out(rows)
+
+    def acknowledge(self) -> None:
+        """Tell each trainer process that the last pull's blocks have arrived (call once they
+        have), so it does not withdraw the offer; a process that does not answer within 10 s
+        is left to withdraw it (its socket takes the next request all the same)."""
+        for socket, uuid in zip(self._sockets, self._pulled, strict=False):
+            socket.send(json.dumps({"pulled": uuid}).encode())
+            if socket.poll(int(min(self.timeout, 10.0) * 1000)):
+                socket.recv()
+        self._pulled = []
 
     def lay_out(self, rows):
         """Pulled rows (`pull_rows`) in the parameters' own layout: a program over every
@@ -191,6 +240,7 @@ class WeightClient:
         with no program that spans devices (safe beside a decoding thread)."""
         pieces: dict[int, list[tuple[int, jax.Array]]] = {}  # leaf -> [(first row, block)]
         rows = None
+        self._pulled = []
         for t, socket in zip(self._trainers, self._sockets, strict=True):
             socket.send(json.dumps({"version": version}).encode())
             if not socket.poll(int(self.timeout * 1000)):
@@ -221,6 +271,7 @@ class WeightClient:
                 connection = self.transfer.connect(offer["transfer"])
                 self._connections[offer["transfer"]] = connection
             got = iter(connection.pull(offer["uuid"], specs))
+            self._pulled.append(offer["uuid"])
             self.pulled_bytes += sum(math.prod(s.shape) * np.dtype(s.dtype).itemsize
                                      for s in specs)  # fmt: skip
             for leaf in range(len(self.shapes)):
