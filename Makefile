@@ -36,6 +36,7 @@ bench: $(VENV)/.installed-test
 	$(BIN)/python benchmarks/bench_generation.py
 	$(BIN)/python benchmarks/bench_pipeline.py
 	$(BIN)/python benchmarks/bench_hosts.py
+	$(BIN)/python benchmarks/bench_soak.py
 	$(BIN)/python benchmarks/bench_feeder.py
 	$(BIN)/python benchmarks/bench_mismatch.py --layers 4
 	$(BIN)/python benchmarks/bench_learning.py
