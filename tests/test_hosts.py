@@ -4,6 +4,7 @@ real trainer / generator processes on 127.0.0.1 (each test's processes are kille
 import importlib.util
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -639,6 +640,33 @@ def test_multi_turn_episodes_run_on_a_generator_job(tmp_path, processes):
     for r in rows:
         assert 1 <= r["turns_mean"] <= 2 and r["env_errors"] == 0
         assert r["gen_tokens"] <= 2 * 4 * 16  # sampled tokens only: 2 turns of <= 4
+
+
+def test_a_generator_group_of_two_processes_pulls_its_own_rows_and_decodes_in_step(tmp_path):
+    """A group spanning 2 processes (a jax.distributed job of its own, 2 devices each, its
+    mesh {data: 4} over both), started by the launcher with --group-processes 2: its leader
+    talks to the hub, each process pulls only its own devices' rows of every version (about
+    half of each version's bytes), and all decode in step, on the slot engine and for the
+    held-out evaluations: the run completes, every token within the bound."""
+    out = tmp_path / "run"
+    k = 2
+    extra = ["train.steps=4", f"pipeline.max_staleness={k}", "train.eval_every=2",
+             "hosts.generator_mesh.data=4", "sampler.batching=continuous",
+             "hosts.timeout=120"]  # fmt: skip
+    script = ROOT / "launch" / "local_disaggregated.sh"
+    cmd = ["bash", str(script), "--port", str(_free_port()), "--group-processes", "2", "1", "1",
+           "--", *_args(out, 0, *extra)]  # fmt: skip
+    done = subprocess.run(cmd, env=_env("trainer"), capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    rows = read_metrics(out)
+    assert [r["step"] for r in rows] == [0, 1, 2, 3, 4]
+    assert all(r["staleness_max"] <= k for r in rows[1:])
+    assert all(0 < r["slot_occupancy"] <= 1 for r in rows[1:])
+    assert [r["step"] for r in rows if "eval_pass_rate" in r] == [0, 2, 4]
+    shares = re.findall(r"generator group 0 \(.*?\)( process 1)?: pulled \d+ version\(s\), "
+                        r"([\d.]+) of each", done.stdout)  # fmt: skip
+    assert sorted(p for p, _ in shares) == ["", " process 1"], done.stdout[-2000:]
+    assert all(0.4 < float(share) < 0.75 for _, share in shares), shares
 
 
 # The shipped multi-host recipes: (trainer processes, devices per host). Each runs on that

@@ -41,12 +41,13 @@ import numpy as np
 import zmq
 from flax import nnx
 
+from jaxrl_scale.configbase import ConfigError
 from jaxrl_scale.generation.sampler import Interruption, Sampling
 from jaxrl_scale.hosts.hub import ROLLOUT_FIELDS, address, encode_batch
 from jaxrl_scale.hosts.weights import WeightClient
 from jaxrl_scale.models import lora
 from jaxrl_scale.models.policy import Policy, for_generation
-from jaxrl_scale.parallel import sharding
+from jaxrl_scale.parallel import distributed, sharding
 from jaxrl_scale.rl.episodes import EpisodeRunner
 from jaxrl_scale.rl.generator import EngineBatches, WaveGenerator
 from jaxrl_scale.rl.rollout import held_out_scores, score_episodes, score_rollout
@@ -80,6 +81,45 @@ class Stopped(Exception):
 class TrainerLost(Exception):
     """The trainer could not be reached (silent for `hosts.timeout`, or weights that did not
     come): rejoin, waiting for it to come back (`hosts.restart_timeout`)."""
+
+
+_RAISED = {"Rejoin": Rejoin, "Stopped": Stopped, "TrainerLost": TrainerLost}
+
+
+class Group:
+    """The processes of one generator group: one `jax.distributed` job of its own (the group's
+    coordinator, JAXRL_COORDINATOR etc. in its processes' environment), its mesh over all
+    their devices. Process 0, the leader, talks to the hub, pulls its rows, decides and
+    sends; the others pull their own rows and follow: everything the leader's loop branches
+    on (the hub's answers, the version each chunk decodes with, a stop, a failure, a drain)
+    is `share`d in the group's key-value store in order, so every process issues the same
+    programs in the same order. One process: nothing is shared. One owner thread (the
+    decoding one)."""
+
+    def __init__(self):
+        self.size, self.leader = jax.process_count(), jax.process_index() == 0
+        self.seq = 0
+
+    def share(self, value):
+        """The leader's `value` on every process (the others' argument is ignored)."""
+        if self.size == 1:
+            return value
+        key = f"jaxrl_scale/group/{self.seq}"
+        self.seq += 1
+        if self.leader:
+            distributed.announce(key, json.dumps(value))
+            if self.seq > _KEPT:  # long read: the followers run the same programs in step
+                distributed.forget(f"jaxrl_scale/group/{self.seq - _KEPT - 1}")
+            return value
+        while True:  # the leader bounds every wait; a leader that dies ends the job
+            try:
+                return json.loads(distributed.wait_for(key, 600, "the group leader's step"))
+            except TimeoutError:
+                continue
+
+
+# Shared steps a group's key-value store keeps (older ones are deleted).
+_KEPT = 4096
 
 
 class Requester:
@@ -117,8 +157,12 @@ class Requester:
 class Weights:
     """The versions this generator holds: pulled by the puller thread, read by decoding."""
 
-    def __init__(self, client: WeightClient, hub: str, *, timeout: float, group: int):
+    def __init__(self, client: WeightClient, hub: str, *, timeout: float, group: int,
+                 processes: Group | None = None):  # fmt: skip
         self.client, self.hub, self.timeout, self.group = client, hub, timeout, group
+        # A group of several processes: the leader's choices are shared (`get`); the
+        # followers beat nothing (the leader speaks for the group).
+        self.processes = processes or Group()
         self._cond = threading.Condition()
         self._held: dict[int, object] = {}
         self._using: int | None = None
@@ -130,10 +174,10 @@ class Weights:
         self._newest: int | None = None  # the newest version the hub announced
         self._progress = 0  # decode chunks started: the heartbeat tells the hub (a hang shows)
         self._stop = threading.Event()
-        self._threads = [
-            threading.Thread(target=self._beat, name="heartbeat", daemon=True),
-            threading.Thread(target=self._pull, name="weight-puller", daemon=True),
-        ]
+        self._threads = [threading.Thread(target=self._pull, name="weight-puller", daemon=True)]
+        if self.processes.leader:
+            self._threads.append(threading.Thread(target=self._beat, name="heartbeat",
+                                                  daemon=True))  # fmt: skip
         for thread in self._threads:
             thread.start()
 
@@ -149,7 +193,32 @@ class Weights:
 
     def get(self, *, version: int | None = None, at_least: int = -1):
         """(version, params) to decode the next chunk with: exactly `version`, else the newest
-        held and at least `at_least` (waiting for the puller, at most `timeout` seconds)."""
+        held and at least `at_least` (waiting for the puller, at most `timeout` seconds). In
+        a group of several processes the leader's answer (or failure) is every process's:
+        the others take exactly the version it took."""
+        group = self.processes
+        if group.size > 1 and not group.leader:
+            told = group.share(None)
+            if "raise" in told:
+                raise _RAISED[told["raise"]](told["message"])
+            with self._cond:
+                self._newest = told["newest"]
+            try:
+                return self._get(version=told["version"])
+            except (Stopped, Rejoin, TrainerLost) as e:  # the leader has it; this one not
+                raise SystemExit(f"generator group {self.group} process "
+                                 f"{jax.process_index()}: {e}") from e  # fmt: skip
+        try:
+            got = self._get(version=version, at_least=at_least)
+        except (Stopped, Rejoin, TrainerLost) as e:
+            group.share({"raise": type(e).__name__, "message": str(e)})
+            raise
+        with self._cond:
+            newest = self._newest
+        group.share({"version": got[0], "newest": newest})
+        return got
+
+    def _get(self, *, version: int | None = None, at_least: int = -1):
         deadline = time.monotonic() + self.timeout
         with self._cond:
             self._want = version
@@ -318,17 +387,35 @@ def _generation_base(cfg: ExperimentConfig, m, mesh):
 
 
 def run_generator(cfg: ExperimentConfig, group: int) -> int:
-    """Serve the trainer as generator group `group` until it says stop; the exit status."""
+    """Serve the trainer as generator group `group` until it says stop; the exit status. A
+    group of several processes (JAXRL_COORDINATOR, JAXRL_NUM_PROCESSES, JAXRL_PROCESS_ID:
+    a `jax.distributed` job of its own) runs this on each of them (`Group`)."""
+    # A group of several processes: a job of its own, named by the group's environment
+    # (JAXRL_COORDINATOR ...), not by the config's `distributed` (the trainer's job), nor a
+    # cluster's detected one (groups started by one scheduler step are separate jobs).
+    if os.environ.get("JAXRL_COORDINATOR"):
+        own = dataclasses.replace(cfg.distributed, coordinator_address=None,
+                                  num_processes=None, process_id=None)  # fmt: skip
+        distributed.initialize(own)
+    processes = Group()
+    lead = processes.leader
     name = f"generator group {group} ({socket.gethostname()})"
+    if not lead:
+        name += f" process {jax.process_index()}"
     drain = Drain(name)  # (before the model is built: a drain while it is, is one too)
     host = address(cfg, trainer=False)
-    mesh = sharding.make_mesh(cfg.hosts.generator_mesh, jax.local_devices())
+    mesh = sharding.make_mesh(cfg.hosts.generator_mesh, jax.devices())
     model_cfg, graphdef, abstract, tokenizer = _model(cfg)
     base = _generation_base(cfg, model_cfg, mesh)
     task = make_task(cfg.task, seed=cfg.seed, tokenizer=tokenizer)
     scorer = make_scorer(cfg.task, task)  # the verifier's thread pool, as the trainer's
     tok = task.tokenizer
     if hasattr(task, "make_env"):  # multi-turn: the episode budget bounds the contexts
+        if processes.size > 1:
+            raise ConfigError(
+                "hosts: a generator group of several processes runs single-turn tasks (a "
+                "multi-turn task's environments answer one process)"
+            )
         longest = cfg.task.max_episode_tokens
     else:
         examples = task.train_examples + task.eval_examples
@@ -341,12 +428,15 @@ def run_generator(cfg: ExperimentConfig, group: int) -> int:
         episodes = EpisodeRunner(cfg, task, tok, waves.generate, envs)
     client = WeightClient(abstract, sharding.state_shardings(abstract, mesh), mesh, host=host,
                           timeout=cfg.hosts.timeout)  # fmt: skip
-    control = Requester(cfg.hosts.hub, patience=cfg.hosts.timeout, what=name)
-    data = zmq.Context.instance().socket(zmq.PUSH)
-    data.setsockopt(zmq.LINGER, 2000)
-    hub_host, port = cfg.hosts.hub.rsplit(":", 1)
-    data.connect(f"tcp://{hub_host}:{int(port) + 1}")
-    weights = Weights(client, cfg.hosts.hub, timeout=cfg.hosts.timeout, group=group)
+    control = data = None
+    if lead:  # the hub hears from the leader alone
+        control = Requester(cfg.hosts.hub, patience=cfg.hosts.timeout, what=name)
+        data = zmq.Context.instance().socket(zmq.PUSH)
+        data.setsockopt(zmq.LINGER, 2000)
+        hub_host, port = cfg.hosts.hub.rsplit(":", 1)
+        data.connect(f"tcp://{hub_host}:{int(port) + 1}")
+    weights = Weights(client, cfg.hosts.hub, timeout=cfg.hosts.timeout, group=group,
+                      processes=processes)  # fmt: skip
     s = cfg.sampler
     sampling = Sampling(s.temperature, s.top_p, s.top_k)
     run_key = jax.random.key(cfg.seed)
@@ -354,8 +444,24 @@ def run_generator(cfg: ExperimentConfig, group: int) -> int:
     patience = cfg.hosts.timeout  # to reach a trainer at all; then for it to come back
     on_engine = episodes is None and cfg.batching == "continuous"
     batch_rows = cfg.train.prompts_per_step * cfg.train.group_size
+    say = (lambda text: print(text, flush=True)) if lead else (lambda text: None)
 
-    def push(frames: list[bytes], session: dict, sent: dict[str, list]) -> None:
+    def ask(message: dict, **kwargs) -> dict:
+        """The hub's answer to the leader's `message`, on every process of the group."""
+        reply = None
+        if lead:
+            try:
+                reply = control.request(message, **kwargs)
+            except TimeoutError as e:
+                reply = {"timeout": str(e)}
+        reply = processes.share(reply)
+        if "timeout" in reply:
+            raise TimeoutError(reply["timeout"])
+        return reply
+
+    def push(frames: list[bytes] | None, session: dict, sent: dict[str, list]) -> None:
+        if not lead:  # the followers decoded the same rows; the leader sends them
+            return
         header = json.loads(frames[0])
         header.update(run=session["run"], gen=session["gen"])
         frames[0] = json.dumps(header).encode()
@@ -367,15 +473,15 @@ def run_generator(cfg: ExperimentConfig, group: int) -> int:
 
     try:
         while True:
-            if drain.asked:  # before it joined: nothing held, nothing to tell
-                print(f"{name}: drained before it joined", flush=True)
+            if processes.share(drain.asked):  # before it joined: nothing held, nothing to tell
+                say(f"{name}: drained before it joined")
                 return 0
             token = secrets.token_hex(8)  # a retried join is the same join
             join = {"op": "join", "group": group, "host": host, "token": token}
-            session = control.request(join, patience=patience)
+            session = ask(join, patience=patience)
             patience = cfg.hosts.restart_timeout
             weights.attach(session)
-            print(f"{name}: joined the trainer at {cfg.hosts.hub}", flush=True)
+            say(f"{name}: joined the trainer at {cfg.hosts.hub}")
             # Continuous batching: the batches this session was handed, in the slot engine
             # (what a trainer before handed out is not this one's: a new engine per join).
             engine = None
@@ -388,27 +494,30 @@ def run_generator(cfg: ExperimentConfig, group: int) -> int:
             # An evaluation part handed out while the engine held batches: made once they
             # are done, with the engine's slots freed (in a batch's place, as planned).
             deferred = None
-            while not weights.stopped:  # (the hub is gone once every group was told)
+            while True:
+                stopped, draining = processes.share([weights.stopped, drain.asked])
+                if stopped:  # (the hub is gone once every group was told)
+                    break
                 held = engine is not None and bool(engine.queued)
-                if drain.asked and not held and deferred is None:
-                    _leave(control, session, sent, name, made)
+                if draining and not held and deferred is None:
+                    if lead:
+                        _leave(control, session, sent, name, made)
                     return 0
                 work = None
                 if deferred is not None and not held:
                     work, deferred = deferred, None
-                elif (not drain.asked and deferred is None
+                elif (not draining and deferred is None
                       and (engine is None or len(engine.queued) < _AHEAD)):  # fmt: skip
                     seq += 1
-                    ask = {"op": "work", "run": session["run"], "gen": session["gen"],
-                           "seq": seq}  # fmt: skip
+                    message = {"op": "work", "run": session["run"], "gen": session["gen"],
+                               "seq": seq}  # fmt: skip
                     try:
-                        work = control.request(ask, stopped=lambda: weights.stopped)
+                        work = ask(message, stopped=lambda: weights.stopped)
                     except TimeoutError as e:
                         _waiting(name, e, patience)
                         break
                     if work.get("stop"):
-                        print(f"{name}: stopped by the trainer after {made} batch(es)",
-                              flush=True)  # fmt: skip
+                        say(f"{name}: stopped by the trainer after {made} batch(es)")
                         return 0
                     if work.get("rejoin"):
                         break
@@ -423,7 +532,7 @@ def run_generator(cfg: ExperimentConfig, group: int) -> int:
                 if work and "eval" in work:
                     what = f"evaluation {work['eval']} part {work['part']} of {work['version']}"
                 if work:
-                    print(f"{name}: generating {what}", flush=True)
+                    say(f"{name}: generating {what}")
                 try:
                     if work and "eval" in work:
                         if engine is not None:
@@ -431,32 +540,37 @@ def run_generator(cfg: ExperimentConfig, group: int) -> int:
                         frames = _evaluate_part(cfg, scorer, waves, weights, work, base, episodes)
                     elif work and (engine is None or work["schedule"] is not None):
                         frames = _make_batch(cfg, scorer, waves, weights, work, run_key,
-                                             sampling, base, episodes)  # fmt: skip
+                                             sampling, base, episodes, score=lead)  # fmt: skip
                     else:  # queued behind what the engine holds; one engine run
                         if work:
                             _queue(engine, task, work, run_key)
-                        frames = _engine_run(cfg, scorer, engine, weights, base, done_at)
+                        frames = _engine_run(cfg, scorer, engine, weights, base, done_at,
+                                             score=lead)  # fmt: skip
                 except Rejoin:
                     break
                 except TrainerLost as e:  # what it was making is lost; the hub counts it
                     _waiting(name, e, patience)
                     break
                 except Stopped:  # said, not counted: the trainer has trained its last step
-                    print(f"{name}: {what or 'the batches in the engine'} left unfinished",
-                          flush=True)  # fmt: skip
+                    say(f"{name}: {what or 'the batches in the engine'} left unfinished")
                     break
                 if frames is not None:
                     push(frames, session, sent)
                     made += 1
                     done_at = time.perf_counter()
-            if weights.stopped:
-                print(f"{name}: stopped by the trainer after {made} batch(es)", flush=True)
+            if processes.share(weights.stopped):
+                say(f"{name}: stopped by the trainer after {made} batch(es)")
                 return 0
     finally:
         weights.close()
-        control.close()
-        data.close()
+        if lead:
+            control.close()
+            data.close()
         client.close()
+        if client.pulls:
+            share = client.pulled_bytes / client.pulls / client.version_bytes
+            print(f"{name}: pulled {client.pulls} version(s), {share:.2f} of each one's bytes",
+                  flush=True)  # fmt: skip
 
 
 # Batches a group's slot engine holds at once: the one it hands back next and the one queued
@@ -472,10 +586,12 @@ def _queue(engine: EngineBatches, task, work: dict, run_key) -> None:
     engine.queue(work["indices"], prompts, key, work["oldest"], tag=(work, time.perf_counter()))
 
 
-def _engine_run(cfg, scorer, engine: EngineBatches, weights: Weights, base, done_at: float):
+def _engine_run(cfg, scorer, engine: EngineBatches, weights: Weights, base, done_at: float,
+                *, score: bool = True):  # fmt: skip
     """One run of the slot engine with the newest weights held (at least the oldest queued
     batch's bound; the batch behind it is held by the engine until its own); the frames of
-    the oldest batch if it is now complete, else None."""
+    the oldest batch if it is now complete (`score`: else it is dropped, as a follower of a
+    group's leader drops it), else None."""
     oldest = engine.queued[0].tag[0]["oldest"]
 
     def params_for_chunk(chunk: int):
@@ -486,6 +602,8 @@ def _engine_run(cfg, scorer, engine: EngineBatches, weights: Weights, base, done
     if not engine.complete():
         return None
     _, ro, (work, queued_at) = engine.pop()
+    if not score:
+        return None
     return _scored_frames(cfg, scorer, ro, work, max(queued_at, done_at),
                           slot_occupancy=engine.occupancy)  # fmt: skip
 
@@ -527,10 +645,20 @@ def _waiting(name: str, why: BaseException, patience: float) -> None:
 
 
 def _make_batch(
-    cfg, scorer, waves, weights: Weights, work: dict, run_key, sampling, base=None, episodes=None
-) -> list[bytes]:
+    cfg,
+    scorer,
+    waves,
+    weights: Weights,
+    work: dict,
+    run_key,
+    sampling,
+    base=None,
+    episodes=None,
+    score: bool = True,
+) -> list[bytes] | None:
     """Generate and score one assigned batch; its frames for the hub. `base`: a LoRA run's
-    base, under the adapters the trainer sends; `episodes`: a multi-turn task's runner."""
+    base, under the adapters the trainer sends; `episodes`: a multi-turn task's runner;
+    `score` False: generate only (a group's follower), None."""
     start = time.perf_counter()
     g = cfg.train.group_size
     task = scorer.task
@@ -560,6 +688,9 @@ def _make_batch(
         repeat=g,
         with_fill=True,
     )
+    ro = jax.tree.map(distributed.to_host, ro)  # (gathered on every process of a group)
+    if not score:
+        return None
     return _scored_frames(cfg, scorer, ro, work, start)
 
 

@@ -119,7 +119,7 @@ class WeightServer:
                         self._offers.pop(int(request["pulled"]), None)
                         reply = {"ok": True}
                     else:
-                        reply = self._offer(int(request["version"]))
+                        reply = self._offer(int(request["version"]), request.get("of"))
                 except (ValueError, KeyError, TypeError) as e:
                     reply = {"error": f"bad request: {e}"}
                 socket.send(json.dumps(reply).encode())
@@ -141,7 +141,10 @@ class WeightServer:
                   f"{self.timeout:.0f} s (its generator died?); withdrawn",
                   file=sys.stderr, flush=True)  # fmt: skip
 
-    def _offer(self, version: int) -> dict:
+    def _offer(self, version: int, of: list | None = None) -> dict:
+        """Offer this process's blocks of `version`: all of them, or with `of` = [first,
+        stop, devices] those holding rows of a puller's devices first..stop-1 out of
+        `devices` (a generator group of several processes: each pulls its own devices' rows)."""
         deadline = time.monotonic() + self.timeout
         with self._cond:
             while max(self._held, default=-1) < version and time.monotonic() < deadline:
@@ -154,6 +157,14 @@ class WeightServer:
             return {"error": f"version {version} is not held here", "held": held}
         shards = [sorted(x.addressable_shards, key=lambda s: s.index[0].start or 0) for x in rows]
         blocks = [[s.index[0].start or 0, s.index[0].stop or self.rows] for s in shards[0]]
+        if of is not None:  # only the blocks holding rows lo..hi-1
+            first, stop, devices = (int(x) for x in of)
+            lo, hi = first * self.rows // devices, stop * self.rows // devices
+            keep = [i for i, (a, b) in enumerate(blocks) if a < hi and b > lo]
+            shards = [[leaf[i] for i in keep] for leaf in shards]
+            blocks = [blocks[i] for i in keep]
+        if not blocks:
+            return {"error": f"no rows of version {version} here for {of}", "held": held}
         arrays = [s.data for leaf in shards for s in leaf]
         uuid = next(self._ids)
         self.transfer.await_pull(uuid, arrays)
@@ -182,6 +193,13 @@ class WeightClient:
         self.shapes = [tuple(x.shape) for x in jax.tree.leaves(abstract)]
         self.dtypes = [str(x.dtype) for x in jax.tree.leaves(abstract)]
         self.devices = list(mesh.devices.flat)
+        # This process's devices in the group's flat order: one run of them (a group of
+        # several processes pulls each process's rows apart).
+        mine = [i for i, d in enumerate(self.devices) if d.process_index == jax.process_index()]
+        if mine != list(range(mine[0], mine[-1] + 1)):
+            raise ValueError(f"this process's devices are not adjacent in the group's mesh: "
+                             f"{mine} of {len(self.devices)}")  # fmt: skip
+        self.mine = (mine[0], mine[-1] + 1)
         self.timeout = timeout
         self.rows_sharding = NamedSharding(rows_mesh(self.devices), PartitionSpec(AXIS))
         shapes = self.shapes
@@ -196,6 +214,12 @@ class WeightClient:
         self._connections: dict[str, object] = {}
         self._pulled: list[int] = []  # the last pull's offers, one per trainer process
         self.pulled_bytes = 0
+        self.pulls = 0  # versions pulled (`pulled_bytes` / `pulls` / `version_bytes`: the
+        # share of a version this process pulls: 1, or its devices' share of a group's)
+        self.version_bytes = sum(
+            math.prod(s) * np.dtype(d).itemsize
+            for s, d in zip(self.shapes, self.dtypes, strict=True)
+        )
 
     def connect(self, trainers: list[dict]) -> None:
         """Trainer processes' addresses ({"weights": ..., "transfer": ...}), from the hub."""
@@ -241,8 +265,12 @@ class WeightClient:
         pieces: dict[int, list[tuple[int, jax.Array]]] = {}  # leaf -> [(first row, block)]
         rows = None
         self._pulled = []
+        self.pulls += 1
+        ask = {"version": version}
+        if self.mine != (0, len(self.devices)):  # one process of several: its own rows
+            ask["of"] = [*self.mine, len(self.devices)]
         for t, socket in zip(self._trainers, self._sockets, strict=True):
-            socket.send(json.dumps({"version": version}).encode())
+            socket.send(json.dumps(ask).encode())
             if not socket.poll(int(self.timeout * 1000)):
                 raise TimeoutError(
                     f"trainer weight server {t['weights']}: no answer in {self.timeout:.0f} s "
@@ -257,11 +285,12 @@ class WeightClient:
                 raise ValueError(f"the trainer's {rows} rows do not split over this generator's "
                                  f"{len(self.devices)} devices (hosts.generator_mesh)")  # fmt: skip
             self._check(offer)
+            lo = self.mine[0] * per  # a block from before this process's rows: its first
             specs = [
                 jax.ShapeDtypeStruct(
                     (stop - start, chunk),
                     dtype,
-                    sharding=jax.sharding.SingleDeviceSharding(self.devices[start // per]),
+                    sharding=jax.sharding.SingleDeviceSharding(self.devices[max(start, lo) // per]),
                 )  # fmt: skip
                 for chunk, dtype in zip(offer["chunks"], offer["dtypes"], strict=True)
                 for start, stop in offer["blocks"]
@@ -298,11 +327,14 @@ class WeightClient:
         mine: list[list[jax.Array]] = [[] for _ in self.devices]
         for start, block in blocks:  # blocks in row order; cut where a device's rows end
             stop = start + block.shape[0]
-            for device in range(start // per, -(-stop // per)):
+            for device in range(
+                max(start // per, self.mine[0]), min(-(-stop // per), self.mine[1])
+            ):
                 lo, hi = max(start, device * per), min(stop, (device + 1) * per)
                 part = block if (lo, hi) == (start, stop) else block[lo - start : hi - start]
                 mine[device].append(jax.device_put(part, self.devices[device]))
-        local = [parts[0] if len(parts) == 1 else jnp.concatenate(parts) for parts in mine]
+        local = [parts[0] if len(parts) == 1 else jnp.concatenate(parts)
+                 for parts in mine if parts]  # fmt: skip
         shape = (rows, blocks[0][1].shape[1])
         return jax.make_array_from_single_device_arrays(shape, self.rows_sharding, local)
 

@@ -224,6 +224,13 @@ def announce(key: str, value: str = "1") -> None:
         client.key_value_set(key, value)
 
 
+def forget(key: str) -> None:
+    """Delete `key` from the job's key-value store (announced, and read by everyone)."""
+    client = _kv_client()
+    if client is not None:
+        client.key_value_delete(key)
+
+
 def wait_for(key: str, timeout: float, what: str) -> str | None:
     """Wait (not in a collective, which would time out on its own) until process 0 announced
     `key`; TimeoutError naming what was waited for after `timeout` seconds."""
