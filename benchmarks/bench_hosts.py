@@ -1,7 +1,7 @@
 """Runs across hosts, on this machine: the weight sync between processes, and the throughput of
 generator jobs against colocated lockstep.
 
-    python benchmarks/bench_hosts.py [--part sync|engine|run|all] [--hidden 512 --layers 8]
+    python benchmarks/bench_hosts.py [--part sync|engine|groups|run|all] [--hidden 512 --layers 8]
     python benchmarks/bench_hosts.py --part sync --qwen05b     # Qwen2.5-0.5B's shape
 
 sync: a server process (2 CPU devices, the model's parameters fsdp-sharded) publishes a version
@@ -15,6 +15,9 @@ of heavy-tailed length (the random policy's own EOS, one token of 32: geometric 
 about 30, cut at 96), decoded by the groups in static waves and on the slot engine
 (`sampler.batching`). Prints samples/s of each over steps after the second, their ratio, the
 groups' slot occupancy and the trainer's idle fraction.
+
+groups: 1 trainer process and 1, 2 or 3 generator groups (the slot engine, max_new_tokens 96):
+samples/s and the trainer's idle fraction for each.
 
 run: the same RL workload (tiny arithmetic, 12 prompts x 4, 16 steps, k = 4) as 1 trainer
 process + 2 generator groups (launch/local_disaggregated.sh) and as 3 colocated processes in
@@ -195,6 +198,18 @@ def engine(args) -> None:
     print(f"generator groups on the slot engine / in static waves: {ratio:.2f}x samples/s")
 
 
+def groups(args) -> None:
+    """samples/s of 1 trainer process against the number of generator groups (1, 2, 3)."""
+    heavy = ["sampler.max_new_tokens=96", "sampler.batching=continuous"]
+    with tempfile.TemporaryDirectory() as tmp:
+        for n in (1, 2, 3):
+            rows = _run("disaggregated", Path(tmp) / f"g{n}", args.steps, 4, *heavy, groups=n)
+            rows = [r for r in rows if r["step"] > 0]
+            sps = _samples_per_s(rows, 12 * 4, 2 + 2 * n)
+            idle = np.mean([r["trainer_idle_fraction"] for r in rows[2:]])
+            print(f"{n} group(s): {sps:8.1f} samples/s  trainer waiting {idle:.0%}")
+
+
 def run(args) -> None:
     rows_per_step = 12 * 4
     results = {}
@@ -216,7 +231,8 @@ def run(args) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--part", choices=("sync", "engine", "run", "all"), default="all")
+    parser.add_argument("--part", choices=("sync", "engine", "groups", "run", "all"),
+                        default="all")  # fmt: skip
     parser.add_argument("--hidden", type=int, default=512)
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--qwen05b", action="store_true")
@@ -232,6 +248,8 @@ def main() -> None:
         sync(args)
     if args.part in ("engine", "all"):
         engine(args)
+    if args.part in ("groups", "all"):
+        groups(args)
     if args.part in ("run", "all"):
         run(args)
 

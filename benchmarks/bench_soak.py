@@ -2,7 +2,8 @@
 on 127.0.0.1 while groups are SIGKILLed and restarted, stopped past `hosts.lost_after`,
 drained, joined, and the trainer is SIGKILLed once and resumed.
 
-    python benchmarks/bench_soak.py [--steps 60] [--kills 8] [--trainers 2] [--groups 3]
+    python benchmarks/bench_soak.py [--steps 400] [--kills 8] [--trainers 2] [--groups 3] \
+        [--group-processes 2]
 
 What happens, at random moments drawn from --seed (the run must outlast them: --steps):
 - group 0 starts with its weight pulls held open (JAXRL_PULL_DELAY): it is SIGKILLed while a
@@ -13,6 +14,10 @@ What happens, at random moments drawn from --seed (the run must outlast them: --
 - every trainer process is SIGKILLed once, after a checkpoint, and all are started again with
   the same command (the run resumes);
 - a new group joins mid-run, and one group is drained (SIGTERM) and leaves.
+With --group-processes N every group is a jax.distributed job of N processes: a kill hits a
+random process of the group (the leader or a follower), the rest of the group ends by itself
+(or is killed after 60 s, counted) and the whole group is started again; the stop and the
+drain go to the leader.
 
 Checked at the end (an AssertionError says which): the run completes, each step is trained
 once in the metrics (none twice, none skipped), every token within the bound k, `lost_rows`
@@ -66,8 +71,10 @@ class Drill:
     """The run's processes: started, signalled, and all killed at the end (`close`)."""
 
     def __init__(self, out: Path, settings: list[str], *, trainers: int, env: dict,
-                 timeout: float):  # fmt: skip
+                 timeout: float, group_processes: int = 1):  # fmt: skip
         self.out, self.trainers, self.env, self.timeout = out, trainers, env, timeout
+        self.group_processes = group_processes
+        self.followers: dict[int, list[subprocess.Popen]] = {}  # a group's processes 1..
         self.port = free_port()
         self.args = ["--config", str(CONFIG), "--out", str(out / "run")]
         for s in [*settings, f"hosts.hub=127.0.0.1:{self.port + 1}"]:
@@ -100,9 +107,47 @@ class Drill:
         self.starts += 1
 
     def start_group(self, g: int, **extra) -> None:
+        """Group g's processes: one, or a jax.distributed job of `group_processes` (a fresh
+        coordinator port each time it starts)."""
         n = sum(1 for p in self.out.glob(f"group{g}-*.log"))
         log = self.out / f"group{g}-{n}.log"
-        self.groups[g] = (self._start("generator", log, JAXRL_GROUP=str(g), **extra), log)
+        job = lambda j: {}  # noqa: E731
+        if self.group_processes > 1:
+            port = free_port()
+            job = lambda j: dict(  # noqa: E731
+                JAXRL_COORDINATOR=f"127.0.0.1:{port}",
+                JAXRL_NUM_PROCESSES=str(self.group_processes),
+                JAXRL_PROCESS_ID=str(j),
+            )
+        self.groups[g] = (self._start("generator", log, JAXRL_GROUP=str(g), **job(0), **extra),
+                          log)  # fmt: skip
+        self.followers[g] = [
+            self._start(
+                "generator",
+                self.out / f"follower{g}-{n}-{j}.log",
+                JAXRL_GROUP=str(g),
+                **job(j),
+                **extra,
+            )  # fmt: skip
+            for j in range(1, self.group_processes)
+        ]
+
+    def kill_group(self, g: int, victim: int = 0) -> int:
+        """SIGKILL process `victim` of group g; the group's other processes end by themselves
+        (a jax.distributed job ends with any of its processes) or are killed after 60 s;
+        then the group is started again. How many had to be killed."""
+        members = [self.groups[g][0], *self.followers[g]]
+        members[victim].send_signal(signal.SIGKILL)
+        killed = 0
+        for p in members:
+            try:
+                p.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait(timeout=30)
+                killed += 1
+        self.start_group(g)
+        return killed
 
     def step(self) -> int:
         """The newest step in the metrics (0 before the first)."""
@@ -136,7 +181,7 @@ class Drill:
 
 def soak(out: Path, *, steps: int, kills: int, trainers: int, groups: int, seed: int,
          k: int = 4, lost_after: float = 4.0, env: dict | None = None, settings=(),
-         timeout: float = 240.0, say=print) -> dict:  # fmt: skip
+         timeout: float = 240.0, group_processes: int = 1, say=print) -> dict:  # fmt: skip
     """Run the drill (module docstring) in `out`; its counts. AssertionError on a failure."""
     rng = random.Random(seed)
     base = {k2: v for k2, v in (env or os.environ).items() if not k2.startswith("JAXRL_")}
@@ -146,8 +191,13 @@ def soak(out: Path, *, steps: int, kills: int, trainers: int, groups: int, seed:
             f"hosts.generator_groups={groups}", f"hosts.lost_after={lost_after}",
             f"train.eval_every={steps // 4}",
             "hosts.timeout=60"]  # fmt: skip
-    drill = Drill(out, sets, trainers=trainers, env=base, timeout=timeout)
-    counts = dict(kills=0, killed_in_pull=0, stopped=0, trainer_kills=0, joined=0, drained=0)
+    if group_processes > 1:  # a group of 2 over 2 x 2 devices; a lost process ends it soon
+        sets += [f"hosts.generator_mesh.data={2 * group_processes}",
+                 "distributed.heartbeat_timeout=15"]  # fmt: skip
+    drill = Drill(out, sets, trainers=trainers, env=base, timeout=timeout,
+                  group_processes=group_processes)  # fmt: skip
+    counts = dict(kills=0, killed_in_pull=0, stopped=0, trainer_kills=0, joined=0, drained=0,
+                  followers_killed=0, rest_killed=0)  # fmt: skip
     start = time.monotonic()
     try:
         drill.start_trainers()
@@ -157,13 +207,11 @@ def soak(out: Path, *, steps: int, kills: int, trainers: int, groups: int, seed:
         # A kill during a weight pull: group 0's pulls are held open 4 s after the offers.
         log0 = drill.groups[0][1]
         drill.wait_for(lambda: "weights: pulling version" in log0.read_text(), "a pull")
-        drill.groups[0][0].send_signal(signal.SIGKILL)
-        drill.groups[0][0].wait(timeout=30)
+        counts["rest_killed"] += drill.kill_group(0)
         counts["kills"] += 1
         counts["killed_in_pull"] += 1
         say(f"killed group 0 during a weight pull (step {drill.step()}, "
             f"{time.monotonic() - start:.0f} s)")  # fmt: skip
-        drill.start_group(0)
         # The faults, in an order drawn from the seed, each at a random moment 0.5-2.5 s
         # after the one before (the run must outlast them: --steps).
         events = ["kill"] * (kills - 1) + ["stop", "trainer", "join", "drain"]
@@ -179,10 +227,10 @@ def soak(out: Path, *, steps: int, kills: int, trainers: int, groups: int, seed:
             live = [g for g, (p, log) in drill.groups.items()
                     if p.poll() is None and "joined the trainer" in log.read_text()]  # fmt: skip
             g = rng.choice(live or list(drill.groups))
-            if event == "kill":  # (started again; the next event once it has joined)
-                drill.groups[g][0].send_signal(signal.SIGKILL)
-                drill.groups[g][0].wait(timeout=30)
-                drill.start_group(g)
+            if event == "kill":  # any process of the group; the group started again
+                victim = rng.randrange(group_processes)
+                counts["rest_killed"] += drill.kill_group(g, victim)
+                counts["followers_killed"] += victim > 0
                 counts["kills"] += 1
             elif event == "stop":  # silent past lost_after, then back: told to rejoin
                 drill.groups[g][0].send_signal(signal.SIGSTOP)
@@ -219,15 +267,15 @@ def soak(out: Path, *, steps: int, kills: int, trainers: int, groups: int, seed:
             assert p.returncode == 0, log.read_text()[-3000:]
         counts["seconds"] = time.monotonic() - start
         # Every group still up is told to stop and exits; the drained one left by itself.
+        members = [p for p, _ in drill.groups.values()]
+        members += [p for f in drill.followers.values() for p in f]
         deadline = time.monotonic() + 30
-        while time.monotonic() < deadline and any(
-            p.poll() is None for p, _ in drill.groups.values()
-        ):
+        while time.monotonic() < deadline and any(p.poll() is None for p in members):
             time.sleep(0.2)
         proc, log = drill.groups[drained]
         text = log.read_text()
         assert proc.poll() == 0 and "drained; left the trainer" in text, text[-2000:]
-        counts["group_exits"] = sorted(str(p.poll()) for p, _ in drill.groups.values())
+        counts["group_exits"] = sorted(str(p.poll()) for p in members)
     finally:
         left = drill.close()
     assert not left, f"still running at the end (killed now): {left}"
@@ -236,7 +284,7 @@ def soak(out: Path, *, steps: int, kills: int, trainers: int, groups: int, seed:
     assert trained == list(range(1, steps + 1)), f"steps in the metrics: {trained}"
     assert all(r["staleness_max"] <= k for r in rows), [r["staleness_max"] for r in rows]
     evaluated = [r["step"] for r in rows if "eval_pass_rate" in r]  # (made by the groups)
-    assert evaluated == list(range(0, steps + 1, steps // 4)), evaluated
+    assert evaluated == sorted({*range(0, steps + 1, steps // 4), steps}), evaluated
     joined = (out / f"group{groups}-0.log").read_text()
     assert "generating batch" in joined, f"the group that joined made no batch:\n{joined[-2000:]}"
     counts.update(
@@ -262,13 +310,16 @@ def main() -> None:
     parser.add_argument("--trainers", type=int, default=2)
     parser.add_argument("--groups", type=int, default=3)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--group-processes", type=int, default=1,
+                        help="processes per generator group (a job of its own each)")  # fmt: skip
     args = parser.parse_args()
     os.environ["PATH"] = f"{Path(sys.executable).parent}:{os.environ['PATH']}"
     with tempfile.TemporaryDirectory() as tmp:
         counts = soak(Path(tmp), steps=args.steps, kills=args.kills, trainers=args.trainers,
-                      groups=args.groups, seed=args.seed)  # fmt: skip
-    print(f"soak: {args.trainers} trainer process(es), {args.groups} groups, {args.steps} "
-          f"steps, seed {args.seed}")  # fmt: skip
+                      groups=args.groups, seed=args.seed,
+                      group_processes=args.group_processes, timeout=900)  # fmt: skip
+    print(f"soak: {args.trainers} trainer process(es), {args.groups} groups of "
+          f"{args.group_processes} process(es), {args.steps} steps, seed {args.seed}")  # fmt: skip
     for name, value in counts.items():
         print(f"  {name:<18}{value:.0f}" if isinstance(value, float) else f"  {name:<18}{value}")
 
