@@ -118,8 +118,10 @@ class Group:
                 continue
 
 
-# Shared steps a group's key-value store keeps (older ones are deleted).
+# Shared steps a group's key-value store keeps (older ones are deleted), and the keys of the
+# versions the leader pulls (the followers pull them at the same time).
 _KEPT = 4096
+_PULLS = "jaxrl_scale/group/pull/"
 
 
 class Requester:
@@ -293,17 +295,34 @@ class Weights:
         goes on with the one it has. A pull that fails is handed to the decoding thread
         (which rejoins) and this thread goes on, for the next session."""
         session = broken = None  # broken: the session a pull failed in
+        group, pulls = self.processes, 0  # pulls: the leader's pulls announced (or taken)
+        follower = group.size > 1 and not group.leader
         while not self._stop.is_set():
+            told = None  # a follower pulls each version as the leader starts pulling it
+            if follower:
+                try:
+                    told = int(distributed.wait_for(f"{_PULLS}{pulls}", 0.1, "a pull"))
+                    pulls += 1
+                except TimeoutError:
+                    pass
             with self._cond:
-                self._cond.wait(timeout=0.1)
+                if told is None:
+                    self._cond.wait(timeout=0.1)
                 if self._session is not session:
                     session = self._session
                     self.client.connect(session["weights"])
                 want = self._want if self._want is not None else self._newest
+                if follower:  # what the leader pulls; else a version it decodes with
+                    want = told if told is not None else self._want
                 if session is None or session is broken or want is None or want in self._held:
                     continue
-                if want > self._newest:
+                if want > self._newest and not follower:
                     continue
+            if group.size > 1 and group.leader:  # the followers pull it too, now
+                distributed.announce(f"{_PULLS}{pulls}", str(want))
+                if pulls >= _KEPT:
+                    distributed.forget(f"{_PULLS}{pulls - _KEPT}")
+                pulls += 1
             try:  # laid out by the decoding thread when it takes them (`get`)
                 rows = self.client.pull_rows(want)
                 if PULL_DELAY:  # a fault drill: the pull is held open (offered, in flight)
