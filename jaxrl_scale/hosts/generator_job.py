@@ -300,11 +300,16 @@ class Weights:
         while not self._stop.is_set():
             told = None  # a follower pulls each version as the leader starts pulling it
             if follower:
-                try:
-                    told = int(distributed.wait_for(f"{_PULLS}{pulls}", 0.1, "a pull"))
-                    pulls += 1
-                except TimeoutError:
-                    pass
+                with self._cond:  # a version decoding waits for comes first
+                    need = self._want if self._want not in (None, *self._held) else None
+                while need is None:  # else the newest the leader has announced (a follower
+                    try:  # behind skips versions, as the leader does)
+                        wait = 0.1 if told is None else 0.001
+                        told = int(distributed.wait_for(f"{_PULLS}{pulls}", wait, "a pull"))
+                        pulls += 1
+                    except TimeoutError:
+                        break
+                told = need if need is not None else told
             with self._cond:
                 if told is None:
                     self._cond.wait(timeout=0.1)
