@@ -122,6 +122,7 @@ class Group:
 # versions the leader pulls (the followers pull them at the same time).
 _KEPT = 4096
 _PULLS = "jaxrl_scale/group/pull/"
+_HELD = "jaxrl_scale/group/held/"  # + process: the versions a follower holds
 
 
 class Requester:
@@ -191,6 +192,7 @@ class Weights:
             self._failed = None
             self._newest = session["version"]
             self._want = None  # an exact version asked of the trainer before is not this one's
+            self._tell_held()
             self._cond.notify_all()
 
     def get(self, *, version: int | None = None, at_least: int = -1):
@@ -233,8 +235,8 @@ class Weights:
                     raise Rejoin
                 if self._failed is not None:  # the trainer went quiet, or a pull failed
                     raise TrainerLost(str(self._failed)) from self._failed
-                have = version if version in self._held else max(self._held, default=-1)
-                if have == version or (version is None and self._held and have >= at_least):
+                have = version if version in self._held else max(self._everyones(), default=-1)
+                if have == version or (version is None and have >= 0 and have >= at_least):
                     break
                 if time.monotonic() > deadline:
                     raise TrainerLost(
@@ -246,9 +248,25 @@ class Weights:
             self._using = have
             for old in [v for v in self._held if v < have]:
                 del self._held[old]  # no chunk decodes with it any more
+            self._tell_held()
             if isinstance(self._held[have], _Rows):  # here, on the decoding thread
                 self._held[have] = self.client.lay_out(self._held[have].leaves)
             return have, self._held[have]
+
+    def _everyones(self) -> set[int]:
+        """The versions held here and, in a group of several processes, by every follower
+        (the leader decodes with one they all hold: a follower that would pull it only once
+        told could find the trainer no longer keeps it)."""
+        held = set(self._held)
+        for process in range(1, self.processes.size):
+            theirs = distributed.peek(f"{_HELD}{process}")
+            held &= set(json.loads(theirs)) if theirs else set()
+        return held
+
+    def _tell_held(self) -> None:
+        """A follower: publish the versions it holds (for the leader's `_everyones`)."""
+        if self.processes.size > 1 and not self.processes.leader:
+            distributed.publish(f"{_HELD}{jax.process_index()}", json.dumps(sorted(self._held)))
 
     @property
     def stopped(self) -> bool:
@@ -349,6 +367,7 @@ class Weights:
                     keep = {want, self._using}
                     for v in [v for v in self._held if v not in keep]:
                         del self._held[v]
+                    self._tell_held()
                     self._cond.notify_all()
 
     def _arrived(self, rows, version: int):

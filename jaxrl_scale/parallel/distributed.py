@@ -224,6 +224,24 @@ def announce(key: str, value: str = "1") -> None:
         client.key_value_set(key, value)
 
 
+def publish(key: str, value: str) -> None:
+    """Set `key` to `value` in the job's key-value store, over what it held (`peek` reads)."""
+    client = _kv_client()
+    if client is not None:
+        client.key_value_set(key, value, allow_overwrite=True)
+
+
+def peek(key: str) -> str | None:
+    """`key`'s value in the job's key-value store now, None if it has none (no wait)."""
+    client = _kv_client()
+    if client is None:
+        return None
+    try:
+        return client.key_value_try_get(key)
+    except Exception:  # not set (yet)
+        return None
+
+
 def forget(key: str) -> None:
     """Delete `key` from the job's key-value store (announced, and read by everyone)."""
     client = _kv_client()
