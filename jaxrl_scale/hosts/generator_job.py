@@ -354,6 +354,7 @@ class Weights:
                 params = _Rows(self._arrived(rows, want))
                 self.client.acknowledge()  # (else the trainer withdraws the offer in time)
             except LookupError:  # superseded meanwhile: ask for the newest next
+                time.sleep(0.05)
                 continue
             except Exception as e:  # the trainer died mid-pull, or went quiet
                 print(f"weights: pulling version {want} failed ({e}); pulling again once "
@@ -366,6 +367,8 @@ class Weights:
                     self._held[want] = params
                     keep = {want, self._using}
                     for v in [v for v in self._held if v not in keep]:
+                        if follower and v > (self._using or -1):
+                            continue  # the leader may choose it (`_everyones`): kept
                         del self._held[v]
                     self._tell_held()
                     self._cond.notify_all()
