@@ -58,6 +58,11 @@ cleanup() {
 }
 trap cleanup INT TERM
 
+# A jax.distributed job's variables for process $3 of $2, coordinator at 127.0.0.1:$1.
+job() {
+  env_vars+=("JAXRL_COORDINATOR=127.0.0.1:$1" "JAXRL_NUM_PROCESSES=$2" "JAXRL_PROCESS_ID=$3")
+}
+
 run() {
   if [[ $dry_run -eq 1 ]]; then
     printf 'env'; printf ' %q' "$@"; echo
@@ -73,13 +78,7 @@ for ((i = 0; i < trainers; i++)); do
     "JAXRL_ROLE=trainer"
     "JAXRL_HOST=127.0.0.1"
   )
-  if [[ $trainers -gt 1 ]]; then
-    env_vars+=(
-      "JAXRL_COORDINATOR=127.0.0.1:${port}"
-      "JAXRL_NUM_PROCESSES=${trainers}"
-      "JAXRL_PROCESS_ID=${i}"
-    )
-  fi
+  if [[ $trainers -gt 1 ]]; then job "$port" "$trainers" "$i"; fi
   run "${env_vars[@]}" jaxrl-scale train "$@" "${hosts[@]}"
   if [[ $dry_run -eq 0 ]]; then trainer_pids+=("$!"); fi
 done
@@ -92,13 +91,7 @@ for ((g = 0; g < groups; g++)); do
       "JAXRL_GROUP=${g}"
       "JAXRL_HOST=127.0.0.1"
     )
-    if [[ $group_processes -gt 1 ]]; then
-      env_vars+=(
-        "JAXRL_COORDINATOR=127.0.0.1:$((port + 10 + g))"
-        "JAXRL_NUM_PROCESSES=${group_processes}"
-        "JAXRL_PROCESS_ID=${j}"
-      )
-    fi
+    if [[ $group_processes -gt 1 ]]; then job $((port + 10 + g)) "$group_processes" "$j"; fi
     run "${env_vars[@]}" jaxrl-scale train "$@" "${hosts[@]}"
     if [[ $dry_run -eq 0 ]]; then generator_pids+=("$!"); fi
   done
