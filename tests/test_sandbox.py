@@ -12,9 +12,16 @@ import stat
 import time
 
 import pytest
+from conftest import ROOT
 
 from jaxrl_scale.models.tokenizer import CharTokenizer
-from jaxrl_scale.tasks.code import CodeDataError, CodeTask, last_code_block, normalise_output
+from jaxrl_scale.tasks.code import (
+    CodeDataError,
+    CodeTask,
+    last_code_block,
+    normalise_output,
+    same_value,
+)
 from jaxrl_scale.tasks.sandbox import LEVELS, Sandbox, SandboxLimits, SandboxUnavailable
 
 LIMITS = SandboxLimits(
@@ -280,6 +287,41 @@ def test_function_call_tests(task):
     assert task.score(fenced("def square(x):\n    return x + x"), fn) == 0.0
 
 
+@pytest.mark.parametrize(
+    ("got", "want", "same"),
+    [
+        (1, 1, True),
+        (True, 1, False),  # Python's True == 1
+        (1, True, False),
+        (False, 0, False),
+        (True, True, True),
+        (1.0, 1, False),  # a float is not an expected int
+        (1, 1.0, True),  # an int stands for an expected float of equal value
+        (0.5, 0.5, True),
+        ([1, True], [1, 1], False),
+        ([1, [2]], [1, [2]], True),
+        ([1], [1, 2], False),
+        ({"a": True}, {"a": 1}, False),
+        ({"a": 1}, {"a": 1}, True),
+        ({"a": 1}, {"b": 1}, False),
+        ("1", 1, False),
+        (None, None, True),
+        (None, 0, False),
+    ],
+)
+def test_function_call_results_compare_by_value_and_type(got, want, same):
+    assert same_value(got, want) is same
+
+
+def test_a_function_returning_true_does_not_pass_for_1(task):
+    one = {"prompt": "p", "question": "p", "fn_name": "f", "tests": [{"args": [], "output": 1}]}
+    assert task.score(fenced("def f():\n    return 1"), one) == 1.0
+    assert task.score(fenced("def f():\n    return True"), one) == 0.0
+    assert task.score(fenced("def f():\n    return 1.0"), one) == 0.0
+    half = {**one, "tests": [{"args": [], "output": 2.0}]}
+    assert task.score(fenced("def f():\n    return 2"), half) == 1.0
+
+
 def test_score_many_stats_and_demonstration(task):
     add = next(e for e in task.train_examples if "fn_name" not in e)
     task.stats()
@@ -307,3 +349,22 @@ def test_malformed_rows_name_file_and_line(tmp_path, sandbox, row, message):
     path = write_rows(tmp_path / "bad.jsonl", [ADD, row])
     with pytest.raises(CodeDataError, match=f"bad.jsonl:{message}"):
         CodeTask(data=path, tokenizer=TOK, num_eval=1, sandbox=sandbox)
+
+
+# ---- the other sandbox: jinja2's, which renders checkpoints' chat templates ------------------
+
+
+def test_jinja2_is_required_past_its_published_sandbox_escapes():
+    """jinja2 3.1.4 and 3.1.5 let a template escape the sandbox (`str.format`, `|attr`); chat
+    templates come from downloaded checkpoints (models/chat.py)."""
+    import re
+
+    import jinja2
+    import tomllib
+
+    deps = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
+    (pin,) = [d for d in deps if re.match(r"jinja2\b", d)]
+    floor = re.fullmatch(r"jinja2>=(\d+)\.(\d+)\.(\d+)", pin.replace(" ", ""))
+    assert floor is not None, pin
+    assert tuple(map(int, floor.groups())) >= (3, 1, 6)
+    assert tuple(map(int, jinja2.__version__.split(".")[:3])) >= (3, 1, 6)

@@ -12,8 +12,10 @@ py, python3 or none; a completion without one scores 0.0. The program runs once 
 the Sandbox (sandbox.py). A stdin/stdout test passes when its stdout equals the expected
 output after trimming: surrounding blank space, and trailing blank space on every line. A
 function-call test calls `fn_name` (a top-level function, else a method of `Solution()`) on
-the JSON arguments and passes when the JSON result equals `output`. Score range [0, 1]: 1.0
-when every test passes, else 0.0; with `partial_credit` the fraction of tests passed.
+the JSON arguments and passes when the JSON result equals `output` in value and type
+(`same_value`: `true` is not `1`, `1.0` is not an expected `1`; `1` is an expected `1.0`).
+Score range [0, 1]: 1.0 when every test passes, else 0.0; with `partial_credit` the fraction
+of tests passed.
 `score_many` runs a batch's programs on the sandbox's pool at once; `stats()` returns and
 resets the counts of runs, timeouts and seconds since its last call.
 """
@@ -151,9 +153,32 @@ def _passed(result: RunResult, example: dict, test: dict) -> bool:
         return normalise_output(result.stdout) == normalise_output(test["output"])
     lines = result.stdout.rstrip("\n").rsplit("\n", 1)  # the harness prints the last line
     try:
-        return json.loads(lines[-1]) == test["output"]
+        return same_value(json.loads(lines[-1]), test["output"])
     except json.JSONDecodeError:
         return False
+
+
+def same_value(got, want) -> bool:
+    """JSON values equal in value and type: `true` is not `1`, nor `1.0` an expected `1`;
+    an int may stand for an expected float of equal value. Lists and objects compare
+    element by element."""
+    if isinstance(want, bool) or isinstance(got, bool):
+        return type(got) is type(want) and got == want
+    if isinstance(want, float):
+        return isinstance(got, int | float) and got == want
+    if isinstance(want, list):
+        return (
+            isinstance(got, list)
+            and len(got) == len(want)
+            and all(same_value(g, w) for g, w in zip(got, want, strict=True))
+        )
+    if isinstance(want, dict):
+        return (
+            isinstance(got, dict)
+            and got.keys() == want.keys()
+            and all(same_value(got[k], want[k]) for k in want)
+        )
+    return type(got) is type(want) and got == want
 
 
 class CodeTask:
