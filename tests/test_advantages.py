@@ -59,3 +59,23 @@ def test_jit_matches_eager_and_bad_arguments():
         group_advantages(REWARDS, group_size=5)
     with pytest.raises(ValueError, match="normalize"):
         group_advantages(REWARDS, group_size=4, normalize="group")
+
+
+def test_rows_without_a_reward_are_left_out_of_their_group_by_hand():
+    # Group 0: rows 1 and 3 have no reward (NaN: their environment failed); the others,
+    # 1 and 0, give mean 0.5 -> +-0.5. Group 1: one reward left, nothing to compare: dropped.
+    # Group 2: 0, 0, 1 of three -> mean 1/3: -1/3, -1/3, 2/3; population std sqrt(2)/3.
+    nan = np.nan
+    rewards = np.array([1, nan, 0, nan, nan, nan, 1, nan, 0, 0, nan, 1], np.float32)
+    adv, keep = group_advantages(rewards, group_size=4, normalize="none")
+    want = [0.5, 0, -0.5, 0, 0, 0, 0, 0, -1 / 3, -1 / 3, 0, 2 / 3]
+    np.testing.assert_allclose(adv, want, atol=1e-6)
+    assert list(np.asarray(keep)) == [True, False, True, False] + [False] * 4 + [
+        True, True, False, True]  # fmt: skip
+    adv, _ = group_advantages(rewards, group_size=4, normalize="prompt")
+    np.testing.assert_allclose(adv[8:], np.array([-1, -1, 0, 2]) / np.sqrt(2), atol=1e-5)
+    np.testing.assert_allclose(adv[:4], [1, 0, -1, 0], atol=1e-5)
+    # Leave-one-out: group 2's 1 against the other two's mean 0 -> 1; a 0 against 0.5 -> -0.5.
+    adv, _ = group_advantages(rewards, group_size=4, normalize="none", baseline="rloo")
+    np.testing.assert_allclose(adv[8:], [-0.5, -0.5, 0, 1], atol=1e-6)
+    assert np.isfinite(np.asarray(adv)).all()

@@ -13,6 +13,7 @@ from conftest import FAST, FIXTURES, TINY_CONFIG
 from flax import nnx
 
 from jaxrl_scale.config import load_config
+from jaxrl_scale.configbase import ConfigError
 from jaxrl_scale.generation.sampler import EOS, LENGTH, Rollout, Sampling
 from jaxrl_scale.models.chat import ChatTemplate
 from jaxrl_scale.models.policy import init_policy
@@ -109,13 +110,13 @@ def test_out_of_turns_or_tokens_an_episode_is_truncated(retry_env):
 
 
 @pytest.mark.parametrize("fail_on", ["reset", "step", "hang"])
-def test_an_environment_that_fails_ends_its_episode_with_reward_zero_counted(retry_env, fail_on):
+def test_an_environment_that_fails_ends_its_episode_left_out_counted(retry_env, fail_on):
     runner, _, _ = _runner(retry_env, ["3"] * 3, "task.env_timeout=0.5", fail_on=fail_on)
     examples = [{"question": "1+2", "answer": 3}, {"question": "2+2", "answer": 4}]
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         ro, rewards, stats = runner.run(None, examples, KEY, sampling=None, repeat=2)
-    assert stats["env_errors"] == 4 and not rewards.any()
+    assert stats["env_errors"] == 4 and np.isnan(rewards).all()  # left out, not 0
     assert ro.completion_tokens.shape[0] == 4
     assert len(caught) == 1  # the first failure is logged, the rest counted
 
@@ -127,7 +128,7 @@ def test_observations_continue_the_conversation_as_the_chat_template_renders_it(
     template = ChatTemplate(QWEN25, special_tokens={"eos_token": "<|im_end|>"})
     tok = Tokenizer(backend, eos_ids=[1], pad_id=0, chat_template=template)
     obs = Observations(tok)
-    first, after = obs.first("What is 2+2?"), obs.after_turn("wrong, try again")
+    first, after = obs.first("What is 2+2?"), obs.after_turn("wrong, try again", ended_with=1)
     # The model's turn ends at the end-of-turn token it samples; what the template puts after
     # it ("\n"), the user turn and the next assistant header are the observation's.
     assert after == "\n<|im_start|>user\nwrong, try again<|im_end|>\n<|im_start|>assistant\n"
@@ -274,7 +275,9 @@ def test_an_environment_that_fails_on_the_engine_costs_its_episode(retry_env, fa
     with warnings.catch_warnings(record=True):
         warnings.simplefilter("always")
         _, ro, rewards, stats = engine.next(lambda chunk: (0, params), KEY, None)
-    assert stats["env_errors"] == 8 and not rewards.any() and ro.completion_tokens.shape[0] == 8
+    assert (
+        stats["env_errors"] == 8 and np.isnan(rewards).all() and ro.completion_tokens.shape[0] == 8
+    )
     assert engine.engine is not None and engine.engine.busy == 0 and not engine.calls
 
 
@@ -506,3 +509,13 @@ def test_observation_tokens_never_reach_the_loss(kind, aggregation):
     # Other log-probs at the observation positions change nothing.
     shifted = logp + jnp.asarray((mask == 0) * 3.0)
     assert float(loss(shifted)) == pytest.approx(float(value), rel=1e-6)
+
+
+def test_router_replay_with_a_multi_turn_task_is_refused_at_setup(retry_env, tmp_path):
+    moe = ["model.architecture=qwen3_moe", "model.qk_norm=true", "model.num_experts=4",
+           "model.num_experts_per_tok=2", "model.moe_intermediate_size=16",
+           "model.router_replay=true"]  # fmt: skip
+    cfg = load_config(TINY_CONFIG, [*FAST, *moe, "task.name=retry_env:make", "task.max_turns=2",
+                                    "task.max_episode_tokens=24", "train.steps=1"])  # fmt: skip
+    with pytest.raises(ConfigError, match="model.router_replay"):
+        train(cfg, tmp_path)

@@ -12,8 +12,20 @@ out of `gen_tokens`; the model's tokens keep their log-probs and policy versions
 reward is the sum of its steps' rewards; group advantages compare the G episodes of one
 example as they compare G completions. An episode ends when its environment says done, when
 it has had `task.max_turns` turns, or when its tokens reach `task.max_episode_tokens`
-(prompt included: truncated, counted); an environment that fails (raises, hangs past
-`task.env_timeout`, answers malformed) ends its episode with reward 0, counted.
+(prompt included: truncated, counted).
+
+Episodes that cannot be trained are left out of the loss, counted, never scored 0: one whose
+environment failed (raised, hung past `task.env_timeout`, answered malformed: `env_errors`),
+one whose first observation differs from its group's (`episodes_prompt_mismatch`: the train
+step reads one prompt per group), one whose first observation alone fills
+`task.max_episode_tokens` (`episodes_prompt_too_long`). Their rewards are NaN, which
+`group_advantages` reads as missing; every row of a group carries the group's prompt. In a
+held-out evaluation such an episode's return is 0.
+
+A turn that ends with the end-of-turn token the model sampled continues with the rest of the
+template's turn end (Qwen's "\n" after "<|im_end|>"); a turn cut off by `task.turn_tokens`
+before any is closed with the template's whole turn end, as context (mask 0), and the
+episode goes on.
 
 Each turn re-reads its episode's whole context (a prefill per turn): simple, and the way
 evaluation runs every episode to its end.
@@ -34,7 +46,7 @@ from jaxrl_scale.generation.engine import SlotEngine
 from jaxrl_scale.generation.sampler import EOS, LENGTH, Rollout, pad_prompts, prompt_width
 from jaxrl_scale.parallel import distributed
 from jaxrl_scale.rl.pipeline import ParamsForChunk
-from jaxrl_scale.tasks.env import EnvError, EnvRunner, Observations
+from jaxrl_scale.tasks.env import EnvError, EnvRunner, Observations, check_tools
 
 
 @dataclasses.dataclass(eq=False)
@@ -53,10 +65,13 @@ class Episode:
     truncated: bool = False
     error: str | None = None
     request: int = -1  # its row's id in a slot engine (EngineEpisodes)
+    ended_with: int | None = None  # the end-of-turn token its last turn sampled, if any
+    dropped: str | None = None  # why it cannot be trained (a stats key), if so
     shift: int = 0  # engine completion columns before `tokens` (the prompt's rest, given)
 
     def fail(self, why: str) -> None:
         self.error, self.done, self.reward = why, True, 0.0
+        self.dropped = "env_errors"
 
     def room(self, budget: int) -> int:
         return budget - len(self.prompt) - len(self.tokens)
@@ -83,8 +98,9 @@ class EpisodeRunner:
         self._log_lock = threading.Lock()
 
     def run(self, params_for_chunk, examples, key, *, sampling, repeat: int):
-        """(Rollout on the host of len(examples) x repeat episodes, their rewards [B], stats),
-        every live episode's next turn generated at once (a wave per turn)."""
+        """(Rollout on the host of len(examples) x repeat episodes, their rewards [B] (NaN:
+        cannot be trained, see `settle_groups`), stats), every live episode's next turn
+        generated at once (a wave per turn)."""
         t = self.cfg.task
         start = time.perf_counter()
         env_seconds = 0.0
@@ -126,7 +142,7 @@ class EpisodeRunner:
             env_seconds += time.perf_counter() - clock
             for ep, (result, why) in zip(live, steps, strict=True):
                 self.observe(ep, result, why)
-        rewards = np.array([ep.reward for ep in episodes])
+        rewards = self.settle_groups(episodes, repeat)
         return self.rollout(episodes), rewards, self.stats(episodes, env_seconds, start)
 
     @property
@@ -136,23 +152,37 @@ class EpisodeRunner:
     def begin(self, ep: Episode, obs) -> bool:
         """The episode's first observation as its prompt; whether it goes on to a turn."""
         try:
-            tools = getattr(ep.env, "tools", None)  # offered through the chat template
-            ep.prompt = self.tok.encode(self.observations.first(obs, tools))
-        except (EnvError, ValueError) as e:
-            self.fail(ep, f"reset: {e}")
+            ep.prompt = self.tok.encode(self.observations.first(obs, self._tools(ep)))
+        except Exception as e:  # noqa: BLE001 - the environment's data, reported per episode
+            self.fail(ep, f"reset: {_why(e)}")
             return False
         if not ep.prompt:
             self.fail(ep, "reset: the first observation has no tokens")
             return False
         if ep.room(self.cfg.task.max_episode_tokens) <= 0:
             ep.done = ep.truncated = True
+            ep.dropped = "episodes_prompt_too_long"
+            self._warn_once(
+                "too long",
+                f"a first observation of {len(ep.prompt)} tokens fills task.max_episode_tokens "
+                f"({self.cfg.task.max_episode_tokens}; the chat template's tool schemas "
+                "count too): such episodes get no turn and are left out of the loss "
+                "(counted: episodes_prompt_too_long)",
+            )
         return not ep.done
+
+    @staticmethod
+    def _tools(ep: Episode):
+        """The environment's `tools` (offered through the chat template), checked."""
+        return check_tools(getattr(ep.env, "tools", None))
 
     def end_turn(self, ep: Episode, tokens, mask, logp, versions, *, cut: bool) -> str:
         """A model turn as sampled (`cut`: it ran into the episode's budget): the action text
         its environment steps with."""
         ep.add(tokens, mask, logp, versions)
         ep.turns += 1
+        last = int(tokens[-1]) if len(tokens) else None
+        ep.ended_with = last if not cut and last in self.tok.eos_ids else None
         if cut or ep.room(self.cfg.task.max_episode_tokens) <= 0:
             ep.truncated = True
         return self.tok.decode(tokens)
@@ -172,10 +202,10 @@ class EpisodeRunner:
             ep.truncated |= not (done or obs is None)
             return None
         try:
-            text = self.observations.after_turn(obs, getattr(ep.env, "tools", None))
+            text = self.observations.after_turn(obs, self._tools(ep), ended_with=ep.ended_with)
             ids = self.tok.encode(text)
-        except (EnvError, ValueError) as e:
-            self.fail(ep, f"step's observation: {e}")
+        except Exception as e:  # noqa: BLE001 - the environment's data, reported per episode
+            self.fail(ep, f"step's observation: {_why(e)}")
             return None
         keep = ids[: max(ep.room(t.max_episode_tokens), 0)]
         ep.add(keep, [0.0] * len(keep), [0.0] * len(keep), [-1] * len(keep))
@@ -192,6 +222,12 @@ class EpisodeRunner:
             "env_seconds": env_seconds,
             "env_errors": sum(ep.error is not None for ep in episodes),
             "episodes_truncated": sum(ep.truncated and ep.error is None for ep in episodes),
+            "episodes_prompt_too_long": sum(
+                ep.dropped == "episodes_prompt_too_long" for ep in episodes
+            ),
+            "episodes_prompt_mismatch": sum(
+                ep.dropped == "episodes_prompt_mismatch" for ep in episodes
+            ),
             "tool_errors": sum(getattr(ep.env, "tool_errors", 0) for ep in episodes),
             "episode_seconds": time.perf_counter() - start,
         }
@@ -199,16 +235,44 @@ class EpisodeRunner:
     def fail(self, ep: Episode, why: str) -> None:
         """End `ep` with reward 0 for `why` (counted; the first of its kind is logged)."""
         ep.fail(why)
-        kind = why.partition(":")[0]
+        self._warn_once(
+            why.partition(":")[0],
+            f"an episode's environment failed ({why}); it is left out of the loss, and "
+            "later ones are only counted (env_errors)",
+        )
+
+    def _warn_once(self, kind: str, text: str) -> None:
         with self._log_lock:
             first = kind not in self._logged
             self._logged.add(kind)
         if first:
-            warnings.warn(
-                f"task {getattr(self.task, 'name', 'env')}: an episode ended with reward 0 "
-                f"({why}); later ones are only counted (env_errors)",
-                stacklevel=3,
-            )
+            name = getattr(self.task, "name", "env")
+            warnings.warn(f"task {name}: {text}", stacklevel=4)
+
+    def settle_groups(self, episodes: list[Episode], group_size: int) -> np.ndarray:
+        """Each episode's reward, NaN where it cannot be trained ([B]); every row of a group
+        of `group_size` consecutive episodes given the group's prompt: the first observation
+        most of its live episodes share (an episode with another is dropped, counted)."""
+        for start in range(0, len(episodes), group_size):
+            group = episodes[start : start + group_size]
+            prompts = [tuple(ep.prompt) for ep in group if ep.prompt and ep.dropped is None]
+            if not prompts:
+                prompts = [tuple(ep.prompt) for ep in group if ep.prompt]
+            if not prompts:
+                continue
+            shared = max(dict.fromkeys(prompts), key=prompts.count)  # the first, on a tie
+            for ep in group:
+                if ep.prompt and tuple(ep.prompt) != shared and ep.dropped is None:
+                    ep.dropped = "episodes_prompt_mismatch"
+                    self._warn_once(
+                        "mismatch",
+                        "the episodes of one example began with different observations "
+                        "(reset() must be a function of the example); those unlike their "
+                        "group's are left out of the loss (counted: episodes_prompt_mismatch)",
+                    )
+                if tuple(ep.prompt) != shared:
+                    ep.prompt = list(shared)
+        return np.array([np.nan if ep.dropped else ep.reward for ep in episodes])
 
     def rollout(self, episodes: list[Episode]) -> Rollout:
         """The episodes as a host Rollout: prompts left-padded (a few widths), completions
@@ -405,6 +469,11 @@ class EngineEpisodes:
                 self.waited += time.perf_counter() - clock
         self.queued.pop(0)
         episodes = batch.episodes
-        rewards = np.array([ep.reward for ep in episodes])
+        rewards = self.runner.settle_groups(episodes, self.cfg.train.group_size)
         stats = self.runner.stats(episodes, self.waited - waited, batch.start)
         return batch.indices, self.runner.rollout(episodes), rewards, stats
+
+
+def _why(e: Exception) -> str:
+    """An error's text for the counts' log: an EnvError says what is wrong itself."""
+    return str(e) if isinstance(e, EnvError) else f"{type(e).__name__}: {e}"

@@ -116,6 +116,11 @@ class RolloutWorker:
         # A multi-turn task's prompts come from its environments (rl/episodes.py): the
         # episode budget bounds them.
         self.episodic = hasattr(task, "make_env")
+        if self.episodic and cfg.model.router_replay:
+            raise ConfigError(
+                "model.router_replay: a multi-turn task's episodes record no experts (their "
+                "observations are not sampled); set model.router_replay=false"
+            )
         if self.episodic and cfg.batching == "continuous" and self.interruption is not None:
             raise ConfigError(
                 "sampler.interruption: a multi-turn task's episodes on the slot engine take no "
@@ -326,6 +331,7 @@ def held_out_scores(
     if episodes is not None:  # whole episodes; the pass rate is the mean episode return
         _, returns, stats = episodes.run(params_for_chunk, examples, key, sampling=sampling,
                                          repeat=k)  # fmt: skip
+        returns = np.nan_to_num(returns, nan=0.0)  # a failed episode returns 0 here
         keep = ("turns_mean", "env_errors", "episodes_truncated", "tool_errors")
         return returns.reshape(len(examples), k), {name: stats[name] for name in keep}
     tok = scorer.task.tokenizer
@@ -423,11 +429,14 @@ def score_episodes(
     the FLOPs every token the model read or wrote."""
     g = cfg.train.group_size
     sampled = ro.completion_mask.sum(axis=1)
-    pass_rates = rewards.reshape(-1, g).mean(axis=1)
+    trained = np.isfinite(rewards)  # NaN: an episode left out of the loss (rl/episodes.py)
+    with np.errstate(invalid="ignore", divide="ignore"):  # a group with none: NaN, unknown
+        pass_rates = np.nansum(rewards.reshape(-1, g), 1) / trained.reshape(-1, g).sum(1)
     prompt_lens = ro.prompt_mask.sum(axis=1)
     stats = {
-        "reward_mean": float(rewards.mean()),
-        "pass_rate": float(pass_rates.mean()),
+        "reward_mean": float(rewards[trained].mean()) if trained.any() else float("nan"),
+        "pass_rate": float(np.nanmean(pass_rates)) if trained.any() else float("nan"),
+        "episodes_trained": int(trained.sum()),
         "gen_length_mean": float(sampled.mean()),
         "interrupted_rate": 0.0,
         "gen_tokens": int(sampled.sum()),

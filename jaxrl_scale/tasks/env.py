@@ -9,9 +9,16 @@
             return "higher" if int(action) < self.target else "lower", 0.0, False
 
 An observation is a string or a list of chat messages; `reset` gives the episode's first
-(the prompt), `step` the one after each model turn. Both may be `async def`. Calls run on a
-pool of threads (`EnvRunner`) with a timeout each: an environment that raises, hangs or
-returns something malformed ends its episode with reward 0, counted (`env_errors`).
+(the prompt), `step` the one after each model turn. Both may be `async def`. Calls run on
+`EnvRunner` with a timeout each: an environment that raises, hangs or returns something
+malformed (a message whose content is not a string, `tools` that are not a list of dicts)
+ends its episode, counted (`env_errors`): the episode's reward is missing, not 0, so it is
+left out of the loss and its group's advantages (the policy is not punished for the
+environment's fault; rl/episodes.py).
+
+`reset()` must be a function of the example: the G episodes of one example are one group,
+trained as continuations of one prompt, so an episode whose first observation differs from
+its group's is left out of the loss too (counted, `episodes_prompt_mismatch`).
 
 How observations become tokens (`Observations`): the model's turns are kept as sampled; only
 what the environment adds is tokenized. Without a chat template an observation's text is
@@ -52,15 +59,36 @@ def _call(fn, *args):
 
 
 def check_observation(obs, what: str) -> Observation:
+    """A string, or chat messages whose role is a string and whose content is a string (or a
+    list of content parts, dicts): anything else is an EnvError naming what is wrong."""
     if isinstance(obs, str):
         return obs
-    if (
-        isinstance(obs, Sequence)
-        and obs
-        and all(isinstance(m, Mapping) and "role" in m and "content" in m for m in obs)
-    ):
-        return [dict(m) for m in obs]
-    raise EnvError(f"{what} is neither a string nor a list of chat messages: {obs!r:.120}")
+    if not isinstance(obs, Sequence) or not obs:
+        raise EnvError(f"{what} is neither a string nor a list of chat messages: {obs!r:.120}")
+    for i, m in enumerate(obs):
+        if not (isinstance(m, Mapping) and "role" in m and "content" in m):
+            raise EnvError(f"{what}: message {i} is not a dict with 'role' and 'content': "
+                           f"{m!r:.120}")  # fmt: skip
+        if not isinstance(m["role"], str):
+            raise EnvError(f"{what}: message {i}'s role is a {type(m['role']).__name__}")
+        content = m["content"]
+        parts = isinstance(content, list) and all(isinstance(p, Mapping) for p in content)
+        if not (isinstance(content, str) or parts):
+            raise EnvError(f"{what}: message {i}'s content is a {type(content).__name__}, "
+                           f"not a string: {content!r:.60}")  # fmt: skip
+    return [dict(m) for m in obs]
+
+
+def check_tools(tools, what: str = "the environment's tools") -> list[dict] | None:
+    """An environment's `tools` (JSON schemas for the chat template): None or a list of
+    dicts, else an EnvError."""
+    if tools is None:
+        return None
+    if isinstance(tools, str | Mapping) or not isinstance(tools, Sequence):
+        raise EnvError(f"{what} is a {type(tools).__name__}, not a list of JSON schemas")
+    if not all(isinstance(t, Mapping) for t in tools):
+        raise EnvError(f"{what}: each must be a dict (a JSON schema): {tools!r:.120}")
+    return list(tools)
 
 
 def check_step(result) -> tuple[Observation | None, float, bool]:
@@ -144,8 +172,18 @@ def _check_open(opened):
 
 class Observations:
     """Observations as the text that goes into an episode's token sequence (see the module's
-    docstring). `first(obs)`: the prompt; `after_turn(obs)`: what follows a model turn that
-    ended with the end-of-turn token it sampled."""
+    docstring). `first(obs)`: the prompt; `after_turn(obs, ended_with=...)`: what follows a
+    model turn.
+
+    An observation after a turn is cut from one rendering of a probe conversation (a user
+    message, an assistant message, then the observation's messages, with the generation
+    prompt): the text after the probe assistant's content. That is the template's turn end,
+    the observation as the template writes it, and the next assistant header. Earlier turns
+    are never rendered again, so a template that renders the last assistant turn differently
+    from earlier ones (Qwen3 gives the last an empty `<think>` block and drops it once a later
+    message follows) or drops earlier reasoning changes nothing here: the episode keeps the
+    model's tokens as sampled, reasoning included, which is the context it really sampled
+    its next turn from."""
 
     PROBE_USER, PROBE_ASSISTANT = "\u2063probe-user\u2063", "\u2063probe-assistant\u2063"
 
@@ -157,33 +195,46 @@ class Observations:
         """`tools`: the JSON schemas the template offers the model (an env's `tools`)."""
         if isinstance(obs, str) and not self.chat:
             return obs
-        messages = [{"role": "user", "content": obs}] if isinstance(obs, str) else obs
-        if not self.chat:
-            raise EnvError("a chat observation needs the tokenizer's chat template")
-        return self.tok.apply_chat_template(messages, tools=tools, add_generation_prompt=True)
+        return self._render(self._messages(obs), tools)
 
-    def after_turn(self, obs: Observation, tools=None) -> str:
+    def after_turn(self, obs: Observation, tools=None, *, ended_with: int | None = None) -> str:
+        """The text after a model turn: the template's turn end, the observation, the next
+        assistant header. `ended_with`: the end-of-turn token the model sampled last (the
+        template's turn end goes on after it); None: the turn was cut off before one (by
+        `task.turn_tokens`), so the template's whole turn end closes it here, as context."""
         if not self.chat:
             if not isinstance(obs, str):
                 raise EnvError("a chat observation needs the tokenizer's chat template")
             return obs
-        messages = [{"role": "user", "content": obs}] if isinstance(obs, str) else obs
-        before = [
+        probe = [
             {"role": "user", "content": self.PROBE_USER},
             {"role": "assistant", "content": self.PROBE_ASSISTANT},
         ]
-        render = self.tok.apply_chat_template
-        head = render(before, tools=tools, add_generation_prompt=False)
-        full = render(before + messages, tools=tools, add_generation_prompt=True)
-        if not full.startswith(head):
-            raise EnvError("the chat template renders a conversation's start differently "
-                           "once it goes on; its observations cannot be appended")  # fmt: skip
-        # The model's turn ended with its end-of-turn token; the template's turn end may go on
-        # past it (Qwen's "<|im_end|>" then "\n"): that rest comes before the observation.
-        turn_end = head[head.rindex(self.PROBE_ASSISTANT) + len(self.PROBE_ASSISTANT) :]
-        eos = self.tok.decode([self.tok.eos_ids[0]], skip_special_tokens=False)
-        carry = turn_end[len(eos) :] if turn_end.startswith(eos) else turn_end
-        return carry + full[len(head) :]
+        full = self._render(probe + self._messages(obs), tools)
+        if full.count(self.PROBE_ASSISTANT) != 1:
+            raise EnvError(
+                "the chat template does not write an assistant turn's content as given, so "
+                "where a turn ends cannot be found in its rendering"
+            )
+        rest = full[full.index(self.PROBE_ASSISTANT) + len(self.PROBE_ASSISTANT) :]
+        if ended_with is not None:
+            end = self.tok.decode([ended_with], skip_special_tokens=False)
+            if end and rest.startswith(end):  # the model wrote the turn's end itself
+                rest = rest[len(end) :]
+        return rest
+
+    def _messages(self, obs: Observation) -> list[dict]:
+        if not self.chat:
+            raise EnvError("a chat observation needs the tokenizer's chat template")
+        return [{"role": "user", "content": obs}] if isinstance(obs, str) else obs
+
+    def _render(self, messages: list[dict], tools) -> str:
+        """The template's rendering with the generation prompt; whatever the template raises
+        on what the environment gave (a TypeError, a ValueError) is an EnvError."""
+        try:
+            return self.tok.apply_chat_template(messages, tools=tools, add_generation_prompt=True)
+        except Exception as e:  # noqa: BLE001 - the environment's data, reported per episode
+            raise EnvError(f"the chat template cannot render it ({type(e).__name__}: {e})") from e
 
 
 class GymText:

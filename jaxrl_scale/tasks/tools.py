@@ -8,14 +8,17 @@
         tools = [add]
         ...
 
-A task that gives `tools` and no `make_env` gets a `ToolEnv` per episode: the prompt goes out
-with the tools' JSON schemas in the chat template's `tools`; each model turn is searched for
+A task that gives `tools` and no `make_env` gets a `ToolEnv` per episode: the prompt (the
+example's chat messages as given, or its string as a user message) goes out with the tools'
+JSON schemas in the chat template's `tools`; each model turn is searched for
 calls in the Qwen/Hermes format `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`;
 calls are answered as tool messages and the model takes another turn; a turn without a call
 is the final answer, scored by the task's `score` (its thinking cut off), which ends the
-episode. A malformed call, an unknown tool, bad arguments, a tool that raises or runs past
-`timeout`: the model is told so in the tool message and the episode goes on; each is counted
-(`tool_errors`). `python_tool(sandbox)` runs the model's code in the code task's sandbox.
+episode: a number, or named parts summed with the task's `reward_weights` (1 each
+otherwise), as single-turn samples are. A malformed call, an unknown tool, bad arguments, a
+tool that raises or runs past `timeout`: the model is told so in the tool message and the
+episode goes on; each is counted (`tool_errors`). `python_tool(sandbox)` runs the model's
+code in the code task's sandbox.
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ import inspect
 import json
 import re
 import typing
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 from jaxrl_scale.tasks.scoring import strip_think
 from jaxrl_scale.tasks.workers import WorkerPool
@@ -85,22 +88,31 @@ class ToolEnv:
     wrong with the model's calls; the episode runner reads it at the end."""
 
     def __init__(self, example: dict, tools: Sequence[Callable], score, *, pool: WorkerPool,
-                 timeout: float = 10.0):  # fmt: skip
+                 timeout: float = 10.0, weights: Mapping[str, float] | None = None):  # fmt: skip
         self.example, self.score, self.pool, self.timeout = example, score, pool, timeout
+        self.weights = dict(weights or {})
         self.functions = {fn.__name__: fn for fn in tools}
         self.tools = [schema(fn) for fn in tools]
         self.tool_errors = 0
 
     def reset(self):
-        prompt = self.example["prompt"]
+        # A chat prompt's messages as the user gave them (UserTask keeps them beside the
+        # rendered text): rendering that text again as a user message would wrap it twice.
+        prompt = self.example.get("messages") or self.example["prompt"]
         return [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
 
     def step(self, action: str):
         calls = parse_calls(action)
         if not calls:  # the final answer
             answer = strip_think(action)
-            return None, float(self.score(answer, self.example)) if answer else 0.0, True
+            return None, self._reward(self.score(answer, self.example)) if answer else 0.0, True
         return [{"role": "tool", "content": self._answer(call)} for call in calls], 0.0, False
+
+    def _reward(self, value) -> float:
+        """A score as the episode's reward: a number, or its named parts' weighted sum."""
+        if isinstance(value, Mapping):
+            return sum(self.weights.get(str(k), 1.0) * float(v) for k, v in value.items())
+        return float(value)
 
     def _answer(self, call: dict | str) -> str:
         if isinstance(call, str):

@@ -21,6 +21,8 @@ must be importable there too (installed, or on PYTHONPATH) and give the same exa
 from __future__ import annotations
 
 import importlib
+import os
+import threading
 import warnings
 from collections.abc import Mapping, Sequence
 from typing import Any, Protocol, runtime_checkable
@@ -135,7 +137,8 @@ class UserTask:
                 setattr(self, optional, getattr(obj, optional))
         if getattr(obj, "tools", None) and not hasattr(obj, "make_env"):  # tool episodes
             self.tools, self.tool_timeout = list(obj.tools), tool_timeout
-            self._tool_pool = WorkerPool(8, name="jaxrl-tool")  # shared by its episodes
+            self._tool_pools: dict[int, WorkerPool] = {}  # per process (see _tool_env)
+            self._tool_pools_lock = threading.Lock()  # episodes are made on several threads
             self.make_env = self._tool_env
 
     def _examples(self, rows, what: str, label: str) -> list[dict]:
@@ -176,9 +179,14 @@ class UserTask:
         return {**row, "prompt": text, "messages": list(prompt)}
 
     def _tool_env(self, example: dict) -> ToolEnv:
-        return ToolEnv(
-            example, self.tools, self.obj.score, pool=self._tool_pool, timeout=self.tool_timeout
-        )
+        # One pool of tool threads per process, shared by its episodes: an environment made
+        # in a worker process (tasks/env.py) cannot use threads started in its parent.
+        with self._tool_pools_lock:
+            pool = self._tool_pools.get(os.getpid())
+            if pool is None:
+                pool = self._tool_pools[os.getpid()] = WorkerPool(8, name="jaxrl-tool")
+        return ToolEnv(example, self.tools, self.obj.score, pool=pool,
+                       timeout=self.tool_timeout, weights=self.reward_weights)  # fmt: skip
 
     def score(self, completion: str, example: dict):
         return self.obj.score(completion, example)
