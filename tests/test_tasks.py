@@ -90,3 +90,47 @@ def test_held_out_follows_the_training_distribution():
     assert 90 <= total <= 100  # nearly all of them are drawn
     # A random split: hypergeometric, mean 100 * 500 / 2500 = 20, sd about 3.6.
     assert 8 <= short(task.eval_examples) <= 32
+
+
+def test_get_task_builds_every_registered_task_by_name(tmp_path):
+    """The public `get_task` knows every name the config does (code and reasoning_gym
+    included; before, three), and each built task scores as its own verifier does."""
+    import json
+
+    from jaxrl_scale.models.tokenizer import CharTokenizer
+    from jaxrl_scale.tasks import TASKS
+    from jaxrl_scale.tasks.config import BUILTIN
+
+    assert set(TASKS) == set(BUILTIN)
+    data = tmp_path / "sums.jsonl"
+    rows = [
+        {"prompt": f"{a}+{a}", "tests": [{"input": "", "output": str(2 * a)}]} for a in range(6)
+    ]
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    tok = CharTokenizer("0123456789+-*= ()`\npythonri")
+    code = get_task("code", data=str(data), tokenizer=tok, num_eval=2, workers=1)
+    assert code.name == "code" and len(code.train_examples) == 4
+    e = code.train_examples[0]
+    a = e["question"].split("+")[0]
+    assert code.score(f"```python\nprint({a}*2)\n```", e) == 1.0
+    assert code.score(f"```python\nprint({a}*2+1)\n```", e) == 0.0
+    gym = get_task("reasoning_gym", datasets={"leg_counting": 1}, num_train=6, num_eval=2, seed=1)
+    assert gym.name == "reasoning_gym" and len(gym.eval_examples) == 2
+    e = gym.train_examples[0]
+    assert e["question"] and e["metadata"] == e["entry"]["metadata"]
+    assert gym.score(f"<think>hm</think> <answer>{e['answer']}</answer>", e) == 1.0
+    assert gym.score(f"<think><answer>no idea</answer></think> {e['answer']} ", e) == 1.0
+    mixed = get_task(
+        "mixture",
+        mixture=[{"name": "arithmetic", "args": {"max_digits": 1}, "weight": 1},
+                 {"name": "countdown", "weight": 1, "domain": "cd"}],
+        num_train=20, num_eval=4, seed=0,
+    )  # fmt: skip
+    assert {e["domain"] for e in mixed.train_examples} == {"arithmetic", "cd"}
+    e = next(e for e in mixed.eval_examples if e["domain"] == "arithmetic")
+    assert mixed.score(str(e["answer"]), e) == 1.0
+
+
+def test_get_task_names_the_tokenizer_a_task_needs():
+    with pytest.raises(ValueError, match=r"get_task\('code'\).*pass tokenizer="):
+        get_task("code", data="problems.jsonl")

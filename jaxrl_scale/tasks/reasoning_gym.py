@@ -25,6 +25,7 @@ import numpy as np
 
 from jaxrl_scale.configbase import ConfigError
 from jaxrl_scale.models.tokenizer import CharTokenizer, Tokenizer
+from jaxrl_scale.tasks.scoring import strip_think
 
 DEFAULT_TEMPLATE = "{question}\nGive only the final answer, inside <answer></answer> tags."
 ANSWER = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
@@ -86,14 +87,20 @@ class ReasoningGymTask:
     def _example(self, entry: dict) -> dict:
         return {
             "prompt": self.template.format(question=entry["question"]),
+            "question": entry["question"],
             "answer": str(entry["answer"]),
+            "metadata": entry["metadata"],
             "dataset": entry["metadata"]["source_dataset"],
             "entry": entry,
         }
 
     def score(self, completion: str, example: dict) -> float:
-        """reasoning-gym's score of the completion's final answer, in [0, 1]."""
-        return float(self.dataset.score_answer(final_answer(completion), example["entry"]))
+        """reasoning-gym's score of the completion's final answer, in [0, 1]: its text after
+        the thinking (0.0 when a `<think>` never closes), inside its last <answer> tags."""
+        answer = strip_think(completion)
+        if answer is None:
+            return 0.0
+        return float(self.dataset.score_answer(final_answer(answer), example["entry"]))
 
     def demonstration(self, example: dict, rng: np.random.Generator | None = None) -> str:
         return f"<answer>{example['answer']}</answer>"
