@@ -34,6 +34,7 @@ import inspect
 import sys
 import time
 import types
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -55,7 +56,12 @@ from jaxrl_scale.rl.checkpoint import Checkpointer, RunState, abstract_like
 from jaxrl_scale.rl.compute import RunClock
 from jaxrl_scale.rl.metrics import MetricsWriter, read_metrics
 from jaxrl_scale.rl.packing import PackedBatch
-from jaxrl_scale.rl.pipeline import ParamsSource, make_feeder, staleness_bound
+from jaxrl_scale.rl.pipeline import (
+    ParamsSource,
+    make_feeder,
+    staleness_bound,
+    staleness_in_effect,
+)
 from jaxrl_scale.rl.rollout import Rollouts, RolloutWorker, rollouts_from_host, rollouts_to_host
 from jaxrl_scale.rl.step import Batch, compile_run_step, init_train_state, make_optimizer
 from jaxrl_scale.rl.warm_start import warm_start
@@ -196,9 +202,12 @@ def setup(cfg: ExperimentConfig, out: str | Path, *, resume: bool = True, task=N
     )
     devices = mesh.devices.size + (gen_mesh.devices.size if gen_mesh is not None else 0)
     if cfg.hosts.generator_groups:  # the generator jobs' devices count on the x-axis too
-        from jaxrl_scale.hosts.hub import generator_devices
+        from jaxrl_scale.hosts.hub import generator_devices, static_waves
 
         devices += cfg.hosts.generator_groups * generator_devices(cfg)
+        why = static_waves(cfg, task)
+        if why is not None and distributed.is_main():
+            warnings.warn(why, stacklevel=2)
     return Run(
         cfg,
         out,
@@ -265,9 +274,17 @@ def train_run(run: Run) -> list[dict[str, Any]]:
     update_bytes = worker.update_bytes(train_state.params, remote=source is None)
     unlogged: _Step | None = None  # a step dispatched but not yet read back
     curriculum, step = start.curriculum, start.step
+    # What ran, for the rows: the batching here (generator jobs say per batch, `gen_engine`)
+    # and the k the batches are held to.
+    ran = {
+        "gen_batching": "continuous" if worker.continuous is not None else "static",
+        "staleness_bound": staleness_in_effect(
+            cfg.pipeline, colocated_processes=1 if source is None else jax.process_count()
+        ),
+    }
 
     def finish(record: _Step, ended: float, evaluation: dict | None = None) -> dict[str, Any]:
-        row = _row(record, ended, totals, clock, cfg, evaluation)
+        row = _row(record, ended, totals, clock, cfg, evaluation, ran)
         row["weight_update_bytes"] = update_bytes
         if evaluation is not None and distributed.is_main():
             row.update(forecasts.observe(record.step, row[cfg.forecast.x], evaluation))
@@ -480,9 +497,12 @@ def _check_finite(metrics: dict[str, Any], step: int, limit: int) -> None:
         )
 
 
-def _row(s: _Step, ended: float, totals: dict, clock: RunClock, cfg, evaluation) -> dict:
+def _row(s: _Step, ended: float, totals: dict, clock: RunClock, cfg, evaluation,
+         ran: dict) -> dict:  # fmt: skip
     """The metrics row of step `s`, whose iteration ended at `ended` (reads its metrics from
-    the device), totals updated."""
+    the device), totals updated. `ran`: the local generator's `gen_batching` (a generator
+    job's batch says its own: `gen_engine`, 1 on the slot engine, 0 in static waves) and the
+    `staleness_bound` in effect."""
     metrics = jax.device_get(s.metrics)
     _check_finite(metrics, s.step, cfg.train.max_nonfinite)
     stats = s.ro.stats
@@ -490,7 +510,7 @@ def _row(s: _Step, ended: float, totals: dict, clock: RunClock, cfg, evaluation)
     totals["tokens"] += stats["gen_tokens"]
     totals["skipped_updates"] += int(metrics["skipped"])
     totals["device_seconds"] = clock.device_seconds()
-    hidden = ("gen_flops", "train_flops")  # charged to compute_flops
+    hidden = ("gen_flops", "train_flops", "gen_engine")  # charged; said as gen_batching
     row = {
         "step": s.step,
         "policy_version": s.step,
@@ -503,7 +523,11 @@ def _row(s: _Step, ended: float, totals: dict, clock: RunClock, cfg, evaluation)
         "tokens_per_s": stats["gen_tokens"] / max(ended - s.began, 1e-9),
         "skipped_updates": totals["skipped_updates"],
         "dropped_batches": totals["dropped_batches"],
+        "staleness_bound": ran["staleness_bound"],
+        "gen_batching": ran["gen_batching"],
     }
+    if "gen_engine" in stats:
+        row["gen_batching"] = "continuous" if stats["gen_engine"] else "static"
     if s.staleness[1] == 0:  # every token sampled by the parameters trained: numerics alone
         row["mismatch_numeric"] = row["mismatch"]
         row["mismatch_numeric_max"] = row["mismatch_max"]

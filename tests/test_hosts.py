@@ -28,19 +28,25 @@ from jaxrl_scale.rl.metrics import read_metrics
 
 
 @pytest.mark.parametrize(
-    "trainer, generator",
+    "trainer, generator, planned",
     [
-        (MeshConfig(data=1, fsdp=4, tensor=1), MeshConfig(data=1, fsdp=1, tensor=2)),
-        (MeshConfig(data=1, fsdp=2, tensor=1), MeshConfig(data=1, fsdp=2, tensor=2)),
-        (MeshConfig(data=1, fsdp=3, tensor=1), MeshConfig(data=2, fsdp=1, tensor=1)),
+        (MeshConfig(data=1, fsdp=4, tensor=1), MeshConfig(data=1, fsdp=1, tensor=2), None),
+        (MeshConfig(data=1, fsdp=2, tensor=1), MeshConfig(data=1, fsdp=2, tensor=2), None),
+        (MeshConfig(data=1, fsdp=3, tensor=1), MeshConfig(data=2, fsdp=1, tensor=1), None),
+        # The trainer planned for fewer generator devices than the group has (an axis of -1
+        # counts a trainer host's): 2 rows over 4 devices, 3 rows over 2.
+        (MeshConfig(data=1, fsdp=2, tensor=1), MeshConfig(data=4, fsdp=1, tensor=1), 2),
+        (MeshConfig(data=1, fsdp=3, tensor=1), MeshConfig(data=2, fsdp=1, tensor=1), 1),
     ],
 )
 def test_pulled_weights_equal_the_generation_copy_in_another_layout(
-    tiny_model_config, trainer, generator
+    tiny_model_config, trainer, generator, planned
 ):
     """Trainer devices 0..n-1, generator devices from 4 on: every leaf arrives equal to
     `for_generation` of the trainer's parameters (bf16 matrices here), in the generator's
-    sharding, whether the trainer has more devices, fewer, or a count that is no multiple."""
+    sharding, whether the trainer has more devices, fewer, or a count that is no multiple,
+    and whether or not the trainer's rows split over the generator's devices (`planned`: the
+    generator device count the trainer laid its rows out for; they failed to pull before)."""
     import dataclasses
 
     cfg = dataclasses.replace(tiny_model_config, dtype="bfloat16")
@@ -50,7 +56,7 @@ def test_pulled_weights_equal_the_generation_copy_in_another_layout(
     gen_mesh = sharding.make_mesh(generator, devices[4:])
     model = sharding.init_sharded(lambda rngs: Policy(cfg, rngs=rngs), mesh, 3)
     _, params = nnx.split(model)
-    gen_devices = gen_mesh.devices.size
+    gen_devices = planned or gen_mesh.devices.size
     server = WeightServer(mesh, cfg, gen_devices, host="127.0.0.1", timeout=10)
     server.publish(7, params)
     abstract = jax.eval_shape(lambda p: for_generation(p, cfg, copy=False), params)
@@ -622,12 +628,13 @@ def test_model_sampler_and_engine_do_not_load_the_transport():
 def test_multi_turn_episodes_run_on_a_generator_job(tmp_path, processes):
     """A user's environment task, by import path, importable on both hosts: its episodes
     run on the generator job (the environments live there) and reach the trainer with their
-    masks and counts."""
+    masks and counts. They run in static waves there, not on the slot engine that
+    sampler.batching asks for: the rows say so (gen_batching) and so do both logs at setup."""
     port = _free_port()
     fixtures = str(ROOT / "tests" / "fixtures" / "tasks")
     extra = ["train.steps=2", "task.name=retry_env:make", "task.max_turns=2",
              "task.max_episode_tokens=24", "warm_start.steps=0",
-             "hosts.generator_groups=1"]  # fmt: skip
+             "hosts.generator_groups=1", "sampler.batching=continuous"]  # fmt: skip
     out = tmp_path / "run"
     trainer_log, gen_log = tmp_path / "trainer.log", tmp_path / "gen.log"
     trainer = processes.start(_env("trainer", PYTHONPATH=fixtures), _args(out, port, *extra),
@@ -640,19 +647,25 @@ def test_multi_turn_episodes_run_on_a_generator_job(tmp_path, processes):
     for r in rows:
         assert 1 <= r["turns_mean"] <= 2 and r["env_errors"] == 0
         assert r["gen_tokens"] <= 2 * 4 * 16  # sampled tokens only: 2 turns of <= 4
+        assert (r["gen_batching"], r["staleness_bound"], r["generator_processes"]) == (
+            "static", 8, 1)  # fmt: skip
+    why = "generator jobs run a multi-turn task's episodes in static waves"
+    assert why in trainer_log.read_text() and why in gen_log.read_text()
 
 
 def test_a_generator_group_of_two_processes_pulls_its_own_rows_and_decodes_in_step(tmp_path):
     """A group spanning 2 processes (a jax.distributed job of its own, 2 devices each, its
-    mesh {data: 4} over both), started by the launcher with --group-processes 2: its leader
-    talks to the hub, each process pulls only its own devices' rows of every version (about
-    half of each version's bytes), and all decode in step, on the slot engine and for the
-    held-out evaluations: the run completes, every token within the bound."""
+    mesh {data: -1}: 4 over both), started by the launcher with --group-processes 2 as a new
+    user would: its leader talks to the hub, each process pulls only its own devices' rows
+    of every version (about half of each version's bytes), and all decode in step, on the
+    slot engine and for the held-out evaluations: the run completes, every token within the
+    bound. The trainer, which cannot see the group's devices, laid its versions out in 2
+    rows for a host's 2: each row is kept on 2 of the group's 4 devices (every pull failed,
+    and the group rejoined until hosts.restart_timeout, before)."""
     out = tmp_path / "run"
     k = 2
     extra = ["train.steps=4", f"pipeline.max_staleness={k}", "train.eval_every=2",
-             "hosts.generator_mesh.data=4", "sampler.batching=continuous",
-             "hosts.timeout=120"]  # fmt: skip
+             "sampler.batching=continuous", "hosts.timeout=120"]  # fmt: skip
     script = ROOT / "launch" / "local_disaggregated.sh"
     cmd = ["bash", str(script), "--port", str(_free_port()), "--group-processes", "2", "1", "1",
            "--", *_args(out, 0, *extra)]  # fmt: skip
@@ -663,10 +676,44 @@ def test_a_generator_group_of_two_processes_pulls_its_own_rows_and_decodes_in_st
     assert all(r["staleness_max"] <= k for r in rows[1:])
     assert all(0 < r["slot_occupancy"] <= 1 for r in rows[1:])
     assert [r["step"] for r in rows if "eval_pass_rate" in r] == [0, 2, 4]
+    # What ran: the engine, k, and the group's two processes.
+    assert {(r["gen_batching"], r["staleness_bound"], r["generator_processes"])
+            for r in rows[1:]} == {("continuous", k, 2)}  # fmt: skip
+    assert "each block of 1 rows is kept on 2 devices" in done.stdout, done.stdout[-2000:]
     shares = re.findall(r"generator group 0 \(.*?\)( process 1)?: pulled \d+ version\(s\), "
                         r"([\d.]+) of each", done.stdout)  # fmt: skip
     assert sorted(p for p, _ in shares) == ["", " process 1"], done.stdout[-2000:]
     assert all(0.4 < float(share) < 0.75 for _, share in shares), shares
+
+
+def test_a_group_that_cannot_run_the_trainers_model_ends_the_run_naming_the_key(
+    tmp_path, processes
+):
+    """A group started with another model than the trainer's (model.hidden_size differs):
+    every pull would fail so, however often it rejoined. The group tells the hub and the
+    trainer's run ends at once with an error naming the key (it rejoined and pulled again
+    until hosts.restart_timeout before); the group exits too."""
+    port = _free_port()
+    extra = ["train.steps=2", "hosts.generator_groups=1", "hosts.timeout=20",
+             "hosts.restart_timeout=600"]  # fmt: skip
+    out = tmp_path / "run"
+    trainer_log, gen_log = tmp_path / "trainer.log", tmp_path / "gen.log"
+    started = time.monotonic()
+    trainer = processes.start(_env("trainer"), _args(out, port, *extra), trainer_log)
+    gen = processes.start(_env("generator", JAXRL_GROUP="0"),
+                          _args(out, port, *extra, "model.hidden_size=48"), gen_log)  # fmt: skip
+    try:
+        trainer.wait(timeout=240)
+        gen.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        logs = f"{trainer_log.read_text()[-2000:]}\n{gen_log.read_text()[-2000:]}"
+        pytest.fail(f"still running after {time.monotonic() - started:.0f} s:\n{logs}")
+    text = trainer_log.read_text()
+    assert trainer.returncode == 2, text[-3000:]
+    assert "config error: model: the trainer offers" in text, text[-3000:]
+    assert "(generator group 0 on 127.0.0.1)" in text
+    assert gen.returncode == 2 and "told the trainer" in gen_log.read_text()
+    assert "rejoin" not in gen_log.read_text() and "lost the trainer" not in gen_log.read_text()
 
 
 # The shipped multi-host recipes: (trainer processes, devices per host). Each runs on that

@@ -76,6 +76,12 @@ def test_off_policy_modes_respect_the_staleness_bound(mode, tmp_path):
         assert not fresh or (r["mismatch_numeric"], r["mismatch_numeric_max"]) == (
             r["mismatch"], r["mismatch_max"])  # fmt: skip
     assert any(r["staleness_max"] > 0 for r in rows[1:])
+    # What ran, in the log: pipeline_rl decodes on the slot engine (sampler.batching auto),
+    # ppo_off_policy in static waves; k as given; no generator jobs, no generator_processes.
+    logged = read_metrics(tmp_path)[1:]
+    batching = "continuous" if mode == "pipeline_rl" else "static"
+    assert [(r["gen_batching"], r["staleness_bound"]) for r in logged] == [(batching, 2)] * 5
+    assert not any("generator_processes" in r or "gen_engine" in r for r in logged)
 
 
 def test_sync_runs_with_one_seed_are_identical(tmp_path):
@@ -325,6 +331,8 @@ def test_lockstep_pipeline_overlaps_one_batch_swaps_weights_in_flight_and_repeat
     with pytest.warns(UserWarning, match="max_staleness: 8 runs as 1 here: pipeline.lockstep"):
         rows = train(_cfg(*extra), tmp_path / "a")
     assert [r["step"] for r in rows] == list(range(6))
+    # The log says the k in effect and what the generator ran.
+    assert {(r["staleness_bound"], r["gen_batching"]) for r in rows[1:]} == {(1, batching)}
     # Batch 1 is made before any step; every later batch n was generated while step n - 1
     # ran: its first chunk by version n - 2 (lag 1), its second by version n - 1 (lag 0).
     assert rows[1]["staleness_max"] == 0

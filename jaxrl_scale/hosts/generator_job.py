@@ -16,7 +16,10 @@ When the trainer goes away (killed, restarting from its checkpoint), requests go
 after `hosts.timeout` seconds of that (or of weights that do not come) the group drops what it
 held and asks to join again for up to `hosts.restart_timeout` seconds, so a trainer that
 restarts (load, restore, compile) finds it waiting; a new trainer answers with a new run id.
-A group that reaches no trainer at all exits after `hosts.timeout`, naming the hub. Threads:
+A group that reaches no trainer at all exits after `hosts.timeout`, naming the hub. A failure
+that would repeat however often the group rejoined (`weights.PermanentFailure`: leaves of
+another model than the trainer's; a config error at setup) is told to the hub, which ends the
+trainer's run with it, naming the key, and the group exits (status 2). Threads:
 the main thread owns the control and data sockets and the decoding; the puller thread owns the
 `WeightClient`; the heartbeat thread its own control socket; both outlive any one trainer
 (a failure is handed to the main thread, which rejoins). The versions held, the newest
@@ -43,8 +46,8 @@ from flax import nnx
 
 from jaxrl_scale.configbase import ConfigError
 from jaxrl_scale.generation.sampler import Interruption, Sampling
-from jaxrl_scale.hosts.hub import ROLLOUT_FIELDS, address, encode_batch
-from jaxrl_scale.hosts.weights import WeightClient
+from jaxrl_scale.hosts.hub import ROLLOUT_FIELDS, address, encode_batch, static_waves
+from jaxrl_scale.hosts.weights import PermanentFailure, WeightClient
 from jaxrl_scale.models import lora
 from jaxrl_scale.models.policy import Policy, for_generation
 from jaxrl_scale.parallel import distributed, sharding
@@ -83,7 +86,8 @@ class TrainerLost(Exception):
     come): rejoin, waiting for it to come back (`hosts.restart_timeout`)."""
 
 
-_RAISED = {"Rejoin": Rejoin, "Stopped": Stopped, "TrainerLost": TrainerLost}
+_RAISED = {"Rejoin": Rejoin, "Stopped": Stopped, "TrainerLost": TrainerLost,
+           "PermanentFailure": PermanentFailure}  # fmt: skip
 
 
 class Group:
@@ -123,6 +127,7 @@ class Group:
 _KEPT = 4096
 _PULLS = "jaxrl_scale/group/pull/"
 _HELD = "jaxrl_scale/group/held/"  # + process: the versions a follower holds
+_BROKEN = "jaxrl_scale/group/broken"  # a follower's permanent failure (for the leader)
 
 
 class Requester:
@@ -209,12 +214,16 @@ class Weights:
                 self._newest = told["newest"]
             try:
                 return self._get(version=told["version"])
+            except PermanentFailure as e:  # the leader reads it and tells the hub
+                distributed.publish(_BROKEN, str(e))
+                raise SystemExit(f"generator group {self.group} process "
+                                 f"{jax.process_index()}: {e}") from e  # fmt: skip
             except (Stopped, Rejoin, TrainerLost) as e:  # the leader has it; this one not
                 raise SystemExit(f"generator group {self.group} process "
                                  f"{jax.process_index()}: {e}") from e  # fmt: skip
         try:
             got = self._get(version=version, at_least=at_least)
-        except (Stopped, Rejoin, TrainerLost) as e:
+        except (Stopped, Rejoin, TrainerLost, PermanentFailure) as e:
             group.share({"raise": type(e).__name__, "message": str(e)})
             raise
         with self._cond:
@@ -233,6 +242,11 @@ class Weights:
                     raise Stopped
                 if self._gone:
                     raise Rejoin
+                if isinstance(self._failed, PermanentFailure):  # rejoining would not help
+                    raise self._failed
+                broken = distributed.peek(_BROKEN) if self.processes.size > 1 else None
+                if broken:  # a follower's: every process of the group meets it
+                    raise PermanentFailure(broken)
                 if self._failed is not None:  # the trainer went quiet, or a pull failed
                     raise TrainerLost(str(self._failed)) from self._failed
                 have = version if version in self._held else max(self._everyones(), default=-1)
@@ -355,6 +369,12 @@ class Weights:
                 self.client.acknowledge()  # (else the trainer withdraws the offer in time)
             except LookupError:  # superseded meanwhile: ask for the newest next
                 time.sleep(0.05)
+                continue
+            except PermanentFailure as e:  # every pull would fail so: no rejoin
+                print(f"weights: pulling version {want} failed ({e})", file=sys.stderr,
+                      flush=True)  # fmt: skip
+                broken = session
+                self._fail(e, session)
                 continue
             except Exception as e:  # the trainer died mid-pull, or went quiet
                 print(f"weights: pulling version {want} failed ({e}); pulling again once "
@@ -491,6 +511,9 @@ def run_generator(cfg: ExperimentConfig, group: int) -> int:
     on_engine = episodes is None and cfg.batching == "continuous"
     batch_rows = cfg.train.prompts_per_step * cfg.train.group_size
     say = (lambda text: print(text, flush=True)) if lead else (lambda text: None)
+    why = static_waves(cfg, task)
+    if why is not None:
+        say(f"{name}: {why}")
 
     def ask(message: dict, **kwargs) -> dict:
         """The hub's answer to the leader's `message`, on every process of the group."""
@@ -523,7 +546,8 @@ def run_generator(cfg: ExperimentConfig, group: int) -> int:
                 say(f"{name}: drained before it joined")
                 return 0
             token = secrets.token_hex(8)  # a retried join is the same join
-            join = {"op": "join", "group": group, "host": host, "token": token}
+            join = {"op": "join", "group": group, "host": host, "token": token,
+                    "processes": processes.size}  # fmt: skip
             session = ask(join, patience=patience)
             patience = cfg.hosts.restart_timeout
             weights.attach(session)
@@ -651,7 +675,7 @@ def _engine_run(cfg, scorer, engine: EngineBatches, weights: Weights, base, done
     if not score:
         return None
     return _scored_frames(cfg, scorer, ro, work, max(queued_at, done_at),
-                          slot_occupancy=engine.occupancy)  # fmt: skip
+                          slot_occupancy=engine.occupancy, gen_engine=1)  # fmt: skip
 
 
 class Drain:
@@ -724,6 +748,7 @@ def _make_batch(
             params_for_chunk, examples, key, sampling=sampling, repeat=g
         )
         scored = score_episodes(cfg, ro, rewards, stats, reference=bool(cfg.loss.kl_coef))
+        scored.stats["gen_engine"] = 0  # static waves (the rows' gen_batching)
         return _frames(scored, work, time.perf_counter() - start)
     ro = waves.generate(
         params_for_chunk,
@@ -737,7 +762,7 @@ def _make_batch(
     ro = jax.tree.map(distributed.to_host, ro)  # (gathered on every process of a group)
     if not score:
         return None
-    return _scored_frames(cfg, scorer, ro, work, start)
+    return _scored_frames(cfg, scorer, ro, work, start, gen_engine=0)
 
 
 def _scored_frames(cfg, scorer, ro, work: dict, start: float, **stats) -> list[bytes]:
@@ -788,3 +813,25 @@ def main(cfg: ExperimentConfig, group: int) -> int:
     except TimeoutError as e:
         print(f"error: {e}", file=sys.stderr, flush=True)
         return 1
+    except ConfigError as e:  # it would fail so again: the trainer's run ends with it
+        if jax.process_index() == 0:  # (a group's leader speaks for it)
+            _report(cfg, group, e)
+        raise
+
+
+def _report(cfg: ExperimentConfig, group: int, error: ConfigError) -> None:
+    """Tell the trainer's hub that this group failed for good (`error` names the key), so
+    its run ends now rather than waiting for the group; waits up to `hosts.timeout` for a
+    trainer to answer (one starting after this group)."""
+    control = Requester(cfg.hosts.hub, patience=cfg.hosts.timeout, what=f"generator group {group}")
+    message = {"op": "fail", "group": group, "host": address(cfg, trainer=False),
+               "error": str(error)}  # fmt: skip
+    try:
+        control.request(message)
+        print(f"generator group {group}: told the trainer ({error})", file=sys.stderr,
+              flush=True)  # fmt: skip
+    except TimeoutError as e:
+        print(f"generator group {group}: could not tell the trainer ({e})", file=sys.stderr,
+              flush=True)  # fmt: skip
+    finally:
+        control.close()

@@ -2,7 +2,7 @@
 takes their scored batches back, and the feeder the train loop reads them from.
 
     trainer process 0                                  generator group g (its own job)
-    Hub (thread): ZeroMQ ROUTER  <-- join / work / beat (JSON) --   HubClient
+    Hub (thread): ZeroMQ ROUTER  <-- join / work / beat / fail --   HubClient
                   ZeroMQ PULL    <-- scored batch (JSON + .npz) --   (PUSH)
     every trainer process: WeightServer (weights.py) <-- pull over jax.experimental.transfer
     trainer process 0: BatchServer (REP) --> a taken batch's bytes to processes 1..T-1
@@ -20,6 +20,8 @@ published version start + n - k, and its tokens must all carry versions at least
 (`oldest`): the ahead side waits, so nothing is generated to be thrown away. The trainer takes
 batches in number order. A group silent for `hosts.lost_after` seconds is lost: its batch's
 prompts are handed out again (same prompts, same number) and its rows counted (`lost_rows`).
+A group that fails for good (`weights.PermanentFailure`, "fail") ends the trainer's wait, and
+so its run, with that error.
 
 Ownership. The hub thread owns its sockets, the generator table and the curriculum after the
 feeder starts (it draws prompts when handing out and records pass rates when a batch arrives,
@@ -45,7 +47,7 @@ import zmq
 from jax.experimental import multihost_utils
 
 from jaxrl_scale.generation.sampler import Rollout
-from jaxrl_scale.hosts.weights import WeightServer
+from jaxrl_scale.hosts.weights import PermanentFailure, WeightServer
 from jaxrl_scale.parallel import distributed
 from jaxrl_scale.rl.curriculum import Curriculum
 from jaxrl_scale.rl.rollout import Rollouts, Scored, held_out_row
@@ -197,6 +199,10 @@ class Hub:
         self._eval_ids = iter(range(2**31))
         self._stopping: float | None = None  # when stopping: the time the hub thread ends by
         self._failed: BaseException | None = None
+        # A group's failure that would repeat (its message names the key), guarded by _cond:
+        # the trainer's wait ends with it.
+        self._group_failed: PermanentFailure | None = None
+        self._processes = 0  # guarded by _cond: the processes of the groups joined and live
         self.lost_rows = self.lost_batches = self.rejected = 0  # hub thread; read when joined
         # Hub thread only:
         self._gens: dict[int, dict] = {}
@@ -234,6 +240,8 @@ class Hub:
         while not done():
             if self._failed is not None:
                 raise RuntimeError("the trainer's hub failed") from self._failed
+            if self._group_failed is not None:
+                raise self._group_failed
             self._cond.wait(timeout=0.5)
             silent = time.monotonic() - self._last_heard
             if silent > self.cfg.hosts.timeout:
@@ -311,6 +319,15 @@ class Hub:
         except (ValueError, KeyError, TypeError):
             return {"error": "bad message"}
         now = time.monotonic()
+        if op == "fail":  # a failure the group would meet again however often it rejoined
+            error = PermanentFailure(
+                f"{msg.get('error')} (generator group {msg.get('group')} on {msg.get('host')})"
+            )
+            print(f"hub: {error}; the run ends", file=sys.stderr, flush=True)
+            with self._cond:
+                self._group_failed = error
+                self._cond.notify_all()
+            return {"ok": True}
         if op == "join":
             gen = self._joins.get(msg.get("token"))
             if gen is not None and gen in self._gens:  # the same join, asked again
@@ -318,9 +335,12 @@ class Hub:
                         "version": self._published_now()}  # fmt: skip
             gen = next(self._gen_ids)
             self._joins[msg.get("token")] = gen
+            processes = msg.get("processes")
+            processes = processes if isinstance(processes, int) and processes > 0 else 1
             self._gens[gen] = {"group": msg.get("group"), "host": msg.get("host"),
-                               "seen": now, "batches": set(), "seq": None,
-                               "progress": None, "progressed": now}  # fmt: skip
+                               "seen": now, "batches": set(), "seq": None, "progress": None,
+                               "progressed": now, "processes": processes}  # fmt: skip
+            self._count_processes()
             self._heard()
             print(f"hub: generator group {msg.get('group')} on {msg.get('host')} joined",
                   file=sys.stderr, flush=True)  # fmt: skip
@@ -482,8 +502,18 @@ class Hub:
                 for j, g in job["assigned"].items()
             )
 
+    def _count_processes(self) -> None:
+        with self._cond:
+            self._processes = sum(g["processes"] for g in self._gens.values())
+
+    def processes(self) -> int:
+        """The processes of the generator groups joined and not lost (the trainer thread)."""
+        with self._cond:
+            return self._processes
+
     def _lose(self, gen_id: int, why: str) -> None:
         gen = self._gens.pop(gen_id)
+        self._count_processes()
         mine = self.dispatch.requeue(sorted(gen["batches"]), gen_id)
         self.lost_rows += self.rows * len(mine)
         self.lost_batches += len(mine)
@@ -549,6 +579,9 @@ class RemoteFeeder:
             except BaseException:
                 distributed.announce(key, "failed")  # the other processes stop waiting
                 raise
+            # The processes of the live groups as it was taken (the rows' generator_processes).
+            header = {**header, "stats": {**header["stats"],
+                                          "generator_processes": self.hub.processes()}}  # fmt: skip
             frames = encode_batch({"header": header}, {**arrays, **{
                 f"curriculum.{k}": np.asarray(v) for k, v in curriculum.items()}})  # fmt: skip
             self.batches.put(n, frames)
@@ -649,6 +682,25 @@ def address(cfg: ExperimentConfig, *, trainer: bool = True) -> str:
     if hub_host in ("127.0.0.1", "localhost"):
         return "127.0.0.1"
     return hub_host if trainer and distributed.is_main() else socket.gethostname()
+
+
+def static_waves(cfg: ExperimentConfig, task) -> str | None:
+    """Why generator jobs decode this run's batches in static waves although
+    `sampler.batching` asks for the slot engine (the rows say `gen_batching: static`), or None
+    where they run what it asks."""
+    if cfg.batching != "continuous":
+        return None
+    if hasattr(task, "make_env"):
+        return ("sampler.batching: continuous, but generator jobs run a multi-turn task's "
+                "episodes in static waves (rows: gen_batching static): a wave's episodes take "
+                "their turns together, so a slow environment stalls its whole wave. A "
+                "colocated run (hosts.generator_groups=0) runs them on the slot "
+                "engine")  # fmt: skip
+    if cfg.pipeline.mode == "sync" or cfg.pipeline.lockstep:
+        return ("sampler.batching: continuous, but generator jobs decode each batch in static "
+                "waves under a fixed schedule (pipeline.mode sync or pipeline.lockstep: the "
+                "batch names each chunk's version; rows: gen_batching static)")  # fmt: skip
+    return None
 
 
 def generator_devices(cfg: ExperimentConfig) -> int:

@@ -11,6 +11,15 @@ what is offered, as they are. A generator pulls each block onto the device that 
 row in the generator's own row split, cuts or joins blocks on its devices into its row blocks,
 and one compiled program turns the rows back into leaves in its mesh's sharding. (Pulling
 straight into a different sharding is not supported by the transfer API: shapes must match.)
+Where C does not split over the generator's N devices (the trainer planned another count: a
+`hosts.generator_mesh` axis of -1 counts a trainer host's devices), the rows split into
+g = gcd(C, N) blocks, each kept on N / g adjacent devices (g = 1: every device holds every
+row, as one device does); each process of a group still pulls only the blocks its devices
+hold.
+
+A failure that repeats however often it is retried (leaves of other shapes or dtypes than this
+job's model: trainer and generators run different configs) raises `PermanentFailure`, which
+ends the run, naming the key, rather than being waited out as a trainer restarting would be.
 
 Offers are made on request, because an offer holds its arrays until they are pulled: the
 generator asks every trainer process's weight socket (ZeroMQ REQ/REP, JSON) for version v; the
@@ -41,9 +50,17 @@ import zmq
 from jax.experimental import transfer
 from jax.sharding import Mesh, NamedSharding, PartitionSpec, SingleDeviceSharding
 
+from jaxrl_scale.configbase import ConfigError
 from jaxrl_scale.models.config import ModelConfig
 from jaxrl_scale.models.policy import for_generation
-from jaxrl_scale.parallel.rows import AXIS, from_rows, layout_program, rows_mesh
+from jaxrl_scale.parallel.rows import AXIS, from_rows, layout_program
+
+
+class PermanentFailure(ConfigError):
+    """A failure that would repeat on every try (a layout, a shape, a config that differs
+    between trainer and generators): it ends the run, its message naming the key, where a
+    fault (a trainer restarting, a transfer cut off) is waited out. Generator groups report
+    it to the hub, which fails the trainer's wait with it (hosts/hub.py)."""
 
 
 def start_server(host: str):
@@ -73,7 +90,8 @@ class WeightServer:
         socket = self._context.socket(zmq.REP)  # owned by the serving thread after this
         socket.setsockopt(zmq.LINGER, 0)
         port = socket.bind_to_random_port(f"tcp://{host}")
-        self.address = {"weights": f"tcp://{host}:{port}", "transfer": self.transfer.address()}
+        self.address = {"weights": f"tcp://{host}:{port}", "transfer": self.transfer.address(),
+                        "rows": self.rows}  # fmt: skip
         self._stopping = threading.Event()
         # Written by the serving thread only: bytes offered; offers not yet acknowledged
         # (uuid -> (deadline, version, what a pull of them takes)); offers withdrawn, and
@@ -201,7 +219,7 @@ class WeightClient:
                              f"{mine} of {len(self.devices)}")  # fmt: skip
         self.mine = (mine[0], mine[-1] + 1)
         self.timeout = timeout
-        self.rows_sharding = NamedSharding(rows_mesh(self.devices), PartitionSpec(AXIS))
+        self._split: tuple[int, NamedSharding] | None = None  # (rows, their sharding here)
         shapes = self.shapes
         self._unlayout = jax.jit(
             lambda rows: [from_rows(r, s) for r, s in zip(rows, shapes, strict=True)],
@@ -222,7 +240,8 @@ class WeightClient:
         )
 
     def connect(self, trainers: list[dict]) -> None:
-        """Trainer processes' addresses ({"weights": ..., "transfer": ...}), from the hub."""
+        """Trainer processes' addresses ({"weights", "transfer", "rows"}), from the hub."""
+        self._rows_split(int(trainers[0]["rows"]))
         for s in self._sockets:
             s.close(linger=0)
         self._trainers, self._sockets = list(trainers), []
@@ -266,11 +285,8 @@ class WeightClient:
         rows = None
         self._pulled = []
         self.pulls += 1
-        ask = {"version": version}
-        if self.mine != (0, len(self.devices)):  # one process of several: its own rows
-            ask["of"] = [*self.mine, len(self.devices)]
         for t, socket in zip(self._trainers, self._sockets, strict=True):
-            socket.send(json.dumps(ask).encode())
+            socket.send(json.dumps(self._ask(version)).encode())
             if not socket.poll(int(self.timeout * 1000)):
                 raise TimeoutError(
                     f"trainer weight server {t['weights']}: no answer in {self.timeout:.0f} s "
@@ -279,19 +295,16 @@ class WeightClient:
             offer = json.loads(socket.recv())
             if "error" in offer:
                 raise LookupError(f"trainer weight server {t['weights']}: {offer['error']}")
-            rows = offer["rows"]
-            per = rows // len(self.devices)
-            if rows % len(self.devices):
-                raise ValueError(f"the trainer's {rows} rows do not split over this generator's "
-                                 f"{len(self.devices)} devices (hosts.generator_mesh)")  # fmt: skip
             self._check(offer)
-            lo = self.mine[0] * per  # a block from before this process's rows: its first
+            rows = offer["rows"]
+            per, copies = rows // self.blocks, len(self.devices) // self.blocks
+            lo = self.mine[0] // copies * per  # a block from before this process's rows
             specs = [
                 jax.ShapeDtypeStruct(
                     (stop - start, chunk),
                     dtype,
-                    sharding=jax.sharding.SingleDeviceSharding(self.devices[max(start, lo) // per]),
-                )  # fmt: skip
+                    sharding=SingleDeviceSharding(self._holder(max(start, lo) // per)),
+                )
                 for chunk, dtype in zip(offer["chunks"], offer["dtypes"], strict=True)
                 for start, stop in offer["blocks"]
             ]
@@ -309,34 +322,77 @@ class WeightClient:
         return [self._rows_array(sorted(pieces[i], key=lambda p: p[0]), rows)
                 for i in range(len(self.shapes))]  # fmt: skip
 
+    @property
+    def blocks(self) -> int:
+        """Row blocks over this generator's devices (each kept on devices / blocks of them)."""
+        return self._split[1].mesh.shape[AXIS]
+
+    def _rows_split(self, rows: int) -> None:
+        """The split of `rows` rows over this generator's devices: g = gcd(rows, devices)
+        blocks, each on devices / g adjacent devices (all of them where rows split evenly)."""
+        if self._split is not None and self._split[0] == rows:
+            return
+        n = len(self.devices)
+        g = math.gcd(rows, n)
+        if g < n:
+            print(f"weights: the trainer lays versions out in {rows} rows, which do not split "
+                  f"over this generator's {n} devices; each block of {rows // g} rows is kept "
+                  f"on {n // g} devices (hosts.generator_mesh: give the trainer this "
+                  f"generator's device count, {n}, to split them)", flush=True)  # fmt: skip
+        mesh = Mesh(np.asarray(self.devices).reshape(g, n // g), (AXIS, "copies"))
+        self._split = (rows, NamedSharding(mesh, PartitionSpec(AXIS)))
+
+    def _ask(self, version: int) -> dict:
+        """The request for `version`: every row, or (one process of a group's several) the
+        blocks its devices hold, as [first, stop, blocks]."""
+        ask = {"version": version}
+        if self.mine != (0, len(self.devices)):
+            copies = len(self.devices) // self.blocks
+            ask["of"] = [self.mine[0] // copies, -(-self.mine[1] // copies), self.blocks]
+        return ask
+
+    def _holder(self, block: int):
+        """A device of this process that holds row block `block`."""
+        copies = len(self.devices) // self.blocks
+        first = max(block * copies, self.mine[0])
+        return self.devices[first]
+
     def _check(self, offer: dict) -> None:
         sizes = [math.prod(s) for s in self.shapes]
         if offer["dtypes"] != self.dtypes or offer["sizes"] != sizes:
-            raise ValueError(
-                f"the trainer offers {len(offer['chunks'])} leaves of {sum(offer['sizes'])} "
-                f"elements in "
-                f"{sorted(set(offer['dtypes']))}; this generator's model has "
-                f"{len(self.shapes)} of {sum(sizes)} in {sorted(set(self.dtypes))}: "
-                "trainer and generators must run the same config"
+            raise PermanentFailure(
+                f"model: the trainer offers {len(offer['chunks'])} leaves of "
+                f"{sum(offer['sizes'])} elements in {sorted(set(offer['dtypes']))}; this "
+                f"generator's model has {len(self.shapes)} of {sum(sizes)} in "
+                f"{sorted(set(self.dtypes))}: trainer and generators must run the same config "
+                "(model.*, model.lora.*)"
+            )
+        if offer["rows"] != self._split[0]:
+            raise PermanentFailure(
+                f"hosts.generator_mesh: trainer processes lay versions out in "
+                f"{offer['rows']} and {self._split[0]} rows: they must run the same config"
             )
 
     def _rows_array(self, blocks: list[tuple[int, jax.Array]], rows: int) -> jax.Array:
-        """One leaf's [rows, chunk] array split over this generator's devices, from blocks
-        that cover the rows in order (each on the device holding its first row)."""
-        per = rows // len(self.devices)
-        mine: list[list[jax.Array]] = [[] for _ in self.devices]
-        for start, block in blocks:  # blocks in row order; cut where a device's rows end
-            stop = start + block.shape[0]
-            for device in range(
-                max(start // per, self.mine[0]), min(-(-stop // per), self.mine[1])
-            ):
-                lo, hi = max(start, device * per), min(stop, (device + 1) * per)
-                part = block if (lo, hi) == (start, stop) else block[lo - start : hi - start]
-                mine[device].append(jax.device_put(part, self.devices[device]))
-        local = [parts[0] if len(parts) == 1 else jnp.concatenate(parts)
-                 for parts in mine if parts]  # fmt: skip
+        """One leaf's [rows, chunk] array in this generator's row split (`_rows_split`),
+        from blocks that cover this process's rows in order (each on a device holding its
+        first row): each of this process's devices gets its row block, cut from or joined
+        of the pulled blocks."""
+        per, copies = rows // self.blocks, len(self.devices) // self.blocks
+        local = []
+        for device in range(*self.mine):
+            lo = device // copies * per
+            hi = lo + per
+            parts = []
+            for start, block in blocks:  # in row order
+                stop = start + block.shape[0]
+                if start < hi and stop > lo:
+                    a, b = max(start, lo), min(stop, hi)
+                    part = block if (a, b) == (start, stop) else block[a - start : b - start]
+                    parts.append(jax.device_put(part, self.devices[device]))
+            local.append(parts[0] if len(parts) == 1 else jnp.concatenate(parts))
         shape = (rows, blocks[0][1].shape[1])
-        return jax.make_array_from_single_device_arrays(shape, self.rows_sharding, local)
+        return jax.make_array_from_single_device_arrays(shape, self._split[1], local)
 
     def close(self) -> None:
         for s in self._sockets:

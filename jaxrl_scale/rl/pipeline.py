@@ -330,6 +330,17 @@ def staleness_bound(cfg: PipelineConfig) -> int:
     return 0 if cfg.mode == "sync" else cfg.max_staleness
 
 
+def staleness_in_effect(cfg: PipelineConfig, *, colocated_processes: int = 1) -> int:
+    """The k a run's batches are held to (the rows' `staleness_bound`): `staleness_bound`,
+    but at most 1 where pipeline_rl runs in lockstep (`pipeline.lockstep`, or generation
+    colocated with a trainer of several processes: `make_feeder`), whose generator works one
+    batch ahead."""
+    k = staleness_bound(cfg)
+    if cfg.mode == "pipeline_rl" and (cfg.lockstep or colocated_processes > 1):
+        return min(k, 1)
+    return k
+
+
 def make_feeder(
     cfg: PipelineConfig,
     produce: Producer,
