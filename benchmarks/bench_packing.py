@@ -2,6 +2,8 @@
 
     python benchmarks/bench_packing.py [--budget 512] [--steps 3] [--row-len 0]
     python benchmarks/bench_packing.py --recipe configs/scalerl_qwen3-8b_math.yaml [--seeds 3]
+    python benchmarks/bench_packing.py --recipe asset:demo.yaml --set train.prompts_per_step=32 \
+        --set sampler.max_new_tokens=192 --set mesh.data=1 --mean 3 --no-plan --time 3
 
 One RL train step (CISPO, prompt aggregation, AdamW) on a batch of P prompts x G completions
 with a completion budget N: the padded step computes [B, N] completion slots (each prompt
@@ -18,12 +20,16 @@ The model is a small decoder (hidden 256, 4 layers, vocabulary 8,192) so a CPU s
 seconds; the ratio is what the padding costs at any size whose step time is linear in
 positions (attention adds a term quadratic in the row length, equal per row in both).
 
-`--recipe CONFIG`: the recipe's own shape (its model, batch, budget, trainer mesh on fake CPU
-devices), lognormal lengths with a mean of a quarter of the budget: positions computed and
-micro-steps, padded against packed (the run's `PackGeometry`, and the rows rounded to the
-padded micro-steps as packing did before the token budget), the cost `train.packing: auto`
-compares, and the planner's train step per device, padded and packed (abstract shapes:
-compiles, allocates nothing; minutes on a CPU).
+`--recipe CONFIG` (with `--set KEY=VALUE` overrides): the config's own shape (its model,
+batch, budget, trainer mesh on fake CPU devices), lognormal lengths with a mean of a quarter of
+the budget (`--mean N`: of N tokens): positions computed and micro-steps, padded against
+packed (the run's `PackGeometry`; the rows rounded to the padded micro-steps as packing did
+before the token budget; and rounded to whole micro-steps of the budget, as packing did
+before `packing.step_rows`), the real tokens / positions of each, the cost `train.packing:
+auto` compares, and the planner's train step per device, padded and packed (abstract shapes:
+compiles, allocates nothing; minutes on a CPU). `--time N`: the config's model, one device,
+N timed train steps of each layout (median, compile excluded): for models small enough to run
+here (the demo's).
 """
 
 from __future__ import annotations
@@ -44,7 +50,7 @@ from flax import nnx
 
 from jaxrl_scale.config import LossConfig, ModelConfig, OptimConfig
 from jaxrl_scale.models.policy import Policy
-from jaxrl_scale.rl.packing import default_row_len, pack
+from jaxrl_scale.rl.packing import default_row_len, micro_steps, pack
 from jaxrl_scale.rl.step import Batch, compile_train_step, init_train_state, make_optimizer
 
 CFG = ModelConfig(
@@ -60,11 +66,11 @@ CFG = ModelConfig(
 PROMPTS, GROUP, PROMPT_LEN = 4, 8, 64
 
 
-def lengths(kind: str, budget: int, rows: int, rng) -> np.ndarray:
-    """Completion lengths with a mean near budget / 4, cut at the budget."""
+def lengths(kind: str, budget: int, rows: int, rng, mean: float | None = None) -> np.ndarray:
+    """Completion lengths with a mean near `mean` (budget / 4), cut at the budget."""
     if kind == "lognormal":
         sigma = 1.0
-        median = budget / 4 / np.exp(sigma**2 / 2)
+        median = (mean or budget / 4) / np.exp(sigma**2 / 2)
         n = rng.lognormal(np.log(median), sigma, rows)
     else:
         n = rng.geometric(4 / budget, rows)
@@ -93,11 +99,12 @@ def make_batch(kind: str, budget: int, seed: int = 0) -> Batch:
     )
 
 
-def _step_and_state():
-    graphdef, params = nnx.split(Policy(CFG, rngs=nnx.Rngs(params=0)))
+def _step_and_state(model=None, group=GROUP, **micro):
+    graphdef, params = nnx.split(Policy(model or CFG, rngs=nnx.Rngs(params=0)))
     tx = make_optimizer(OptimConfig(learning_rate=1e-6), total_steps=100)
     loss = LossConfig(kind="cispo", aggregation="prompt")
-    step = compile_train_step(graphdef, tx, group_size=GROUP, loss_cfg=loss, temperature=1.0)
+    step = compile_train_step(graphdef, tx, group_size=group, loss_cfg=loss, temperature=1.0,
+                              **micro)  # fmt: skip
     return step, init_train_state(params, tx)
 
 
@@ -116,14 +123,14 @@ def measure(step, state, batch, steps: int) -> tuple[float, int, object]:
     return float(np.median(times)), int(temp), state
 
 
-def recipe(path: str, seeds: int, plan: bool) -> None:
+def recipe(path: str, seeds: int, plan: bool, overrides=(), mean=None, time_steps=0) -> None:
     from jaxrl_scale.config import load_config
     from jaxrl_scale.memory.abstract import experts_program, task_prompt_len
     from jaxrl_scale.memory.train_step import train_step_memory
     from jaxrl_scale.parallel import sharding
     from jaxrl_scale.rl.packing import FUSED_ATTENTION_SPEEDUP, PackGeometry, bucket_rows
 
-    cfg = load_config(path)
+    cfg = load_config(path, list(overrides))
     mesh, _ = sharding.make_meshes(cfg)
     ways, (prompt_len, _) = sharding.batch_ways(mesh), task_prompt_len(cfg)
     t, n = cfg.train, cfg.sampler.max_new_tokens
@@ -135,26 +142,34 @@ def recipe(path: str, seeds: int, plan: bool) -> None:
     padded = p * prompt_len + p * g * n
     for seed in range(seeds):
         rng = np.random.default_rng(seed)
-        n_b = lengths("lognormal", n, p * g, rng)
+        n_b = lengths("lognormal", n, p * g, rng, mean)
         mask = np.arange(n)[None, :] < n_b[:, None]
         prompt_mask = np.ones((p * g, prompt_len), bool)
         ones = np.ones(mask.shape, np.float32)
         batch = Batch(prompt_mask.astype(np.int32), prompt_mask, mask.astype(np.int32), mask,
                       mask * ones, -ones, np.ones(p * g, np.float32))  # fmt: skip
-        _, stats = pack(batch, g, geometry.row_len, row_multiple=geometry.row_multiple)
+        packed, stats = pack(batch, g, geometry.row_len, row_multiple=geometry.row_multiple,
+                             rows_per_micro=geometry.rows_per_micro)  # fmt: skip
         before = bucket_rows(stats.rows, ways * t.micro_batches) * geometry.row_len
+        whole = bucket_rows(stats.rows, geometry.rows_per_micro) * geometry.row_len
         fused = dataclasses.replace(geometry, padded_speedup=FUSED_ATTENTION_SPEEDUP)
         cost = {}
         for name, geo in (("here", geometry), ("fused", fused)):
             packed_cost, padded_cost = geo.costs(batch, g, padded, stats.train_positions)
             cost[name] = packed_cost / padded_cost
-        print(f"  seed {seed}: lengths mean {n_b.mean():,.0f} (median {np.median(n_b):,.0f}); "
-              f"positions padded {padded / 1e6:.2f}M in {t.micro_batches} micro-steps, packed "
-              f"{stats.train_positions / 1e6:.2f}M in {stats.bucket // geometry.rows_per_micro} "
-              f"({stats.train_positions / padded:.2f} of padded; rounded to the padded "
-              f"micro-steps {before / 1e6:.2f}M); auto's cost packed / padded "
-              f"{cost['here']:.2f} here ({geometry.padded_speedup:g}x), {cost['fused']:.2f} "
-              f"beside a fused kernel ({FUSED_ATTENTION_SPEEDUP:g}x)")  # fmt: skip
+        real = int(n_b.sum()) + p * prompt_len
+        print(f"  seed {seed}: lengths mean {n_b.mean():,.1f} (median {np.median(n_b):,.0f}); "
+              f"positions padded {padded:,} in {t.micro_batches} micro-steps (tokens / "
+              f"positions {real / padded:.3f}), packed {stats.train_positions:,} in "
+              f"{micro_steps(stats.bucket, geometry.rows_per_micro)} (tokens / positions "
+              f"{stats.train_tokens / stats.train_positions:.3f}; "
+              f"{stats.train_positions / padded:.3f} of padded; rounded to the padded "
+              f"micro-steps {before:,}, to whole micro-steps of the budget {whole:,}); auto's "
+              f"cost packed / padded {cost['here']:.2f} here ({geometry.padded_speedup:g}x), "
+              f"{cost['fused']:.2f} beside a fused kernel "
+              f"({FUSED_ATTENTION_SPEEDUP:g}x)")  # fmt: skip
+        if time_steps and seed == 0:
+            _time_layouts(cfg, batch, packed, geometry, time_steps)
     if not plan:
         return
     planned, _ = experts_program(cfg)  # the buffers an accelerator's grouped matmul holds
@@ -169,6 +184,19 @@ def recipe(path: str, seeds: int, plan: bool) -> None:
               f"({time.perf_counter() - start:.0f} s to compile)")  # fmt: skip
 
 
+def _time_layouts(cfg, batch: Batch, packed, geometry, steps: int) -> None:
+    """Step time of the config's model on one device, padded against packed."""
+    t = cfg.train
+    padded_step, state = _step_and_state(cfg.model, t.group_size, micro_batches=t.micro_batches)
+    packed_step, _ = _step_and_state(cfg.model, t.group_size,
+                                     rows_per_micro=geometry.rows_per_micro)  # fmt: skip
+    t_pad, m_pad, state = measure(padded_step, state, batch, steps)
+    t_pack, m_pack, state = measure(packed_step, state, packed, steps)
+    print(f"  step time on {jax.devices()[0].device_kind}: padded {t_pad:.3f} s, packed "
+          f"{t_pack:.3f} s -> {t_pad / t_pack:.2f}x faster packed; temporaries "
+          f"{m_pad / 2**20:.0f} / {m_pack / 2**20:.0f} MiB")  # fmt: skip
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--budget", type=int, default=512, help="completion budget N")
@@ -181,9 +209,15 @@ def main() -> None:
     parser.add_argument("--recipe", help="a recipe config: its shape instead of the small model")
     parser.add_argument("--seeds", type=int, default=3, help="--recipe: batches drawn")
     parser.add_argument("--no-plan", action="store_true", help="--recipe: skip the planner")
+    parser.add_argument("--set", action="append", default=[], dest="overrides",
+                        help="--recipe: a config override KEY=VALUE (repeatable)")  # fmt: skip
+    parser.add_argument("--mean", type=float, help="--recipe: mean completion length")
+    parser.add_argument("--time", type=int, default=0,
+                        help="--recipe: time N steps of the config's model")  # fmt: skip
     args = parser.parse_args()
     if args.recipe:
-        return recipe(args.recipe, args.seeds, not args.no_plan)
+        return recipe(args.recipe, args.seeds, not args.no_plan, args.overrides, args.mean,
+                      args.time)  # fmt: skip
     global CFG
     CFG = dataclasses.replace(CFG, attention_block_size=args.block)
     row_len = args.row_len or default_row_len(PROMPT_LEN + args.budget, args.block)

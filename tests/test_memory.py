@@ -467,11 +467,14 @@ def test_a_packed_plan_compiles_the_packed_step_and_its_token_budget_sets_the_ac
     assert auto["positions_per_micro_batch_per_shard"] == 8 * 72
     auto_budget = [*SHARDED, "train.tokens_per_micro_batch=144"]
     assert train_step_memory(load_config(TINY, auto_budget), mesh, 8)["packed"] == small["packed"]
-    # A budget above the padded micro-step: auto may take either, and a packed micro-step
-    # (8 rows of 144 per device) holds twice the padded one's positions: the plan is packed.
+    # A budget above the padded micro-step: auto may take either. A packed micro-step holds
+    # what a batch at the budget fills (32 rows of 144: 4 per device, the padded step's
+    # positions), not the budget's 8 rows per device; its packed mask and row arrays cost more
+    # than the padded step's, so the plan is packed.
     big = [*SHARDED, "train.tokens_per_micro_batch=1152"]
     larger = train_step_memory(load_config(TINY, big), mesh, 8)
-    assert larger["positions_per_micro_batch_per_shard"] == 1152 and "packed" in larger
+    assert larger["packed"] == part["packed"]
+    assert larger["positions_per_micro_batch_per_shard"] == 576
     assert larger["per_device_bytes"] > auto["per_device_bytes"]
     # Too little memory: the advice is a token budget, in whole rows.
     args = ["memory", "--config", TINY, "--device-memory", "0.0001"]

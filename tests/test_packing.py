@@ -324,6 +324,51 @@ def test_packing_at_the_8b_recipe_shape_computes_a_fraction_of_the_padded_positi
     assert stats["train_tokens"] > 0.85 * stats["train_positions"]
 
 
+def test_packed_rows_cost_what_they_hold_at_the_demos_shapes_on_one_device():
+    """The demo's shapes on one device, sync: 32 x 16 completions of 2-5 tokens (about 3 on
+    average) under sampler.max_new_tokens=192. The token budget of a micro-step is the padded
+    step's (512 rows of 200 positions: 102,400), but a batch that fills 5 rows computes 5
+    rows, not a budget's worth: train_positions within the ladder's rounding of the tokens
+    (efficiency >= 0.6). Before, the rows were rounded up to a whole micro-step: 102,400
+    positions for ~1,900 tokens, the padded step's count. A batch past the budget runs as
+    micro-steps of equal rows, each within it."""
+    from jaxrl_scale.config import load_config
+    from jaxrl_scale.rl.packing import PackGeometry, micro_steps, padded_layout, step_rows
+
+    cfg = load_config("asset:demo.yaml", [
+        "train.prompts_per_step=32", "sampler.max_new_tokens=192", "mesh.data=1",
+        "pipeline.mode=sync", "train.packing=true",
+    ])  # fmt: skip
+    geometry = PackGeometry.of(cfg, 6, 1)
+    assert geometry.rows_per_micro * geometry.row_len <= 102_400
+    p, g, width = 32, 16, 8
+    rng = np.random.default_rng(0)
+    lengths = rng.integers(2, 6, p * g)
+    mask = np.arange(192)[None, :] < lengths[:, None]
+    prompt_mask = np.ones((p * g, width), bool)
+    ones = np.ones((p * g, 192), np.float32)
+    batch = Batch(prompt_mask.astype(np.int32), prompt_mask, mask.astype(np.int32), mask,
+                  mask * ones, -ones, np.ones(p * g, np.float32))  # fmt: skip
+    ro = dataclasses.make_dataclass("Ro", ["prompt_mask", "lengths", "completion_tokens"])(
+        prompt_mask, lengths, batch.tokens
+    )
+    padded = padded_layout(ro, g)
+    assert padded["train_positions"] == 32 * 8 + 512 * 192 == 98_560
+    got, stats = geometry.layout(batch, g, padded)
+    assert stats["train_packed"] == 1 and got.shape[0] * geometry.row_len == stats[
+        "train_positions"]  # fmt: skip
+    assert stats["train_tokens"] >= lengths.sum() + 32 * 8  # (a prompt again in a 2nd row)
+    assert stats["train_tokens"] / stats["train_positions"] >= 0.6, stats
+    assert stats["train_positions"] < 0.05 * padded["train_positions"], stats
+    # Past the budget: as few micro-steps as hold the rows, equal ones, each within it.
+    per = geometry.rows_per_micro
+    for rows in (1, per - 1, per, per + 1, 3 * per + 7):
+        total = step_rows(rows, 1, per)
+        m = micro_steps(total, per)
+        assert total >= rows and total % m == 0 and total // m <= per
+        assert m == -(-rows // per) and total <= 1.25 * rows + m
+
+
 def test_auto_counts_the_fused_kernel_a_packed_step_gives_up():
     """With the padded step on a fused kernel (its attention 2x as fast here), fewer positions
     alone do not make packing cheaper: the same batch that auto packs beside a blockwise

@@ -16,7 +16,7 @@ from jaxrl_scale.memory.abstract import (
     tree_bytes,
 )
 from jaxrl_scale.parallel import sharding
-from jaxrl_scale.rl.packing import PackedBatch, PackGeometry, bucket_rows
+from jaxrl_scale.rl.packing import PackedBatch, PackGeometry, micro_steps, step_rows
 from jaxrl_scale.rl.step import Batch, TrainState, compile_run_step, make_optimizer
 
 if TYPE_CHECKING:  # the root config composes every part's section
@@ -68,7 +68,7 @@ def train_step_memory(cfg: ExperimentConfig, mesh, prompt_len: int) -> dict[str,
         step = compile_run_step(
             cfg, graphdef, tx, state_sharding=state_sharding, batch_sharding=batch_sharding,
             frozen_sharding=frozen_sharding,
-            rows_per_micro=None if packed is None else packed["rows_per_micro_batch"],
+            rows_per_micro=None if packed is None else geometry.rows_per_micro,
         )  # fmt: skip
         out = breakdown(step.lower(*args).compile())
         if packed is None:
@@ -111,13 +111,13 @@ def _packed_plan(cfg: ExperimentConfig, geometry: PackGeometry, prompt_len: int)
         )
     per_row = 1 + (geometry.row_len - prompt_len - n) // n  # of one group, behind its prompt
     groups_rows = cfg.train.prompts_per_step * -(-g // per_row)
-    rows = bucket_rows(groups_rows, geometry.row_multiple)
-    per_micro = geometry.rows_per_micro or rows // cfg.train.micro_batches
+    rows = step_rows(groups_rows, geometry.row_multiple, geometry.rows_per_micro)
+    micro = micro_steps(rows, geometry.rows_per_micro)
     return {
         "row_len": geometry.row_len,
         "rows": rows,
-        "rows_per_micro_batch": per_micro,
-        "micro_batches": rows // per_micro,
+        "rows_per_micro_batch": rows // micro,
+        "micro_batches": micro,
     }
 
 

@@ -22,11 +22,14 @@ layout; `seq` names each token's completion, and the per-sequence quantities (to
 GSPO's sequence ratio, the aggregation weights) are segment sums over it (losses.py), so the
 packed step's loss, gradients and metrics equal the padded step's to float rounding.
 
-Rows come in a few compiled shapes: R is rounded up to `bucket_rows` (a multiple of a
-micro-step's rows, on a 1, 2, 3, 4, 5, 6, 7, 8, 10, 12, ... ladder: four shapes per doubling),
-so a run compiles a handful of steps, not one per batch. A micro-step holds as many rows as a
-token budget per batch shard allows (`PackGeometry.of`), so a batch of short completions
-runs as few micro-steps as it fills, not the padded step's count.
+Rows come in a few compiled shapes (`step_rows`): a batch runs as m micro-steps, as few as
+hold its rows within a token budget per batch shard (`PackGeometry.of`: at most
+`rows_per_micro` rows each), each of R / m rows rounded up on a 1, 2, 3, 4, 5, 6, 7, 8, 10, 12,
+... ladder of the batch shards (four shapes per doubling), so a run compiles a handful of
+steps, not one per batch, and a batch of short completions costs the rows it fills: a
+micro-step is never rounded up to the budget's rows (it was: at the demo's shapes, 32 x 16
+completions of ~3 tokens under a 192-token budget, the packed step computed the padded
+step's 102,400 positions for 1,908 tokens).
 """
 
 from __future__ import annotations
@@ -95,6 +98,23 @@ def bucket_rows(rows: int, multiple: int = 1) -> int:
         scale *= 2
 
 
+def step_rows(rows: int, multiple: int = 1, per_micro: int | None = None) -> int:
+    """The compiled row count R for `rows` packed rows: m = ceil(rows / per_micro)
+    micro-steps (1 without `per_micro`), each of `bucket_rows(ceil(rows / m), multiple)` rows
+    capped at `per_micro` (a multiple of `multiple`). `micro_steps(R, per_micro)` gives m back
+    (R / m > (m - 1) / m x per_micro), and R splits into m equal micro-steps."""
+    if not per_micro:
+        return bucket_rows(rows, multiple)
+    m = micro_steps(max(rows, 1), per_micro)
+    return m * min(bucket_rows(-(-rows // m), multiple), per_micro)
+
+
+def micro_steps(rows: int, per_micro: int) -> int:
+    """Micro-steps of a packed batch of `rows` compiled rows (`step_rows`) under a budget of
+    `per_micro` rows each: ceil(rows / per_micro)."""
+    return -(-rows // per_micro)
+
+
 def default_row_len(padded_row: int, block: int) -> int:
     """Twice the widest padded row (prompt slots + completion budget), cut down to whole
     attention blocks where that leaves room for the widest padded row, rounded up to 8: the
@@ -121,8 +141,9 @@ MIN_SAVING = 0.05
 
 @dataclasses.dataclass(frozen=True)
 class PackGeometry:
-    """A run's packed rows: their length, the multiple row counts are rounded to, the rows per
-    micro-step (None: one slice; `of` always sets it), whether each batch picks the layout
+    """A run's packed rows: their length, the multiple row counts are rounded to (the batch
+    shards), the most rows a micro-step holds (None: one slice; `of` always sets it; see
+    `step_rows`), whether each batch picks the layout
     that costs less (`auto`, train.packing: auto) rather than always packing, and the cost
     model `auto` compares the layouts with (`cost`)."""
 
@@ -142,7 +163,8 @@ class PackGeometry:
         Micro-steps are cut from the packed rows by a token budget per batch shard:
         `train.tokens_per_micro_batch`, else what one of the padded step's micro-steps holds
         (its rows per shard x the padded row), so a packed batch of short completions runs
-        as few micro-steps as its rows need, each no bigger than a padded one. Rows are
+        as few micro-steps as its rows need, each no bigger than a padded one and no bigger
+        than the rows it holds rounded up on `bucket_rows`' ladder (`step_rows`). Rows are
         `train.pack_length` long, else `default_row_len` cut to the budget.
         `train.packing: auto` keeps the padded step as a choice only where its micro-steps
         hold no more positions per shard than the budget allows."""
@@ -160,7 +182,7 @@ class PackGeometry:
                          block_size=m.attention_block_size, dtype=m.dtype, query_offset=0,
                          head_dim=m.resolved_head_dim)  # fmt: skip
         fused = FUSED_ATTENTION_SPEEDUP if kernel in ("cudnn", "splash") else 1.0
-        return cls(row_len, rows_per_micro, rows_per_micro, auto,
+        return cls(row_len, ways, rows_per_micro, auto,
                    2.0 * matmul_params(m), float(attention_flops(m)), fused)  # fmt: skip
 
     def cost(self, positions: int, pairs: float, *, padded: bool) -> float:
@@ -172,7 +194,8 @@ class PackGeometry:
 
     def pack(self, batch, group_size: int) -> tuple[PackedBatch, dict[str, int]]:
         """`pack` in these rows, and the metrics row's train_tokens / train_positions."""
-        packed, stats = pack(batch, group_size, self.row_len, row_multiple=self.row_multiple)
+        packed, stats = pack(batch, group_size, self.row_len, row_multiple=self.row_multiple,
+                             rows_per_micro=self.rows_per_micro)  # fmt: skip
         return packed, {
             "train_tokens": stats.train_tokens,
             "train_positions": stats.train_positions,
@@ -241,15 +264,16 @@ def pack(
     row_len: int,
     *,
     row_multiple: int = 1,
+    rows_per_micro: int | None = None,
     share_prompt: bool = True,
 ) -> tuple[PackedBatch, PackStats]:
     """Lay a padded batch (step.Batch of host numpy arrays) out in packed rows of `row_len`.
 
     Completions go to rows first-fit, longest first, each row's completions of one group
     behind one copy of their prompt (`share_prompt`; else one prompt per completion), and the
-    row count is rounded up by `bucket_rows(.., row_multiple)`. Completions without tokens
-    (length 0) have nothing to score and take no space. Raises ValueError naming the sequence
-    when a prompt and one of its completions do not fit in a row."""
+    row count is rounded up by `step_rows(.., row_multiple, rows_per_micro)`. Completions
+    without tokens (length 0) have nothing to score and take no space. Raises ValueError
+    naming the sequence when a prompt and one of its completions do not fit in a row."""
     prompt_tokens = np.asarray(batch.prompt_tokens)
     prompt_mask = np.asarray(batch.prompt_mask, bool)
     tokens = np.asarray(batch.tokens)
@@ -289,7 +313,7 @@ def pack(
     if not share_prompt:
         segments = [[(g, [b]) for g, bs in row for b in bs] for row in segments]
     rows = max(len(placed), 1)
-    bucket = bucket_rows(rows, row_multiple)
+    bucket = step_rows(rows, row_multiple, rows_per_micro)
 
     shape = (bucket, row_len)
     out = {

@@ -27,7 +27,7 @@ from jaxrl_scale.rl.losses import (
     metrics_from_sums,
     packed_loss_weights,
 )
-from jaxrl_scale.rl.packing import PackedBatch, packed_logprobs
+from jaxrl_scale.rl.packing import PackedBatch, micro_steps, packed_logprobs
 
 if TYPE_CHECKING:  # the root config composes every part's section
     from jaxrl_scale.config import ExperimentConfig
@@ -244,8 +244,9 @@ def train_step(
     and optimizer state unchanged and counts the skip (metrics["skipped"]).
 
     A packed batch (packing.py) runs the same loss over its rows; with `rows_per_micro`, as
-    R / rows_per_micro micro-steps (a token budget per micro-step: R is a compiled shape, so
-    each row count compiles with its own number of micro-steps).
+    m = ceil(R / rows_per_micro) micro-steps of R / m rows (a token budget per micro-step,
+    `packing.step_rows`: R is a compiled shape, so each row count compiles with its own
+    number of micro-steps).
 
     With `micro_batches` = m, the batch runs as m slices of whole prompt groups (memory / m),
     each under the token weights of the whole batch (losses.loss_weights), so the summed
@@ -264,7 +265,7 @@ def train_step(
     grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
     weights_bt = batch_weights(batch, group_size, loss_cfg)
     if rows_per_micro and isinstance(batch, PackedBatch):
-        micro_batches = batch.shape[0] // rows_per_micro
+        micro_batches = micro_steps(batch.shape[0], rows_per_micro)
     if micro_batches == 1:
         (loss, sums), grads = grad_fn(state.params, state.ref_params, batch, weights_bt)
     else:  # gradient accumulation: the slices' unnormalised contributions add up
