@@ -3,8 +3,9 @@
     python benchmarks/bench_sandbox.py [--runs 200] [--heavy-runs 16] [--workers 0]
 
 The code task runs every test of every completion as its own sandboxed process (sandbox.py):
-a launcher, namespaces on a root Linux host, a fresh interpreter. Prints, for each isolation
-level that works here (the strongest, and "rlimits" for comparison):
+a launcher, namespaces on a root Linux host, a cgroup where one can be made, a seccomp filter,
+a fresh interpreter. Prints which cgroups apply and, for each isolation level that works here
+(the strongest, and "rlimits" for comparison):
   - programs/s for a 1-line program (`print(1)`: the cost of a run itself), with 1 worker and
     with the pool (`--workers`, 0: one per CPU core);
   - programs/s for a CPU-heavy program (a loop of about 0.2 s), 1 worker and the pool;
@@ -57,7 +58,9 @@ def main() -> None:
     pool = args.workers or os.cpu_count() or 1
     limits = SandboxLimits(cpu_seconds=10, wall_seconds=30)
     print(f"{os.cpu_count()} CPU cores; pool of {pool} workers")
-    strongest = Sandbox(limits, workers=1).isolation
+    with Sandbox(limits, workers=1) as probe:
+        strongest = probe.isolation
+        print(f"runs' cgroups: {probe.cgroup}")
     for level in dict.fromkeys([strongest, "rlimits"]):
         print(f"\nisolation: {level}")
         for name, program, n in (

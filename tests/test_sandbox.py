@@ -5,10 +5,15 @@ process and its files alive, and leak nothing. Limits are small so the file runs
 shared 2-core machine: at most 8 processes per run, 1 CPU second, 2 s wall clock.
 """
 
+import dataclasses
+import errno
 import json
 import os
+import shutil
 import socket
 import stat
+import subprocess
+import sys
 import time
 
 import pytest
@@ -124,10 +129,10 @@ def test_fork_bomb_that_spins(sandbox):
 
 
 def test_memory_bomb(sandbox):
-    r = run_bounded(sandbox, "x = bytearray(8 << 30)\n")
-    assert r.status == "memory"
-    r = run_bounded(sandbox, "x = []\nwhile True:\n    x.append(bytearray(16 << 20))\n")
-    assert r.status == "memory"
+    r = run_bounded(sandbox, "x = bytearray(8 << 30)\n")  # the address-space limit refuses
+    assert r.status == "error" and r.stderr_tail.rstrip().endswith("MemoryError")
+    r = run_bounded(sandbox, "x = []\nwhile True:\n    x.append(b'x' * (16 << 20))\n")
+    assert r.status in ("error", "memory")  # refused, or killed by the memory cgroup
 
 
 def test_a_gigabyte_of_output(sandbox):
@@ -214,6 +219,301 @@ def test_unisolated_runs_need_an_opt_in():
         assert s.run("print(2)").stdout == "2\n"
     with pytest.raises(ValueError, match="isolation"):
         Sandbox(LIMITS, isolation="docker")
+
+
+# ---- what no run may keep, forge or share ----------------------------------------------------
+
+# A program calling the keyring system calls through libc: search and read a key of the
+# session keyring, then plant keys in its session and user keyrings.
+KEYRING_PROGRAM = """
+import ctypes
+libc = ctypes.CDLL(None, use_errno=True)
+libc.syscall.restype = ctypes.c_long
+ADD_KEY, KEYCTL = {add_key}, {keyctl}
+found = libc.syscall(KEYCTL, 10, ctypes.c_long(-3), b"user", b"jaxrl-test-secret", 0)
+print("search", found, ctypes.get_errno())
+buf = ctypes.create_string_buffer(64)
+size = libc.syscall(KEYCTL, 11, ctypes.c_long(found), buf, 64)
+print("read", buf.raw[: max(size, 0)])
+for ring in (-3, -4):  # session, user
+    added = libc.syscall(ADD_KEY, b"user", b"jaxrl-test-planted", b"x", 1, ctypes.c_long(ring))
+    print("add", added, ctypes.get_errno())
+"""
+
+
+def keyring_calls():
+    """add_key, request_key and keyctl's numbers on this machine."""
+    calls = {"x86_64": (248, 249, 250), "aarch64": (217, 218, 219)}.get(os.uname().machine)
+    if calls is None:
+        pytest.skip(f"no keyring system call numbers for {os.uname().machine} in this test")
+    return calls
+
+
+def test_a_program_reaches_no_keyring(sandbox):
+    import ctypes
+
+    add_key, _, keyctl = keyring_calls()
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.syscall.restype = ctypes.c_long
+    # This process's own session keyring (inherited by what it starts) holds a secret.
+    assert libc.syscall(keyctl, 1, None) > 0, ctypes.get_errno()  # join a new one
+    secret = libc.syscall(add_key, b"user", b"jaxrl-test-secret", b"hunter2", 7, ctypes.c_long(-3))
+    assert secret > 0, ctypes.get_errno()
+    try:
+        r = run_bounded(sandbox, KEYRING_PROGRAM.format(add_key=add_key, keyctl=keyctl))
+        assert r.status == "ok", r
+        assert "hunter2" not in r.stdout
+        assert r.stdout.split("\n")[0] == "search -1 1"  # EPERM
+        assert r.stdout.count("add -1 1") == 2, r.stdout
+        # Nothing planted here either (the program's keyrings went with it).
+        found = libc.syscall(keyctl, 10, ctypes.c_long(-3), b"user", b"jaxrl-test-planted", 0)
+        assert found == -1
+    finally:
+        libc.syscall(keyctl, 3, ctypes.c_long(secret))  # revoke
+
+
+def run_bpf(program, arch, nr):
+    """What a classic BPF seccomp program returns for a call (only the opcodes it uses)."""
+    pc = acc = 0
+    while True:
+        code, jt, jf, k = program[pc]
+        if code == 0x20:  # load a word of seccomp_data: nr at 0, arch at 4
+            acc = {0: nr, 4: arch}[k]
+        elif code in (0x15, 0x35):  # jeq, jge
+            pc += jt if (acc == k if code == 0x15 else acc >= k) else jf
+        elif code == 0x06:
+            return k
+        pc += 1
+
+
+@pytest.mark.parametrize("machine", ["x86_64", "aarch64"])
+def test_the_keyring_filter_denies_exactly_the_keyring_calls(machine):
+    from jaxrl_scale.tasks.sandbox_launcher import AUDIT_ARCH, KEYRING_CALLS, keyring_filter
+
+    program = keyring_filter(machine)
+    arch, allow, eperm = AUDIT_ARCH[machine], 0x7FFF0000, 0x00050001
+    for nr in KEYRING_CALLS[machine]:
+        assert run_bpf(program, arch, nr) == eperm
+    for nr in (0, 1, 59, 221, 247, 251, 400):  # read, write, execve, ... neighbours
+        if nr not in KEYRING_CALLS[machine]:
+            assert run_bpf(program, arch, nr) == allow, nr
+    assert run_bpf(program, 0x40000003, 1) == eperm  # another ABI (i386): nothing
+    if machine == "x86_64":
+        assert run_bpf(program, arch, 0x40000000 + 250) == eperm  # x32's keyctl
+    with pytest.raises(OSError, match="no keyring filter for this machine"):
+        keyring_filter("riscv64")
+
+
+@pytest.fixture(scope="module")
+def unisolated():
+    """Runs as this process's user (root here), where /proc shows the program itself."""
+    with Sandbox(LIMITS, isolation="rlimits", allow_unisolated=True, workers=1) as s:
+        yield s
+
+
+def test_runs_are_the_oom_killers_first_choice(unisolated):
+    r = run_bounded(unisolated, "print(open('/proc/self/oom_score_adj').read())")
+    assert (r.status, r.stdout.strip()) == ("ok", "1000")
+    with open("/proc/self/oom_score_adj") as f:
+        assert f.read().strip() != "1000"  # not the trainer
+
+
+def need_cgroup(sandbox):
+    if sandbox.cgroup.startswith("none"):
+        pytest.skip(f"no cgroup for runs on this machine: {sandbox.cgroup}")
+
+
+def test_a_run_holds_its_memory_limit_over_all_its_processes(sandbox):
+    """Three processes of 100 MiB each: each under its address-space limit (256 MiB), all
+    together over the run's memory cgroup (256 MiB)."""
+    need_cgroup(sandbox)
+    program = (
+        "import os, time\n"
+        "pids = []\n"
+        "for _ in range(3):\n"
+        "    pid = os.fork()\n"
+        "    if pid == 0:\n"
+        "        x = b'x' * (100 << 20)\n"
+        "        time.sleep(0.5)\n"
+        "        os._exit(0)\n"
+        "    pids.append(pid)\n"
+        "print([os.waitpid(p, 0)[1] for p in pids])\n"
+    )
+    r = run_bounded(sandbox, program)
+    assert r.cgroup and r.status == "memory", r
+    assert sandbox.run("print(1)").stdout == "1\n"
+
+
+def test_a_run_as_root_holds_its_process_limit(unisolated):
+    """Root ignores RLIMIT_NPROC; the run's pids cgroup does not."""
+    need_cgroup(unisolated)
+    program = (
+        "import os, time\n"
+        "n = 0\n"
+        "for _ in range(30):\n"
+        "    try:\n"
+        "        if os.fork() == 0:\n"
+        "            os.close(1), os.close(2), time.sleep(5), os._exit(0)\n"
+        "        n += 1\n"
+        "    except OSError:\n"
+        "        break\n"
+        "print(n)\n"
+    )
+    r = run_bounded(unisolated, program)
+    assert r.status == "ok" and r.cgroup
+    assert int(r.stdout) == LIMITS.max_processes - 1  # with the program itself: the limit
+    assert unisolated.run("print(1)").stdout == "1\n"  # its children are gone
+
+
+def test_the_runs_cgroups_in_a_v2_hierarchy(tmp_path):
+    """Where the runs' cgroups go and what they are given, on a stand-in for a cgroup v2
+    hierarchy (plain files where the kernel has its own: this machine may have v1)."""
+    from jaxrl_scale.tasks.sandbox import _RunCgroup, make_cgroup_parents
+
+    (tmp_path / "cgroup.controllers").write_text("cpu io memory pids\n")
+    (tmp_path / "cgroup.subtree_control").write_text("cpu\n")
+    (tmp_path / "jaxrl-sandbox").mkdir()
+    (tmp_path / "jaxrl-sandbox/cgroup.subtree_control").write_text("")
+    parents = make_cgroup_parents({"": (str(tmp_path), "/")}, {"": "/system.slice/trainer"})
+    assert parents.version == 2 and parents.memory == parents.pids == f"{tmp_path}/jaxrl-sandbox"
+    for folder in (tmp_path, tmp_path / "jaxrl-sandbox"):  # both pass the controllers on
+        assert (folder / "cgroup.subtree_control").read_text() == "+memory +pids"
+    run = tmp_path / "jaxrl-sandbox/run-7"
+    run.mkdir()
+    (run / "memory.swap.max").write_text("max")
+    cgroup = _RunCgroup.make(parents, 7, LIMITS)
+    assert (run / "memory.max").read_text() == str(LIMITS.memory_bytes)
+    assert (run / "memory.swap.max").read_text() == "0"
+    assert (run / "pids.max").read_text() == str(LIMITS.max_processes + 1)  # and the launcher
+    assert cgroup.procs == [f"{run}/cgroup.procs"]
+    (run / "memory.events").write_text("low 0\nhigh 0\nmax 4\noom 2\noom_kill 1\n")
+    assert cgroup.oom_kills() == 1
+    (tmp_path / "cgroup.controllers").write_text("cpu io\n")  # no memory controller in v2
+    assert make_cgroup_parents({"": (str(tmp_path), "/")}, {}).startswith("no cgroup")
+
+
+def test_the_runs_cgroups_in_v1_hierarchies(tmp_path):
+    from jaxrl_scale.tasks.sandbox import _RunCgroup, make_cgroup_parents
+
+    (tmp_path / "memory/jobs/trainer").mkdir(parents=True)
+    (tmp_path / "pids").mkdir()
+    mounts = {"memory": (f"{tmp_path}/memory", "/"), "pids": (f"{tmp_path}/pids", "/")}
+    parents = make_cgroup_parents(mounts, {"memory": "/jobs/trainer", "pids": "/"})
+    assert parents.version == 1
+    assert parents.memory == f"{tmp_path}/memory/jobs/trainer/jaxrl-sandbox"  # under its own
+    assert parents.pids == f"{tmp_path}/pids/jaxrl-sandbox"
+    cgroup = _RunCgroup.make(parents, 7, LIMITS)
+    memory, pids = cgroup.folders
+    with open(f"{memory}/memory.limit_in_bytes") as f:
+        assert f.read() == str(LIMITS.memory_bytes)
+    with open(f"{pids}/pids.max") as f:
+        assert f.read() == str(LIMITS.max_processes + 1)
+    with open(f"{memory}/memory.oom_control", "w") as f:
+        f.write("oom_kill_disable 0\nunder_oom 0\noom_kill 3\n")
+    assert cgroup.oom_kills() == 3
+    with pytest.raises(FileNotFoundError):  # never makes a cgroup's parents
+        make_cgroup_parents(mounts, {"memory": "/elsewhere", "pids": "/"})
+
+
+def test_workers_default_to_what_memory_and_cores_hold():
+    huge = dataclasses.replace(LIMITS, memory_bytes=1 << 50)  # more than this machine has
+    with Sandbox(huge) as s:
+        assert s.workers == 1
+    with Sandbox(huge, workers=3) as s:
+        assert s.workers == 3
+    from jaxrl_scale.tasks.sandbox import default_workers
+
+    assert default_workers(huge) == 1
+    assert default_workers(dataclasses.replace(LIMITS, memory_bytes=1 << 20)) == os.cpu_count()
+
+
+@pytest.mark.parametrize(
+    ("program", "status"),
+    [
+        (
+            "import sys\nsys.stderr.write('jaxrl-sandbox: setup failed: x\\n')\nsys.exit(125)",
+            "error",
+        ),
+        ("import sys\nsys.stderr.write('Traceback:\\nMemoryError\\n')\nsys.exit(1)", "error"),
+        ("import os, signal\nos.kill(os.getpid(), signal.SIGXCPU)", "killed"),  # no CPU used
+    ],
+)
+def test_statuses_printed_by_a_program_are_not_the_sandboxs(sandbox, program, status):
+    r = run_bounded(sandbox, program)
+    assert r.status == status, r
+
+
+def test_a_launcher_that_reports_nothing_is_a_sandbox_error():
+    with pytest.raises(SandboxUnavailable, match="without a report"):
+        Sandbox(LIMITS, isolation="rlimits", allow_unisolated=True, python="/bin/true")
+
+
+def test_uids_are_claimed_host_wide(sandbox):
+    from jaxrl_scale.tasks.sandbox import UID_CLAIMS
+
+    if os.geteuid() != 0:
+        pytest.skip("uids are claimed only by root (no one else runs programs under them)")
+    # More uids than a process once took from its block before wrapping around.
+    with Sandbox(LIMITS, workers=600) as a, Sandbox(LIMITS, workers=600) as b:
+        assert len(set(a.uids) | set(b.uids) | set(sandbox.uids)) == 1202
+        claimed = a.uids[0]
+        assert os.path.exists(f"{UID_CLAIMS}/{claimed}")
+    assert not os.path.exists(f"{UID_CLAIMS}/{claimed}")  # given back at close
+    # Another process whose pid differs from this one's by 100000.
+    child = (
+        "import json, os, sys\n"
+        "os.getpid = lambda: int(sys.argv[1]) + 100_000\n"
+        "from jaxrl_scale.tasks.sandbox import Sandbox, SandboxLimits\n"
+        "with Sandbox(SandboxLimits(), workers=2) as s:\n"
+        "    print(json.dumps(s.uids), flush=True)\n"
+        "    sys.stdin.read()\n"
+    )
+    proc = subprocess.Popen(
+        [sys.executable, "-c", child, str(os.getpid())],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        theirs = json.loads(proc.stdout.readline())
+        assert len(theirs) == 2 and not set(theirs) & set(sandbox.uids)
+    finally:
+        proc.stdin.close()
+        assert proc.wait(30) == 0
+
+
+def test_read_only_binds_are_read_only_below_too(tmp_path):
+    """A mount below a read-only bind's source is read-only in the bind as well."""
+    if os.geteuid() != 0 or shutil.which("unshare") is None:
+        pytest.skip("needs root and unshare to make a private mount namespace")
+    from jaxrl_scale.tasks import sandbox_launcher
+
+    source, target = tmp_path / "source", tmp_path / "target"
+    script = (
+        "import importlib.util, os, sys\n"
+        "spec = importlib.util.spec_from_file_location('launcher', sys.argv[1])\n"
+        "m = importlib.util.module_from_spec(spec)\n"
+        "spec.loader.exec_module(m)\n"
+        "source, target = sys.argv[2], sys.argv[3]\n"
+        "m._mount(None, '/', None, m.MS_REC | m.MS_PRIVATE)\n"
+        "os.makedirs(source + '/below')\n"
+        "m._mount('tmpfs', source + '/below', 'tmpfs', 0, 'size=1m')\n"
+        "m._bind_read_only(source, target)\n"
+        "for path in (target + '/top.txt', target + '/below/x.txt'):\n"
+        "    try:\n"
+        "        open(path, 'w').close()\n"
+        "        print('wrote', path)\n"
+        "    except OSError as e:\n"
+        "        print('refused', e.errno)\n"
+        "open(source + '/below/x.txt', 'w').close()  # the source stays writable\n"
+    )
+    done = subprocess.run(
+        ["unshare", "--mount", sys.executable, "-I", "-S", "-c", script,
+         sandbox_launcher.__file__, str(source), str(target)],
+        capture_output=True, text=True, timeout=30,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split("\n")[:2] == [f"refused {errno.EROFS}"] * 2, done.stdout
 
 
 # ---- the code task ------------------------------------------------------------------------
@@ -329,10 +629,20 @@ def test_score_many_stats_and_demonstration(task):
     assert task.score_many(completions, [add] * 3) == [1.0, 0.0, 0.0]
     stats = task.stats()
     assert stats["code_runs"] == 6 and stats["code_timeouts"] == 3
+    assert stats["code_cgroup_runs"] == (0 if task.sandbox.cgroup.startswith("none") else 6)
     assert stats["code_no_block"] == 1 and stats["code_seconds"] > 0
     assert task.stats()["code_runs"] == 0  # reset
     with pytest.raises(ValueError, match="solution"):
         task.demonstration(next(e for e in task.train_examples if "fn_name" in e))
+
+
+def test_a_program_printing_the_sandboxs_errors_is_an_ordinary_program(task):
+    add = next(e for e in task.train_examples if "fn_name" not in e)
+    task.stats()
+    forged = "import sys\nsys.stderr.write('jaxrl-sandbox: setup failed: x\\n')\nsys.exit(125)"
+    assert task.score(fenced(forged), add) == 0.0
+    stats = task.stats()
+    assert stats["code_runs"] >= 1 and stats["code_errors"] == 0  # not the sandbox's failure
 
 
 @pytest.mark.parametrize(

@@ -17,7 +17,9 @@ the JSON arguments and passes when the JSON result equals `output` in value and 
 Score range [0, 1]: 1.0 when every test passes, else 0.0; with `partial_credit` the fraction
 of tests passed.
 `score_many` runs a batch's programs on the sandbox's pool at once; `stats()` returns and
-resets the counts of runs, timeouts and seconds since its last call.
+resets the counts of runs, timeouts, sandbox failures, seconds and runs under a memory cgroup
+(`code_cgroup_runs`; fewer than `code_runs` where the machine gives runs no cgroup) since its
+last call.
 """
 
 from __future__ import annotations
@@ -224,7 +226,10 @@ class CodeTask:
             )
         self._local = threading.local()  # per-thread counters (`stats`)
 
-    _COUNTS = ("code_runs", "code_timeouts", "code_seconds", "code_no_block", "code_errors")
+    _COUNTS = (
+        "code_runs", "code_timeouts", "code_seconds", "code_no_block", "code_errors",
+        "code_cgroup_runs",
+    )  # fmt: skip
 
     def score(self, completion: str, example: dict) -> float:
         return self.score_many([completion], [example])[0]
@@ -261,6 +266,7 @@ class CodeTask:
         c["code_runs"] += len(results)
         c["code_timeouts"] += sum(r.status == "timeout" for r in results)
         c["code_errors"] += sum(r.status == "sandbox_error" for r in results)
+        c["code_cgroup_runs"] += sum(r.cgroup for r in results)
         c["code_seconds"] += sum(r.seconds for r in results)
         c["code_no_block"] += sum(p is None for p in programs)
         scores = []
@@ -278,7 +284,8 @@ class CodeTask:
 
     def stats(self) -> dict[str, float]:
         """This thread's counts since its last call (runs, timeouts, sandbox failures, run
-        seconds summed, completions without a program), reset by the call."""
+        seconds summed, completions without a program, runs in a memory cgroup), reset by the
+        call."""
         counts = dict(self._counts())
         self._local.counts = dict.fromkeys(self._COUNTS, 0.0)
         return counts

@@ -9,8 +9,13 @@ Each run is its own process group and session, started with an empty environment
 temporary directory that is deleted afterwards, under rlimits (CPU seconds, address space,
 processes, open files, file size, no core files), killed with its whole group by SIGKILL at the
 wall-clock limit or when its stdout passes the output cap (output is read in chunks, never
-more than the cap). What else isolates it depends on the machine; the strongest that works is
-found once per process by running a probe program, and `isolation` names the one that runs:
+more than the cap). Whatever the level below, it gets a new empty session keyring and a seccomp
+filter that fails every keyring system call; its oom_score_adj is 1000 (the OOM killer takes
+runs before the trainer); and where this process can make cgroups (v2, else v1) it runs in a
+cgroup of its own with `memory.max` (memory_bytes, for all its processes and the files of its
+tmpfs) and `pids.max` (`cgroup` says which applies). What else isolates it depends on the
+machine; the strongest that works is found once per process by running a probe program, and
+`isolation` names the one that runs:
 
 - "namespaces+uid+rlimits" (root and `unshare`): new network (no network at all), PID, mount,
   IPC and UTS namespaces; a new root of read-only system directories with a private /tmp and
@@ -24,6 +29,9 @@ found once per process by running a probe program, and `isolation` names the one
 
 A Sandbox refuses both levels below namespaces unless `allow_unisolated=True`.
 
+Statuses come from what the program cannot write: the sandbox's own kills, the launcher's report
+on a pipe the program never holds, and the cgroup's count of OOM kills; never from its output.
+
 The interpreter is the trainer's own (`sys.executable`'s real path) with `-I -S -B -X utf8`:
 the standard library only, no site-packages, no PYTHON* variables.
 """
@@ -33,6 +41,8 @@ from __future__ import annotations
 import concurrent.futures as cf
 import contextlib
 import dataclasses
+import fcntl
+import functools
 import json
 import os
 import queue
@@ -42,8 +52,8 @@ import signal
 import subprocess
 import sys
 import tempfile
-import threading
 import time
+import weakref
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -53,17 +63,17 @@ LEVELS = ("namespaces+uid+rlimits", "uid+rlimits", "rlimits")  # strongest first
 _MODES = {"namespaces+uid+rlimits": "namespaces", "uid+rlimits": "uid", "rlimits": "rlimits"}
 _UNSHARE = ("--net", "--pid", "--fork", "--mount", "--ipc", "--uts", "--kill-child")
 _LAUNCHER = Path(__file__).with_name("sandbox_launcher.py")
-_SETUP_FAILED = 125  # the launcher's exit code when it could not set the run up
 _STDERR_TAIL = 4096  # bytes of stderr kept
+_REPORT_CAP = 65536  # bytes of the launcher's report read
 _CHUNK = 65536
-# Unprivileged uids, one per concurrent run of this process (never reused by two live runs):
-# the process limit counts per uid, so runs sharing one would share its count.
-# Each process takes its uids from a block of its own (by its pid), so two trainers, or a
-# trainer and a generator job, on one host never share a uid's process count.
+# Unprivileged uids, one per concurrent run on the host (never two live runs on one uid): the
+# process limit counts per uid, so runs sharing one would share its count. A Sandbox claims
+# its uids for its life with an flock on a file per uid in UID_CLAIMS, which every process of
+# this host that runs as root sees; the kernel drops the claims of a process that dies.
 UID_BASE = 1_900_000_000
-UIDS_PER_PROCESS = 1_000
-_uids_lock = threading.Lock()
-_uids_next = 0  # within this process's block
+UID_COUNT = 100_000
+UID_CLAIMS = "/run/jaxrl-sandbox/uids"
+_CGROUP_FOLDER = "jaxrl-sandbox"  # the runs' cgroups: <hierarchy>/jaxrl-sandbox/run-<uid>
 _works: set[tuple[str, str]] = set()  # (level, python) found to work in this process
 
 
@@ -101,10 +111,12 @@ class SandboxLimits:
 class RunResult:
     """One run: its stdout (at most the output cap, decoded UTF-8 with replacement), the last
     bytes of its stderr, its exit code (128 + signal when killed by a signal; None when the
-    sandbox killed it), what happened and its wall time.
+    sandbox killed it), what happened, its wall time and whether it ran in a memory cgroup.
 
-    status: "ok" (exit 0), "error" (nonzero exit), "timeout" (wall or CPU limit), "memory"
-    (MemoryError), "output_limit" (stdout over the cap), "killed" (ended by a signal), or
+    status: "ok" (exit 0), "error" (nonzero exit; an uncaught MemoryError, the address-space
+    limit refusing memory, is one), "timeout" (the wall clock, or the CPU limit: killed by it
+    after using the CPU seconds), "memory" (killed by its memory cgroup's OOM killer),
+    "output_limit" (stdout over the cap), "killed" (ended by another signal), or
     "sandbox_error" (the run could not be set up)."""
 
     stdout: str
@@ -112,18 +124,35 @@ class RunResult:
     returncode: int | None
     status: str
     seconds: float
+    cgroup: bool = False
 
 
-def _status(code: int, stderr: str) -> str:
+def _outcome(
+    lim: SandboxLimits, launcher_code: int, report: bytes, oom: bool, stderr: str
+) -> tuple[int, str, str]:
+    """(exit code, status, stderr tail) of a run that ended by itself, from what its program
+    cannot forge: the launcher's report (lines of JSON) and its cgroup's OOM kills."""
+    said: dict = {}
+    for line in report.decode("utf-8", "replace").splitlines():
+        with contextlib.suppress(ValueError, TypeError):  # JSONDecodeError is a ValueError
+            said.update(json.loads(line))
+    code = said.get("code", launcher_code)
+    if "setup_error" in said:
+        return code, "sandbox_error", f"{stderr}\njaxrl-sandbox: {said['setup_error']}"
+    if oom:
+        return code, "memory", stderr
+    if "code" not in said:  # the program cannot end the launcher, so the sandbox failed
+        why = f"the launcher ended (exit {launcher_code}) without a report"
+        return code, "sandbox_error", f"{stderr}\njaxrl-sandbox: {why}"
     if code == 0:
-        return "ok"
-    if code == _SETUP_FAILED and "jaxrl-sandbox:" in stderr:
-        return "sandbox_error"
-    if code == 128 + signal.SIGXCPU:
-        return "timeout"
-    if "MemoryError" in stderr:
-        return "memory"
-    return "killed" if code > 128 else "error"
+        return code, "ok", stderr
+    # The CPU limit's signals, sent by the kernel once the program used its seconds (a program
+    # that signals itself before using them is "killed").
+    signal_number = said.get("signal", 0)
+    used = said.get("cpu_seconds", 0.0) >= 0.9 * lim.cpu_seconds
+    if signal_number in (signal.SIGXCPU, signal.SIGKILL) and used:
+        return code, "timeout", stderr
+    return code, "killed" if signal_number else "error", stderr
 
 
 class Sandbox:
@@ -132,9 +161,13 @@ class Sandbox:
     isolation: "auto" (the strongest level that works here) or one of LEVELS (an error if it
     does not work). allow_unisolated: permit a level below namespaces ("uid+rlimits": the
     network and world-readable files are reachable; "rlimits": no isolation beyond limits),
-    which "auto" otherwise refuses. python:
-    the interpreter (default: the trainer's own). uid_base: first uid for runs (each worker
-    gets its own uid; the default range is far from any system or login user's)."""
+    which "auto" otherwise refuses. workers: runs at once (default `default_workers`: one per
+    CPU core, fewer when the memory available holds fewer runs of `memory_bytes`). python: the
+    interpreter (default: the trainer's own).
+
+    uids: the unprivileged uids its runs take, one per worker, claimed host-wide until
+    `close`. cgroup: "cgroup v2" or "cgroup v1" (each run in a cgroup with memory.max and
+    pids.max), or "none (why)"."""
 
     def __init__(
         self,
@@ -147,13 +180,25 @@ class Sandbox:
     ):
         self.limits = limits or SandboxLimits()
         self.python = os.path.realpath(python or sys.executable)
-        self.workers = workers or os.cpu_count() or 1
+        self.workers = workers or default_workers(self.limits)
         if isolation != "auto" and isolation not in LEVELS:
             raise ValueError(f"isolation must be 'auto' or one of {LEVELS}, got {isolation!r}")
+        claims = _claim_uids(self.workers)
+        self.uids = tuple(uid for uid, _ in claims)
         self._uids: queue.SimpleQueue[int] = queue.SimpleQueue()
-        for uid in _take_uids(self.workers):
+        for uid in self.uids:
             self._uids.put(uid)
-        self.isolation = self._choose(isolation, allow_unisolated)
+        parents = _cgroup_parents()
+        self._cgroup_parents = parents if isinstance(parents, _CgroupParents) else None
+        self.cgroup = f"cgroup v{parents.version}" if self._cgroup_parents else f"none ({parents})"
+        self._cgroups: dict[int, _RunCgroup | None] = {}  # uid -> its cgroup, made at first use
+        # Claims and cgroups go at `close`, or when the Sandbox is collected unclosed.
+        self._release = weakref.finalize(self, _release, claims, self._cgroups)
+        try:
+            self.isolation = self._choose(isolation, allow_unisolated)
+        except BaseException:
+            self._release()
+            raise
         self._pool = cf.ThreadPoolExecutor(self.workers, thread_name_prefix="sandbox")
 
     def _choose(self, isolation: str, allow_unisolated: bool) -> str:
@@ -209,7 +254,9 @@ class Sandbox:
         return [f.result() for f in [self.submit(p, s) for p, s in jobs]]
 
     def close(self) -> None:
+        """Ends the pool (waiting for runs under way), then gives back its uids and cgroups."""
         self._pool.shutdown(wait=True, cancel_futures=True)
+        self._release()
 
     def __enter__(self) -> Sandbox:
         return self
@@ -221,12 +268,34 @@ class Sandbox:
         uid = self._uids.get()  # one live run per uid
         workdir = tempfile.mkdtemp(prefix="jaxrl-sandbox-")
         try:
-            return self._run_in(level, program, stdin, uid, workdir)
+            return self._run_in(level, program, stdin, uid, workdir, self._cgroup(uid))
         finally:
             shutil.rmtree(workdir, ignore_errors=True)
             self._uids.put(uid)
 
-    def _run_in(self, level: str, program: str, stdin: str, uid: int, workdir: str) -> RunResult:
+    def _cgroup(self, uid: int) -> _RunCgroup | None:
+        """The uid's cgroup, made at its first run; None where cgroups cannot be made (the run
+        goes on without one: `RunResult.cgroup` says so)."""
+        if self._cgroup_parents is None:
+            return None
+        if uid not in self._cgroups:  # only the run holding `uid` gets here for it
+            try:
+                cgroup = _RunCgroup.make(self._cgroup_parents, uid, self.limits)
+                cgroup.kill_all()  # a dead process's runs that outlived its claim on the uid
+            except OSError:
+                cgroup = None
+            self._cgroups[uid] = cgroup
+        return self._cgroups[uid]
+
+    def _run_in(
+        self,
+        level: str,
+        program: str,
+        stdin: str,
+        uid: int,
+        workdir: str,
+        cgroup: _RunCgroup | None,
+    ) -> RunResult:
         mode, lim = _MODES[level], self.limits
         program_path = os.path.join(workdir, "main.py")
         Path(program_path).write_text(program, encoding="utf-8", errors="surrogatepass")
@@ -237,6 +306,7 @@ class Sandbox:
         root = os.path.join(workdir, "root")
         os.mkdir(root)
         prefix = os.path.dirname(os.path.dirname(self.python))  # .../bin/python -> ...
+        report_read, report_write = os.pipe()  # the launcher's, never the program's
         cfg = {
             "mode": mode,
             "uid": uid,
@@ -246,6 +316,8 @@ class Sandbox:
             "read_only": [prefix, "/etc/ld.so.cache"],
             "python": self.python,
             "argv": [self.python, "-I", "-S", "-B", "-X", "utf8", main],
+            "report_fd": report_write,
+            "cgroups": cgroup.procs if cgroup else [],
             "cpu_seconds": lim.cpu_seconds,
             "memory_bytes": lim.memory_bytes,
             "max_processes": lim.max_processes,
@@ -257,58 +329,84 @@ class Sandbox:
         command = [self.python, "-I", "-S", "-B", str(_LAUNCHER), json.dumps(cfg)]
         if mode == "namespaces":
             command = [shutil.which("unshare") or "unshare", *_UNSHARE, *command]
+        oom_kills = cgroup.oom_kills() if cgroup else 0
         start = time.monotonic()
-        proc = subprocess.Popen(
-            command,
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            cwd=workdir,
-            env={"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8"},
-            start_new_session=True,  # its own session and process group, killed as one
-            close_fds=True,
-        )
         try:
-            out, err, killed = _communicate(
-                proc, stdin.encode("utf-8", "surrogateescape"), lim, start + lim.wall_seconds
+            proc = subprocess.Popen(
+                command,
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                cwd=workdir,
+                env={"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8"},
+                start_new_session=True,  # its own session and process group, killed as one
+                close_fds=True,
+                pass_fds=(report_write,),
+            )
+        except BaseException:
+            os.close(report_read)
+            raise
+        finally:
+            os.close(report_write)
+        try:
+            out, err, report, killed = _communicate(
+                proc,
+                report_read,
+                stdin.encode("utf-8", "surrogateescape"),
+                lim,
+                start + lim.wall_seconds,
             )
         finally:
             _kill_group(proc.pid)
             proc.wait()
             for pipe in (proc.stdin, proc.stdout, proc.stderr):
                 pipe.close()
+            os.close(report_read)
+            if cgroup:
+                cgroup.kill_all()  # what left the process group (rlimits mode) ends too
         stderr = err.decode("utf-8", "replace")
-        code = None if killed else proc.returncode
-        if code is not None and code < 0:  # the launcher itself died of a signal
+        code = proc.returncode
+        if code < 0:  # the launcher itself died of a signal
             code = 128 - code
-        status = killed or _status(code, stderr)
+        if killed:
+            code, status = None, killed
+        else:
+            oom = cgroup is not None and cgroup.oom_kills() > oom_kills
+            code, status, stderr = _outcome(lim, code, report, oom, stderr)
         return RunResult(
-            out.decode("utf-8", "replace"), stderr, code, status, time.monotonic() - start
+            out.decode("utf-8", "replace"),
+            stderr,
+            code,
+            status,
+            time.monotonic() - start,
+            cgroup is not None,
         )
 
 
-def _communicate(proc, data: bytes, lim: SandboxLimits, deadline: float):
-    """Feed stdin, read stdout up to the cap and the tail of stderr until the run ends.
+def _communicate(proc, report_fd: int, data: bytes, lim: SandboxLimits, deadline: float):
+    """Feed stdin, read stdout up to the cap, the tail of stderr and the launcher's report
+    until the run ends.
 
-    Returns (stdout, stderr tail, None) or, when the sandbox must end the run, the reason as
-    the third element ("timeout" or "output_limit") after killing its process group."""
-    out, err = bytearray(), bytearray()
+    Returns (stdout, stderr tail, report, None) or, when the sandbox must end the run, the
+    reason as the last element ("timeout" or "output_limit") after killing its process group."""
+    out, err, report = bytearray(), bytearray(), bytearray()
     sel = selectors.DefaultSelector()
     sel.register(proc.stdout, selectors.EVENT_READ, "out")
     sel.register(proc.stderr, selectors.EVENT_READ, "err")
+    sel.register(report_fd, selectors.EVENT_READ, "report")
     view = memoryview(data)
     if view:
         os.set_blocking(proc.stdin.fileno(), False)
         sel.register(proc.stdin, selectors.EVENT_WRITE, "in")
     else:
         proc.stdin.close()
-    open_reads = 2
+    open_reads = 3
     try:
         while open_reads:
             left = deadline - time.monotonic()
             if left <= 0:
                 _kill_group(proc.pid)
-                return bytes(out), bytes(err[-_STDERR_TAIL:]), "timeout"
+                return bytes(out), bytes(err[-_STDERR_TAIL:]), bytes(report), "timeout"
             for key, _ in sel.select(left):
                 if key.data == "in":
                     try:
@@ -329,7 +427,10 @@ def _communicate(proc, data: bytes, lim: SandboxLimits, deadline: float):
                     out += chunk
                     if len(out) > lim.max_output_bytes:
                         _kill_group(proc.pid)
-                        return bytes(out[: lim.max_output_bytes]), bytes(err), "output_limit"
+                        out_capped = bytes(out[: lim.max_output_bytes])
+                        return out_capped, bytes(err), bytes(report), "output_limit"
+                elif key.data == "report":
+                    report += chunk[: _REPORT_CAP - len(report)]
                 else:
                     err += chunk
                     del err[:-_STDERR_TAIL]
@@ -338,8 +439,8 @@ def _communicate(proc, data: bytes, lim: SandboxLimits, deadline: float):
             proc.wait(left)  # output closed; the exit follows at once
         except subprocess.TimeoutExpired:
             _kill_group(proc.pid)
-            return bytes(out), bytes(err), "timeout"
-        return bytes(out), bytes(err), None
+            return bytes(out), bytes(err), bytes(report), "timeout"
+        return bytes(out), bytes(err), bytes(report), None
     finally:
         sel.close()
 
@@ -349,9 +450,245 @@ def _kill_group(pgid: int) -> None:
         os.killpg(pgid, signal.SIGKILL)
 
 
-def _take_uids(n: int) -> list[int]:
-    global _uids_next
-    block = UID_BASE + (os.getpid() % 100_000) * UIDS_PER_PROCESS
-    with _uids_lock:
-        first, _uids_next = _uids_next, _uids_next + n
-    return [block + (first + i) % UIDS_PER_PROCESS for i in range(n)]
+def default_workers(limits: SandboxLimits) -> int:
+    """One run per CPU core, and no more runs than MemAvailable holds at `memory_bytes` each."""
+    cores = os.cpu_count() or 1
+    try:
+        with open("/proc/meminfo") as f:
+            kib = next(int(line.split()[1]) for line in f if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration, ValueError, IndexError):
+        return cores  # no /proc/meminfo (not Linux): cores only
+    return max(1, min(cores, kib * 1024 // limits.memory_bytes))
+
+
+# ---- uids claimed host-wide ----------------------------------------------------------------
+
+
+def _claim_uids(n: int) -> list[tuple[int, int | None]]:
+    """`n` uids no other live Sandbox on this host holds, each with the descriptor of its
+    claim (an flock on UID_CLAIMS/<uid>). Only root runs programs under other uids: for
+    anyone else the uids are placeholders, unclaimed (descriptor None)."""
+    if os.geteuid() != 0:
+        return [(UID_BASE + i, None) for i in range(n)]
+    try:
+        os.makedirs(UID_CLAIMS, mode=0o700, exist_ok=True)
+    except OSError as e:
+        raise SandboxUnavailable(f"cannot claim uids for runs in {UID_CLAIMS}: {e}") from e
+    claims = []
+    for uid in range(UID_BASE, UID_BASE + UID_COUNT):
+        if len(claims) == n:
+            return claims
+        fd = _claim(uid)
+        if fd is not None:
+            claims.append((uid, fd))
+    _release(claims, {})
+    raise SandboxUnavailable(
+        f"{n} uids wanted, and live sandboxes on this host hold all but {len(claims)} of the "
+        f"{UID_COUNT} from {UID_BASE} (claims in {UID_CLAIMS}): close some, or use fewer workers"
+    )
+
+
+def _claim(uid: int) -> int | None:
+    """The descriptor holding the claim on `uid`, or None when another holds it."""
+    path = f"{UID_CLAIMS}/{uid}"
+    while True:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            return None
+        try:
+            if os.stat(path).st_ino == os.fstat(fd).st_ino:
+                return fd
+        except FileNotFoundError:
+            pass
+        os.close(fd)  # its holder removed the file as we opened it: claim the new one
+
+
+def _release(claims: list[tuple[int, int | None]], cgroups: dict) -> None:
+    """Removes the runs' cgroups (and their parents once empty: cgroups are left in no one
+    else's), then gives the uids back (each claim's file goes first)."""
+    for cgroup in cgroups.values():
+        if cgroup is not None:
+            cgroup.remove()
+    if cgroups and isinstance(parents := _cgroup_parents(), _CgroupParents):
+        parents.remove()
+    cgroups.clear()
+    for uid, fd in claims:
+        if fd is not None:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(f"{UID_CLAIMS}/{uid}")
+            os.close(fd)
+    claims.clear()
+
+
+# ---- cgroups -------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class _CgroupParents:
+    """Where the runs' cgroups go: in v2 one folder; in v1 one per controller."""
+
+    version: int
+    memory: str
+    pids: str
+
+    def make(self) -> None:
+        """Makes the folders (again, after the last Sandbox of a process removed them)."""
+        for folder in dict.fromkeys((self.memory, self.pids)):
+            _mkdir(folder)
+            if self.version == 2:
+                _enable_controllers(folder)
+
+    def remove(self) -> None:
+        """Removes the folders if no run's cgroup is left in them (any process's)."""
+        for folder in dict.fromkeys((self.memory, self.pids)):
+            with contextlib.suppress(OSError):  # not empty: another Sandbox's
+                os.rmdir(folder)
+
+
+@functools.cache
+def _cgroup_parents() -> _CgroupParents | str:
+    """The folders (made here) the runs' cgroups go in, or why there are none."""
+    try:
+        return make_cgroup_parents(*_cgroup_mounts())
+    except OSError as e:
+        return f"cannot make cgroups here: {e}"
+
+
+def make_cgroup_parents(
+    mounts: dict[str, tuple[str, str]], own: dict[str, str]
+) -> _CgroupParents | str:
+    """The runs' cgroup folders, made in the hierarchies `mounts` ({"" for v2, or a v1
+    controller: (mount point, root)}), or why none can be; `own`: this process's cgroups.
+
+    v2 (with memory and pids): <mount>/jaxrl-sandbox, at the root of the hierarchy this
+    process sees, as a cgroup holding processes (this one's) cannot hand its controllers on.
+    v1: <memory mount><own memory cgroup>/jaxrl-sandbox and the same for pids."""
+    if "" in mounts:
+        point = mounts[""][0]
+        if {"memory", "pids"} <= set(_read(f"{point}/cgroup.controllers").split()):
+            _enable_controllers(point)
+            parents = _CgroupParents(2, f"{point}/{_CGROUP_FOLDER}", f"{point}/{_CGROUP_FOLDER}")
+            parents.make()
+            return parents
+    if "memory" in mounts and "pids" in mounts:
+        folders = []
+        for controller in ("memory", "pids"):
+            point, root = mounts[controller]
+            path = own.get(controller, "/")
+            if root != "/" and (path + "/").startswith(root + "/"):
+                path = path[len(root) :]  # the mount shows the hierarchy from `root` on
+            folders.append(f"{point}{path.rstrip('/')}/{_CGROUP_FOLDER}")
+        parents = _CgroupParents(1, *folders)
+        parents.make()
+        return parents
+    return "no cgroup hierarchy with the memory and pids controllers is mounted"
+
+
+def _cgroup_mounts() -> tuple[dict[str, tuple[str, str]], dict[str, str]]:
+    """({"" (v2) or a v1 controller: (mount point, root)}, {same key: this process's cgroup})."""
+    mounts: dict[str, tuple[str, str]] = {}
+    with open("/proc/self/mountinfo") as f:
+        for line in f:
+            fields = line.split()
+            after = fields[fields.index("-") + 1 :]  # fstype, source, super options
+            if after[0] == "cgroup2":
+                mounts.setdefault("", (fields[4], fields[3]))
+            elif after[0] == "cgroup":
+                for controller in set(after[2].split(",")) & {"memory", "pids"}:
+                    mounts.setdefault(controller, (fields[4], fields[3]))
+    own = {}
+    with open("/proc/self/cgroup") as f:
+        for line in f:
+            _, controllers, path = line.rstrip("\n").split(":", 2)
+            for controller in controllers.split(","):
+                own[controller] = path
+    return mounts, own
+
+
+def _enable_controllers(folder: str) -> None:
+    wanted = {"memory", "pids"} - set(_read(f"{folder}/cgroup.subtree_control").split())
+    if wanted:
+        _write(f"{folder}/cgroup.subtree_control", " ".join(f"+{c}" for c in sorted(wanted)))
+
+
+def _mkdir(path: str) -> None:
+    """One cgroup (never its parents: a missing one means a wrong path, not one to make)."""
+    with contextlib.suppress(FileExistsError):
+        os.mkdir(path)
+
+
+def _read(path: str) -> str:
+    with open(path) as f:
+        return f.read()
+
+
+def _write(path: str, value) -> None:
+    with open(path, "w") as f:
+        f.write(str(value))
+
+
+@dataclasses.dataclass(frozen=True)
+class _RunCgroup:
+    """One uid's cgroup (v2), or its memory and pids cgroups (v1): one run at a time."""
+
+    version: int
+    folders: tuple[str, ...]  # the memory one first
+
+    @classmethod
+    def make(cls, parents: _CgroupParents, uid: int, lim: SandboxLimits) -> _RunCgroup:
+        """Made (or taken over from a process that died holding the uid) with the limits:
+        memory_bytes for all the run's memory, its tmpfs files included, and no swap;
+        max_processes, and one for the launcher, for its processes and threads."""
+        memory, pids = f"{parents.memory}/run-{uid}", f"{parents.pids}/run-{uid}"
+        for tries_left in (1, 0):
+            try:
+                parents.make()
+                for folder in dict.fromkeys((memory, pids)):
+                    _mkdir(folder)
+                break
+            except FileNotFoundError:  # another process removed the emptied parents
+                if not tries_left:
+                    raise
+        if parents.version == 2:
+            _write(f"{memory}/memory.max", lim.memory_bytes)
+            if os.path.exists(f"{memory}/memory.swap.max"):
+                _write(f"{memory}/memory.swap.max", 0)
+        else:  # memory+swap must stay >= memory: set it around the memory limit
+            swap = f"{memory}/memory.memsw.limit_in_bytes"
+            with contextlib.suppress(OSError):  # lower than the old memory limit, or no swap
+                _write(swap, lim.memory_bytes)
+            _write(f"{memory}/memory.limit_in_bytes", lim.memory_bytes)
+            with contextlib.suppress(OSError):
+                _write(swap, lim.memory_bytes)
+        _write(f"{pids}/pids.max", lim.max_processes + 1)
+        return cls(parents.version, tuple(dict.fromkeys((memory, pids))))
+
+    @property
+    def procs(self) -> list[str]:
+        """The files the launcher writes itself into."""
+        return [f"{folder}/cgroup.procs" for folder in self.folders]
+
+    def oom_kills(self) -> int:
+        """Processes its OOM killer has killed so far."""
+        name = "memory.events" if self.version == 2 else "memory.oom_control"
+        for line in _read(f"{self.folders[0]}/{name}").splitlines():
+            key, _, value = line.partition(" ")
+            if key == "oom_kill":
+                return int(value)
+        return 0
+
+    def kill_all(self) -> None:
+        """SIGKILL to every process left in it."""
+        with contextlib.suppress(OSError):  # ProcessLookupError: gone already
+            for pid in _read(f"{self.folders[0]}/cgroup.procs").split():
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(int(pid), signal.SIGKILL)
+
+    def remove(self) -> None:
+        self.kill_all()
+        for folder in self.folders:
+            with contextlib.suppress(OSError):  # still emptying: the next claimant reuses it
+                os.rmdir(folder)
