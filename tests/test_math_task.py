@@ -52,6 +52,39 @@ def test_extraction():
     assert extract_answer("I am not sure") is None
 
 
+def test_final_answer_lines_are_read_as_documented():
+    """The final-answer line's reading, pinned: the marker, whitespace (line breaks too), an
+    optional "is", ":" or "=", the rest of that line without a final "."; the last one wins."""
+    assert extract_answer("Final answer:\n\n42") == "42"
+    assert extract_answer("The final answer: 3 . \n more") == "3"
+    assert extract_answer("final answer: 1\nfinal answer: 2") == "2"
+    assert extract_answer("FINAL ANSWER = 12 ") == "12"
+    assert extract_answer("the final answer is") is None  # nothing after the marker
+    assert extract_answer("x #### 5") is None  # "####" only opens a line
+    assert extract_answer("The answer is \\boxed{4}. The answer is 5") == "4"  # boxed first
+
+
+def test_long_whitespace_runs_are_read_in_linear_time(task):
+    """The final-answer regex backtracked on runs of whitespace (~k^2.8: over a second for a
+    line with two runs of 800 spaces), on the thread that feeds the trainer, with no timeout
+    that could stop it. Each shape below took 0.5-1.4 s; now each character is read a bounded
+    number of times, and only a completion's last TAIL_CHARS are read at all."""
+    k = 800
+    shapes = {
+        "final answer" + " " * k + "4" + " " * k + "2": "42",
+        "The answer is" + " " * k + "4" + " " * k + ".2": "4.2",
+        "#### " + "\t" * k + "4" + " \n" * k + "2": "4",
+        "\\boxed{" + "{" * (10 * k) + "final answer" + " " * (5 * k) + "4": "4",  # unbalanced
+    }
+    start = time.perf_counter()
+    answers = [extract_answer(text) for text in shapes]
+    scores = task.score_many(list(shapes), [{"answer": want} for want in shapes.values()])
+    took = time.perf_counter() - start
+    assert [a.replace(" ", "") for a in answers] == list(shapes.values())
+    assert scores == [0.0, 0.0, 1.0, 1.0]  # answers over MAX_ANSWER_CHARS score 0 at once
+    assert took < 0.1, f"{took:.3f} s"
+
+
 @pytest.mark.parametrize(
     ("completion", "answer", "score"),
     [

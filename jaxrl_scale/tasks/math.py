@@ -8,6 +8,8 @@ else `num_eval` rows drawn (by the seed) from the training data and removed from
 
 Scoring: the completion's final answer is the content of its last `\\boxed{...}` (braces
 matched), else of a final-answer line ("Final answer: ...", "The answer is ...", "#### ...").
+Only the completion's last TAIL_CHARS characters are read, in time linear in their length:
+this runs on the thread that feeds the trainer, so no completion may make it backtrack.
 Score range {0.0, 1.0}. An answer equal to the reference after whitespace and `$` removal
 scores 1.0 at once; otherwise `math_verify.verify` decides in a worker process with a timeout,
 so a pathological expression cannot hang training (it scores 0.0, counted and logged, and the
@@ -37,10 +39,12 @@ from jaxrl_scale.tasks.splits import split_examples
 
 DEFAULT_TEMPLATE = MathConfig.template  # one definition, in the config
 MAX_ANSWER_CHARS = 512
-_FINAL_LINE = re.compile(
-    r"(?:final answer\s*(?:is)?\s*[:=]?|the answer is\s*[:=]?|^####)\s*(.+?)\s*\.?\s*$",
-    re.IGNORECASE | re.MULTILINE,
-)
+TAIL_CHARS = 16384  # of a completion read for its final answer (it states it at its end)
+# Where a final-answer line's answer starts. Literals only: a search is linear, and what
+# follows each one is read with str methods (`_final_line`), never by backtracking.
+_FINAL_MARKER = re.compile(r"final answer|the answer is|^####", re.IGNORECASE | re.MULTILINE)
+_BRACE = re.compile(r"[{}]")
+_SPACE = re.compile(r"\s*")
 
 
 class MathDataError(ValueError):
@@ -52,23 +56,42 @@ def last_boxed(text: str) -> str | None:
     start = max(text.rfind("\\boxed{"), text.rfind("\\fbox{"))
     if start < 0:
         return None
-    i = text.index("{", start) + 1
-    depth, begin = 1, i
-    while i < len(text):
-        depth += {"{": 1, "}": -1}.get(text[i], 0)
+    begin = text.index("{", start) + 1
+    depth = 1
+    for brace in _BRACE.finditer(text, begin):  # one step per brace: linear
+        depth += 1 if brace.group() == "{" else -1
         if depth == 0:
-            return text[begin:i].strip()
-        i += 1
+            return text[begin : brace.start()].strip()
     return None  # unbalanced
 
 
 def extract_answer(text: str) -> str | None:
-    """The final answer of a solution or completion, or None when it states none."""
-    boxed = last_boxed(text)
-    if boxed:
-        return boxed
-    lines = _FINAL_LINE.findall(text)
-    return lines[-1].strip() if lines else None
+    """The final answer of a solution or completion (its last TAIL_CHARS characters), or None
+    when it states none."""
+    text = text[-TAIL_CHARS:]
+    return last_boxed(text) or _final_line(text)
+
+
+def _final_line(text: str) -> str | None:
+    """The answer of the last final-answer line: after a marker ("final answer", "the answer
+    is", a line's leading "####"), whitespace (line breaks too), an optional "is", ":" or
+    "=", the rest of that line up to an optional final "." and whitespace. A marker inside an
+    answer already read is part of it. Each character is read a bounded number of times."""
+    found, end = None, 0
+    for marker in _FINAL_MARKER.finditer(text):
+        if marker.start() < end:  # inside the previous answer's line
+            continue
+        i = _SPACE.match(text, marker.end()).end()
+        if text[i : i + 2].lower() == "is":
+            i = _SPACE.match(text, i + 2).end()
+        if text[i : i + 1] in (":", "="):
+            i = _SPACE.match(text, i + 1).end()
+        stop = text.find("\n", i)
+        stop = len(text) if stop < 0 else stop
+        answer = text[i:stop].rstrip().removesuffix(".").rstrip()
+        if answer:
+            found, end = answer, stop
+    return found
 
 
 def _normalise(answer: str) -> str:
