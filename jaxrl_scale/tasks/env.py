@@ -34,10 +34,13 @@ import concurrent.futures as cf
 import inspect
 import math
 import numbers
+import os
+import threading
+import weakref
 from collections.abc import Mapping, Sequence
 from typing import Protocol, runtime_checkable
 
-from jaxrl_scale.tasks.workers import WorkerPool
+from jaxrl_scale.tasks.workers import Worker, WorkerProcesses, gather, settled
 
 Observation = str | list[dict]
 
@@ -53,9 +56,24 @@ class EnvError(ValueError):
     """An environment broke its protocol (the message says how)."""
 
 
+# Each thread's event loop, kept from call to call (`_call`); an environment's worker process
+# runs its calls on one thread, so it has one loop for its whole life.
+_LOOP = threading.local()
+
+
 def _call(fn, *args):
+    """`fn(*args)`; an awaitable it returns is run to its end on this thread's long-lived
+    event loop (not a fresh one per call, which would cancel what `reset` started before
+    `step` could use it)."""
     out = fn(*args)
-    return asyncio.run(out) if inspect.iscoroutine(out) else out
+    if not inspect.isawaitable(out):
+        return out
+    loop = getattr(_LOOP, "loop", None)
+    if loop is None or loop.is_closed() or _LOOP.pid != os.getpid():  # (a forked copy's)
+        loop = _LOOP.loop = asyncio.new_event_loop()
+        _LOOP.pid = os.getpid()
+        asyncio.set_event_loop(loop)
+    return loop.run_until_complete(out)
 
 
 def check_observation(obs, what: str) -> Observation:
@@ -103,47 +121,70 @@ def check_step(result) -> tuple[Observation | None, float, bool]:
 
 
 class EnvRunner:
-    """Many episodes' environments stepped at once on `workers` threads, each call given
-    `timeout` seconds. Each episode's calls are sequential (reset, then one step per turn), so
-    an environment is only ever used by one thread at a time."""
+    """Many episodes' environments, each living in one of `workers` worker processes for its
+    whole episode, each call given `timeout` seconds once it starts (tasks/workers.py: the
+    processes are forked, so a task's `make_env` and its environments need not pickle; only
+    examples, actions, observations and results cross). A call that raises or hangs costs its
+    episode; a hung one has its worker killed, and with it the other environments that worker
+    held: their next calls fail (WorkerLost), each counted by its episode as its failure. A
+    new environment goes to the free worker holding fewest, so up to `workers` live episodes
+    have a process each. An environment's calls run one at a time (reset, then a step per
+    turn); its coroutines run on its worker's one event loop (`_call`).
+
+    The environments callers hold are `RemoteEnv`s (dropping one frees it in its worker).
+    One set of workers per task object, forked the first time it opens an environment. When
+    no worker can be started at all, PoolBroken is raised: that ends the run."""
 
     def __init__(self, *, workers: int = 16, timeout: float = 60.0):
-        self.timeout = timeout
-        self._pool = WorkerPool(workers, name="jaxrl-env")
+        self.workers, self.timeout = workers, timeout
+        self._pools: dict[int, tuple[object, WorkerProcesses]] = {}  # id(task) -> its workers
+        self._lock = threading.Lock()  # the feeding thread and an evaluation open at once
 
-    def make(self, task, examples) -> list[tuple[object | None, str | None]]:
+    def _pool(self, task) -> WorkerProcesses:
+        with self._lock:
+            if id(task) not in self._pools:
+                pool = WorkerProcesses(self.workers, timeout=self.timeout, shares=task,
+                                       name="jaxrl-env")  # fmt: skip
+                self._pools[id(task)] = (task, pool)
+            return self._pools[id(task)][1]
+
+    def make(self, task, examples) -> list[tuple[RemoteEnv | None, str | None]]:
         """(environment, None) per example, or (None, why) when `make_env` failed."""
-        return self._run([(task.make_env, (e,)) for e in examples], lambda env: env)
+        pool = self._pool(task)
+        made = lambda got, worker: RemoteEnv(pool, worker, *got)  # noqa: E731
+        futures = [pool.submit(_make, e, spread=True, keeps=1, finish=made) for e in examples]
+        return self._all(futures, lambda env: env)
 
     def reset(self, envs) -> list[tuple[Observation | None, str | None]]:
-        return self._run(
-            [(env.reset, ()) for env in envs], lambda o: check_observation(o, "reset's result")
+        return self._all(
+            [env.call(_reset) for env in envs], lambda o: check_observation(o, "reset's result")
         )
 
     def step(self, envs, actions: Sequence[str]) -> list[tuple[tuple | None, str | None]]:
-        return self._run([(env.step, (a,)) for env, a in zip(envs, actions, strict=True)],
-                         check_step)  # fmt: skip
+        futures = [env.call(_step, a) for env, a in zip(envs, actions, strict=True)]
+        return self._all(futures, check_step)
 
-    def _run(self, calls, check) -> list[tuple[object | None, str | None]]:
-        futures = [self._pool.submit(_call, fn, *args) for fn, args in calls]
-        return [self._outcome(got, check) for got in self._pool.gather(futures, self.timeout)]
+    def _all(self, futures, check) -> list[tuple[object | None, str | None]]:
+        return [self._outcome(got, check) for got in gather(futures)]
 
     # Without waiting (the slot engine's episodes, rl/episodes.py): calls started one by one,
     # their outcomes collected as they come.
 
     def start_open(self, task, example) -> cf.Future:
         """`make_env(example)` then its `reset()`, as one call: (environment, observation)."""
-        return self._pool.submit(_open, task.make_env, example)
+        pool = self._pool(task)
+        opened = lambda got, worker: (RemoteEnv(pool, worker, got[0], got[2]), got[1])  # noqa: E731
+        return pool.submit(_open, example, spread=True, keeps=1, finish=opened)
 
-    def start_step(self, env, action: str) -> cf.Future:
-        return self._pool.submit(_call, env.step, action)
+    def start_step(self, env: RemoteEnv, action: str) -> cf.Future:
+        return env.call(_step, action)
 
     def outcomes(self, futures: Mapping[cf.Future, str]) -> dict[cf.Future, tuple]:
-        """The calls of `futures` (each "open" or "step") that have ended or run out of time:
-        (value checked, None) or (None, why), as `make` / `reset` / `step` give them."""
+        """The calls of `futures` (each "open" or "step") that have ended (a call past the
+        timeout ends when its worker is killed): (value checked, None) or (None, why), as
+        `make` / `reset` / `step` give them."""
         checks = {"open": _check_open, "step": check_step}
-        settled = self._pool.settled(futures, self.timeout)
-        return {f: self._outcome(got, checks[futures[f]]) for f, got in settled.items()}
+        return {f: self._outcome(got, checks[futures[f]]) for f, got in settled(futures).items()}
 
     def _outcome(self, got: tuple[str, object], check) -> tuple[object | None, str | None]:
         status, value = got
@@ -157,12 +198,68 @@ class EnvRunner:
             return None, str(e)
 
 
-def _open(make_env, example):
+class RemoteEnv:
+    """An environment living in a worker process (`worker`), as its episode holds it: calls
+    go to that worker. `tools` and `tool_errors` mirror the environment's own as of its last
+    call (set by the pool's dispatcher thread before that call's future completes, read by the
+    episode's thread after it)."""
+
+    MIRRORED = ("tools", "tool_errors")
+
+    def __init__(self, pool: WorkerProcesses, worker: Worker, handle: int, mirrored: dict):
+        self.worker, self._pool, self._handle = worker, pool, handle
+        self.__dict__.update(mirrored)
+        weakref.finalize(self, pool.release, worker, handle)
+
+    def call(self, fn, *args) -> cf.Future:
+        """A future of `fn(held, handle, *args)` in the environment's worker: its result."""
+        return self._pool.submit(fn, self._handle, *args, on=self.worker, finish=self._mirror)
+
+    def _mirror(self, got, worker):
+        result, mirrored = got
+        self.__dict__.update(mirrored)
+        return result
+
+
+# In an environment's worker process (tasks/workers.py: `held.shared` is the task).
+
+
+def _mirrored(env) -> dict:
+    out = {}
+    for name in RemoteEnv.MIRRORED:
+        try:
+            out[name] = getattr(env, name)
+        except AttributeError:
+            pass
+        except Exception as e:  # noqa: BLE001 - a property that raises: the episode's error
+            raise EnvError(f"the environment's {name}: {type(e).__name__}: {e}") from e
+    return out
+
+
+def _make(held, example):
+    env = held.shared.make_env(example)
+    return held.keep(env), _mirrored(env)
+
+
+def _reset(held, handle: int):
+    env = held[handle]
+    return _call(env.reset), _mirrored(env)
+
+
+def _step(held, handle: int, action: str):
+    env = held[handle]
+    return _call(env.step, action), _mirrored(env)
+
+
+def _open(held, example):
+    """`make_env(example)` and its `reset()`: (handle, observation, mirrored attributes); the
+    environment is kept once its reset has answered."""
     try:
-        env = make_env(example)
+        env = held.shared.make_env(example)
     except Exception as e:  # noqa: BLE001 - the user's error, reported per episode
         raise EnvError(f"make_env: {type(e).__name__}: {e}") from e
-    return env, _call(env.reset)
+    obs = _call(env.reset)
+    return held.keep(env), obs, _mirrored(env)
 
 
 def _check_open(opened):

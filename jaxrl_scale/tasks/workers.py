@@ -1,19 +1,534 @@
-"""A pool of daemon threads for untrusted user code (scorers, environments) with timeouts.
+"""Where the user's code runs: worker processes that a timeout really ends, and a thread pool.
 
-pool = WorkerPool(8)
-future = pool.submit(fn, *args)     # a concurrent.futures.Future; `future.started` once it runs
-pool.abandon(future)                # its caller gave up on it: a fresh thread takes its place
+pool = WorkerProcesses(8, timeout=30.0, shares=task)   # workers forked on demand, up to 8
+future = pool.submit(fn, *args)     # fn(held, *args) in a worker; held.shared is `task`
+gather([future])                    # [("ok", value) | ("error", exception) | ("timeout", None)]
 
-Python cannot kill a thread, so a call that hangs keeps its thread; the pool replaces it so
-that `workers` threads stay free, and daemon threads never hold the process open at exit.
+Why processes. Python cannot stop a thread, and a thread stuck in C code that holds the GIL
+(a regex that backtracks, a tight loop in an extension) stops every other thread with it: the
+trainer's feeding loop, its heartbeats, and the waiter whose timeout would have given up on
+it. A process can be killed. The user's scorers and environments run in worker processes; a
+call past the pool's `timeout` has its worker killed (SIGKILL to its process group, so what
+it started goes too) and the call counts as a timeout; a fresh worker takes its place.
+
+Why fork. A worker is `os.fork()`ed from the trainer rather than started fresh (`spawn`) or
+by a fork server: the task is the user's object, often defined in a notebook or in a script's
+`__main__`, holding what pickle cannot carry (closures, tokenizers, clients), and a forked
+worker has it as it was, with nothing pickled or imported again; only each call's arguments
+and result cross, pickled. Forking a process that runs other threads (JAX's, the trainer's)
+copies only the forking thread, so a worker never touches JAX, a device, or a lock another
+thread might have held: it runs the small loop below and the user's Python code, nothing else.
+If it still meets such a lock (another thread was writing to stdout at the fork), its call
+times out and the worker is replaced, as any hang is. What forking means for the user's code
+(docs/tasks.md, "Where your code runs"):
+
+- the worker's task is a copy: what a call changes in it stays in that worker;
+- threads the task started before the fork (a thread pool made in `__init__`) are not there;
+- the trainer's sockets and pipes are not inherited: a worker has /dev/null in their place,
+  so it never holds a trainer's connection or a subprocess's pipe open; regular files stay.
+
+Ownership. Each pool has a dispatcher thread that owns its workers: it forks them (lazily, up
+to `workers`), sends each one call at a time, reads the replies, and kills a worker whose
+call has run past `timeout`. Other threads only hand it calls (a queue) and wait on futures.
+A worker ignores SIGINT (the trainer handles Ctrl-C) and dies with its dispatcher thread
+(PR_SET_PDEATHSIG on Linux), so none outlives the trainer or its pool.
+
+State across calls. A call may keep an object in its worker (`held.keep(obj)` -> a handle) for
+later calls pinned to that worker (`submit(..., on=worker)`): an environment lives in one
+worker for its whole episode. A killed worker takes what it kept with it: calls pinned to it
+fail with WorkerLost.
+
+`WorkerPool` is a pool of daemon threads, for calls that must share their caller's memory (a
+tool episode's tools, which run inside its environment's worker process).
 """
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures as cf
+import contextlib
+import ctypes
+import dataclasses
+import os
+import pickle
 import queue
+import signal
+import stat
+import sys
 import threading
 import time
+import warnings
+import weakref
+from collections.abc import Callable
+from multiprocessing import connection as mpc
+
+# --------------------------------------------------------------------------- worker processes
+
+
+class CallTimeout(TimeoutError):
+    """A call ran past its pool's timeout; its worker process was killed."""
+
+
+class WorkerLost(RuntimeError):
+    """The worker process a call was pinned to has ended; what it kept is gone."""
+
+
+class PoolBroken(RuntimeError):
+    """No worker process can be started (or the pool was closed): no call can run."""
+
+
+# Forks are serialised: each one silences JAX's at-fork warning with warnings.catch_warnings,
+# which swaps process-wide state and so must not interleave with another pool's fork.
+_FORK_LOCK = threading.Lock()
+_PR_SET_PDEATHSIG = 1
+try:  # looked up in the trainer: a forked child should not load libraries
+    _PRCTL = ctypes.CDLL(None, use_errno=True).prctl if sys.platform == "linux" else None
+except (OSError, AttributeError):
+    _PRCTL = None
+
+
+class Held:
+    """What a worker process holds: `shared` (its pool's object as it was at the fork) and the
+    objects earlier calls kept, by handle. Used by the worker's one thread only."""
+
+    def __init__(self, shared):
+        self.shared = shared
+        self._kept: dict[int, object] = {}
+        self._next = 0
+
+    def keep(self, obj) -> int:
+        self._next += 1
+        self._kept[self._next] = obj
+        return self._next
+
+    def __getitem__(self, handle: int):
+        return self._kept[handle]
+
+    def drop(self, handle: int) -> None:
+        self._kept.pop(handle, None)
+
+
+def _drop(held: Held, handle: int) -> None:
+    held.drop(handle)
+
+
+@dataclasses.dataclass(eq=False)
+class Worker:
+    """A worker process as its pool's dispatcher thread sees it. Owned by that thread; other
+    threads only name it (`submit(on=...)`) and read its `pid`."""
+
+    pid: int
+    conn: mpc.Connection
+    kept: int = 0  # objects it holds for later calls
+    job: _Job | None = None  # the call it runs now
+    started: float = 0.0  # when that call was sent
+    ended: str | None = None  # why it is gone
+
+
+@dataclasses.dataclass(eq=False)
+class _Job:
+    fn: Callable
+    args: tuple
+    future: cf.Future
+    on: Worker | None  # pinned to the worker that holds its state
+    spread: bool  # it keeps an object: to the worker that holds fewest
+    keeps: int  # objects it adds to its worker's (-1: a drop)
+    finish: Callable | None  # (value, worker) -> the future's value, on the dispatcher thread
+
+
+class WorkerProcesses:
+    """Calls `fn(held, *args)` in up to `workers` forked worker processes, one call at a time
+    each, every call given `timeout` seconds once it is sent (see the module's docstring).
+    `shares`: the object each worker has from its fork (`held.shared`)."""
+
+    def __init__(self, workers: int, *, timeout: float, shares=None, name: str = "jaxrl-worker"):
+        self.workers, self.timeout = workers, timeout
+        self._dispatcher = _Dispatcher(workers, timeout, shares, name)
+        weakref.finalize(self, self._dispatcher.close)
+
+    def submit(self, fn: Callable, *args, on: Worker | None = None, spread: bool = False,
+               keeps: int = 0, finish: Callable | None = None) -> cf.Future:  # fmt: skip
+        """A future of `fn(held, *args)` run in a worker (`fn` a module-level function: it is
+        sent by name). `on`: the worker to run it in (a call that uses what an earlier one
+        kept); `spread`: to the free worker holding fewest kept objects, forking one while
+        fewer than `workers` run; `keeps`: the objects it keeps; `finish(value, worker)`: the
+        future's value, made from the worker's reply. Once done, `future.worker` ran it."""
+        future: cf.Future = cf.Future()
+        self._dispatcher.submit(_Job(fn, args, future, on, spread, keeps, finish))
+        return future
+
+    def release(self, worker: Worker, handle: int) -> None:
+        """Forget an object `worker` kept (safe from a finalizer, on any thread)."""
+        self._dispatcher.submit(_Job(_drop, (handle,), cf.Future(), worker, False, -1, None))
+
+    def close(self) -> None:
+        """Kill the workers; calls not yet done fail with PoolBroken."""
+        self._dispatcher.close()
+
+
+def outcome(future: cf.Future) -> tuple[str, object]:
+    """A finished call of a WorkerProcesses: ("ok", value), ("timeout", None) or ("error",
+    exception); PoolBroken is raised: no call of that pool can run."""
+    if future.cancelled():
+        return "error", cf.CancelledError("the call was cancelled")
+    error = future.exception()
+    if error is None:
+        return "ok", future.result()
+    if isinstance(error, PoolBroken):
+        raise error
+    return ("timeout", None) if isinstance(error, CallTimeout) else ("error", error)
+
+
+def gather(futures) -> list[tuple[str, object]]:
+    """Wait for calls of WorkerProcesses (their pools end each one in time) and give each
+    one's `outcome`, in order."""
+    cf.wait(futures)
+    return [outcome(f) for f in futures]
+
+
+def settled(futures) -> dict[cf.Future, tuple[str, object]]:
+    """Without waiting: the `outcome` of each of `futures` that has finished."""
+    return {f: outcome(f) for f in futures if f.done()}
+
+
+class _Dispatcher:
+    """The thread that owns one pool's workers. Other threads only call `submit` and `close`:
+    `_lock` orders them against the thread's exit (no call is queued after its last look). It
+    is re-entrant because a finalizer (`WorkerProcesses.release`) may run inside it, on
+    whichever thread the garbage collector interrupts."""
+
+    def __init__(self, workers: int, timeout: float, shares, name: str):
+        self.limit, self.timeout, self.shares, self.name = workers, timeout, shares, name
+        self.inbox: queue.SimpleQueue = queue.SimpleQueue()  # calls handed over (any thread)
+        self._lock = threading.RLock()
+        self.closing = False  # under _lock
+        self.broken: str | None = None  # set once by the dispatcher thread
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_r, False)
+        os.set_blocking(self._wake_w, False)
+        weakref.finalize(self, _close_fds, self._wake_r, self._wake_w)
+        # Owned by the dispatcher thread:
+        self.workers: list[Worker] = []
+        self.pending: collections.deque[_Job] = collections.deque()
+        self.unreaped: list[int] = []  # killed, not yet exited (uninterruptible sleep)
+        self.retry_fork = 0.0  # after a fork failed, not before this time
+        self.thread = threading.Thread(target=self.run, daemon=True, name=name)
+        self.thread.start()
+
+    # Any thread.
+
+    def submit(self, job: _Job) -> None:
+        with self._lock:
+            why = "the pool is closed" if self.closing else self.broken
+            if why is None:
+                self.inbox.put(job)
+        if why is not None:
+            job.future.set_exception(PoolBroken(why))
+            return
+        self._wake()
+
+    def close(self) -> None:
+        with self._lock:
+            self.closing = True
+        self._wake()
+
+    def _wake(self) -> None:
+        with contextlib.suppress(OSError):  # full: it is awake already
+            os.write(self._wake_w, b"\0")
+
+    # The dispatcher thread.
+
+    def run(self) -> None:
+        try:
+            while True:
+                self._take()  # before looking at `closing`: a close after it wakes the wait
+                if self.closing:
+                    break
+                self._place()
+                self._wait()
+        except BaseException as e:  # a bug here must not leave callers waiting forever
+            self.broken = f"the worker pool's dispatcher failed: {type(e).__name__}: {e}"
+            raise
+        finally:
+            self._shutdown()
+
+    def _take(self) -> None:
+        with contextlib.suppress(OSError):
+            os.read(self._wake_r, 4096)
+        while True:
+            try:
+                self.pending.append(self.inbox.get_nowait())
+            except queue.Empty:
+                return
+
+    def _place(self) -> None:
+        """Each pending call to a free worker that may run it, in order; the others wait."""
+        jobs, self.pending = self.pending, collections.deque()
+        for job in jobs:
+            if job.future.done():  # (failed meanwhile: its worker ended)
+                continue
+            if job.on is not None:
+                if job.on.ended is not None:
+                    _fail(job, WorkerLost(f"its worker process has ended: {job.on.ended}"))
+                elif job.on.job is not None or not self._send(job.on, job):
+                    self.pending.append(job)
+                continue
+            worker = self._free_worker(job.spread)
+            if worker is None and self.broken is not None:
+                _fail(job, PoolBroken(self.broken))
+            elif worker is None or not self._send(worker, job):
+                self.pending.append(job)
+
+    def _free_worker(self, spread: bool) -> Worker | None:
+        """A free worker, or a new one while fewer than `limit` run and none is free. With
+        `spread`, one of those holding fewest objects (counting those being made), a new one
+        (holding none) while fewer than `limit` run, else None: it waits for one."""
+        if not spread:
+            free = [w for w in self.workers if w.job is None]
+            if free or len(self.workers) >= self.limit:
+                return free[0] if free else None
+            return self._fork()
+        load = {w: w.kept + max(w.job.keeps if w.job else 0, 0) for w in self.workers}
+        if len(self.workers) < self.limit and min(load.values(), default=1) > 0:
+            return self._fork()
+        fewest = min(load.values())
+        return next((w for w in self.workers if w.job is None and load[w] == fewest), None)
+
+    def _fork(self) -> Worker | None:
+        if time.monotonic() < self.retry_fork:
+            return None
+        parent_end, child_end = mpc.Pipe()
+        for stream in (sys.stdout, sys.stderr):  # or the child would print it again
+            with contextlib.suppress(Exception):
+                stream.flush()
+        try:
+            with _FORK_LOCK, warnings.catch_warnings():
+                # JAX warns at every fork; this child never touches JAX (module docstring).
+                warnings.filterwarnings("ignore", r"os\.fork\(\) was called", RuntimeWarning)
+                pid = os.fork()
+        except OSError as e:
+            parent_end.close()
+            child_end.close()
+            self.retry_fork = time.monotonic() + 1.0
+            if not self.workers:
+                self.broken = f"no worker process can be started: os.fork() failed ({e})"
+            return None
+        if pid == 0:  # the worker: it never returns into the trainer's code
+            code = 1
+            try:
+                _worker_main(child_end, self.shares, os.getppid())
+                code = 0
+            finally:
+                os._exit(code)
+        child_end.close()
+        with contextlib.suppress(OSError):  # (the child does it too: whichever comes first)
+            os.setpgid(pid, pid)
+        worker = Worker(pid, parent_end)
+        self.workers.append(worker)
+        return worker
+
+    def _send(self, worker: Worker, job: _Job) -> bool:
+        """Whether `job` was sent (or ended here: cancelled, or its arguments do not pickle);
+        False when `worker` turned out dead (ended here), so the job waits for another."""
+        if not job.future.running() and not job.future.set_running_or_notify_cancel():
+            return True
+        try:
+            data = pickle.dumps((job.fn, job.args), pickle.HIGHEST_PROTOCOL)
+        except Exception as e:  # noqa: BLE001 - the caller's arguments, reported per call
+            _fail(job, TypeError(f"the call cannot be sent to a worker process: {e}"))
+            return True
+        try:
+            worker.conn.send_bytes(data)
+        except OSError:
+            self._end(worker, "it died", None)
+            return False
+        worker.job, worker.started = job, time.monotonic()
+        return True
+
+    def _wait(self) -> None:
+        deadlines = [w.started + self.timeout for w in self.workers if w.job is not None]
+        if self.unreaped or (self.pending and self.retry_fork):  # look again soon
+            deadlines.append(time.monotonic() + 0.1)
+        timeout = max(min(deadlines) - time.monotonic(), 0.0) if deadlines else None
+        ready = mpc.wait([self._wake_r, *(w.conn for w in self.workers)], timeout)
+        for worker in list(self.workers):
+            if worker.conn in ready:
+                self._receive(worker)
+        now = time.monotonic()
+        for worker in list(self.workers):
+            if worker.job is not None and now - worker.started > self.timeout:
+                late = f"no answer within {self.timeout:g} s"
+                self._end(worker, f"killed: a call on it gave {late}", CallTimeout(late))
+        self._reap()
+
+    def _receive(self, worker: Worker) -> None:
+        try:
+            data = worker.conn.recv_bytes()
+        except (EOFError, OSError):
+            self._end(worker, "it died", None)
+            return
+        job, worker.job = worker.job, None
+        if job is None:
+            return
+        try:
+            status, value = pickle.loads(data)
+        except Exception as e:  # noqa: BLE001 - a reply that does not unpickle here
+            status, value = "error", RuntimeError(f"the worker's reply cannot be read: {e}")
+        if status == "ok":
+            worker.kept += job.keeps
+            if job.finish is not None:
+                try:
+                    value = job.finish(value, worker)
+                except Exception as e:  # noqa: BLE001 - reported per call
+                    status, value = "error", e
+        job.future.worker = worker
+        if status == "ok":
+            job.future.set_result(value)
+        else:
+            job.future.set_exception(value)
+
+    def _end(self, worker: Worker, why: str, error: BaseException | None) -> None:
+        """`worker` is gone (killed here, or dead): its call fails with `error` (None: the
+        worker died under it), the calls pinned to it with WorkerLost."""
+        code = self._kill(worker)
+        if code is not None and code < 0:
+            why += f" (signal {-code})"
+        elif code:
+            why += f" (exit status {code})"
+        worker.ended = why
+        self.workers.remove(worker)
+        worker.conn.close()
+        if worker.job is not None:
+            _fail(worker.job, error or WorkerLost(f"its worker process ended: {why}"))
+            worker.job = None
+        for job in [j for j in self.pending if j.on is worker]:
+            self.pending.remove(job)
+            _fail(job, WorkerLost(f"its worker process has ended: {why}"))
+
+    def _kill(self, worker: Worker) -> int | None:
+        """SIGKILL to the worker's process group; its exit status (negative: a signal), or
+        None when it has not exited yet (reaped later)."""
+        for kill in (os.killpg, os.kill):
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                kill(worker.pid, signal.SIGKILL)
+        for _ in range(100):  # a killed process exits at once, unless in uninterruptible I/O
+            try:
+                pid, status = os.waitpid(worker.pid, os.WNOHANG)
+            except ChildProcessError:
+                return None
+            if pid:
+                return os.waitstatus_to_exitcode(status)
+            time.sleep(0.001)
+        self.unreaped.append(worker.pid)
+        return None
+
+    def _reap(self) -> None:
+        for pid in list(self.unreaped):
+            with contextlib.suppress(ChildProcessError):
+                if os.waitpid(pid, os.WNOHANG)[0] == 0:
+                    continue
+            self.unreaped.remove(pid)
+
+    def _shutdown(self) -> None:
+        with self._lock:
+            self.closing = True
+        self._take()
+        why = self.broken or "the pool is closed"
+        for job in self.pending:
+            _fail(job, PoolBroken(why))
+        self.pending.clear()
+        for worker in list(self.workers):
+            self._end(worker, "the pool is closed", PoolBroken(why))
+        deadline = time.monotonic() + 5.0
+        while self.unreaped and time.monotonic() < deadline:
+            self._reap()
+            time.sleep(0.01)
+
+
+def _fail(job: _Job, error: BaseException) -> None:
+    future = job.future
+    if future.done() or (not future.running() and not future.set_running_or_notify_cancel()):
+        return
+    future.set_exception(error)
+
+
+def _close_fds(*fds: int) -> None:
+    for fd in fds:
+        with contextlib.suppress(OSError):
+            os.close(fd)
+
+
+def _worker_main(conn: mpc.Connection, shared, trainer: int) -> None:
+    """A forked worker: cut loose from the trainer, then run calls until its pipe closes."""
+    with contextlib.suppress(ValueError, OSError):
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # the trainer handles Ctrl-C, kills it
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    with contextlib.suppress(OSError):
+        os.setpgid(0, 0)  # its own group: a kill takes what the user's code started too
+    if _PRCTL is not None:
+        _PRCTL(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    if os.getppid() != trainer:  # the trainer died before the line above
+        return
+    _shed_streams(keep=conn.fileno())
+    # Fresh stdout and stderr: the trainer's may hold unflushed text or a lock taken by
+    # another thread at the fork.
+    for name, fd in (("stdout", 1), ("stderr", 2)):
+        with contextlib.suppress(OSError, ValueError):
+            setattr(sys, name, open(fd, "w", buffering=1, closefd=False, errors="replace"))  # noqa: SIM115
+    held = Held(shared)
+    while True:
+        try:
+            data = conn.recv_bytes()
+        except (EOFError, OSError):
+            return
+        try:
+            fn, args = pickle.loads(data)
+            reply = ("ok", fn(held, *args))
+        except BaseException as e:  # noqa: BLE001 - the user's error, reported per call
+            reply = ("error", _portable(e))
+        for stream in (sys.stdout, sys.stderr):
+            with contextlib.suppress(Exception):
+                stream.flush()
+        try:
+            data = pickle.dumps(reply, pickle.HIGHEST_PROTOCOL)
+        except Exception as e:  # noqa: BLE001 - a result that cannot cross
+            error = TypeError(f"the call's result cannot be sent back: {type(e).__name__}: {e}")
+            data = pickle.dumps(("error", error))
+        conn.send_bytes(data)
+
+
+def _shed_streams(keep: int) -> None:
+    """/dev/null in place of every inherited socket, pipe and other stream (not regular files,
+    directories or devices), but stdin, stdout, stderr and `keep`: a worker must not hold the
+    trainer's connections, or a subprocess's pipe that the trainer reads to its end, open."""
+    try:
+        fds = [int(name) for name in os.listdir("/proc/self/fd")]
+    except OSError:
+        return
+    null = os.open(os.devnull, os.O_RDWR)
+    for fd in fds:
+        if fd <= 2 or fd in (keep, null):
+            continue
+        try:
+            mode = os.fstat(fd).st_mode
+        except OSError:  # (listdir's own descriptor, now closed)
+            continue
+        if not (stat.S_ISREG(mode) or stat.S_ISDIR(mode) or stat.S_ISCHR(mode)
+                or stat.S_ISBLK(mode)):  # fmt: skip
+            os.dup2(null, fd)  # the number stays taken: whatever still owns it closes /dev/null
+    os.close(null)
+
+
+def _portable(error: BaseException) -> BaseException:
+    """`error` if it survives pickling, else a RuntimeError with its type and text."""
+    try:
+        pickle.loads(pickle.dumps(error))
+        return error
+    except Exception:  # noqa: BLE001
+        return RuntimeError(f"{type(error).__name__}: {error}")
+
+
+# --------------------------------------------------------------------------- threads
 
 # Threads hanging calls may hold blocked at once before the pool stops replacing them (each
 # blocked one is a daemon and costs only its stack).
@@ -26,16 +541,23 @@ class WorkerPool:
     A job that outlives its timeout is abandoned by its waiter: its thread stays blocked in
     the user's code and a fresh thread takes its place, so the pool keeps `workers` threads
     free to run; a blocked thread that returns later goes back to work or, with the pool
-    full, exits. Daemon threads never hold the process open at exit. The counters are
-    read and changed under `_lock` (the waiters' threads and the workers' own)."""
+    full, exits. Once MAX_ABANDONED threads are blocked at once, calls that cannot run fail
+    with PoolBroken instead of waiting. Daemon threads never hold the process open at exit.
+    A forked process (an environment's worker) starts its own threads at its first call. The
+    counters are read and changed under `_lock` (the waiters' threads and the workers' own)."""
 
     def __init__(self, workers: int, *, name: str = "jaxrl-worker"):
         self.workers, self.name = workers, name
+        self._pid = -1  # the process whose threads these are
+        self._start_threads()
+
+    def _start_threads(self) -> None:
+        self._pid = os.getpid()
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
         self._lock = threading.Lock()
-        self._live = workers  # threads not abandoned
+        self._live = self.workers  # threads not abandoned
         self._abandoned = 0  # threads given up on and still blocked
-        for _ in range(workers):
+        for _ in range(self.workers):
             self._start()
 
     def _start(self) -> None:
@@ -66,6 +588,8 @@ class WorkerPool:
             return self._live > 0
 
     def submit(self, fn, *args) -> cf.Future:
+        if self._pid != os.getpid():  # forked: the threads stayed in the parent
+            self._start_threads()
         future: cf.Future = cf.Future()
         self._jobs.put((fn, args, future))
         return future
@@ -87,8 +611,8 @@ class WorkerPool:
 
     def gather(self, futures, timeout: float, *, poll: float = 0.05) -> list[tuple[str, object]]:
         """Wait for `futures` (submitted here), each given `timeout` seconds once it started:
-        per future ("ok", result), ("error", exception) or ("timeout", None) (abandoned, or
-        never run because every thread is blocked), in order."""
+        per future ("ok", result), ("error", exception) or ("timeout", None) (abandoned), in
+        order; ("error", PoolBroken) for one that never ran because every thread is blocked."""
         out: dict[cf.Future, tuple[str, object]] = {}
         pending = set(futures)
         while pending:
@@ -105,7 +629,7 @@ class WorkerPool:
         for f in futures:
             if f.done():
                 if f.cancelled():
-                    out[f] = ("timeout", None)
+                    out[f] = ("error", self._broken())
                 elif f.exception() is not None:
                     out[f] = ("error", f.exception())
                 else:
@@ -115,5 +639,11 @@ class WorkerPool:
                 out[f] = ("timeout", None)
             elif not running:  # every thread blocked: it would never run
                 f.cancel()
-                out[f] = ("timeout", None)
+                out[f] = ("error", self._broken())
         return out
+
+    def _broken(self) -> PoolBroken:
+        return PoolBroken(
+            f"every thread of the {self.name} pool is blocked in a call that never returned "
+            f"({MAX_ABANDONED} abandoned)"
+        )
