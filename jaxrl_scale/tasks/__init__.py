@@ -12,7 +12,7 @@ countdown and reasoning_gym bring a character tokenizer (used unless one is pass
 code take the model's (`tokenizer=`). Your own task: `task.name: package.module:factory`
 with `task.args`, or the object itself (`make_task(cfg, seed=0, task=obj)`), per the `Task`
 protocol (tasks/user.py).
-Scoring runs in `scoring.Scorer` (a thread pool, a timeout per sample, errors counted).
+Scoring runs in `scoring.Scorer` (worker processes, a timeout per sample, errors counted).
 """
 
 from __future__ import annotations
@@ -156,6 +156,7 @@ def make_scorer(cfg, task) -> Scorer:
         strip_think=cfg.strip_think,
         weights=cfg.reward_weights,
         pass_part=cfg.pass_part,
+        max_failure_fraction=cfg.max_failure_fraction,
     )
 
 

@@ -134,11 +134,14 @@ class TaskConfig:
     args: dict[str, Any] = dataclasses.field(default_factory=dict)
     num_train: int = 512  # prompts in the training pool (math, code, your own: 0 = every row)
     num_eval: int = 64  # held-out prompts (your own task's: at most this many)
-    # Scoring (tasks/scoring.py): threads that run the verifier, seconds a sample may take
-    # before it scores 0 (counted in reward_timeouts), the thinking cut off before scoring,
-    # weights of a scorer's named parts (default 1 each).
+    # Scoring (tasks/scoring.py): worker processes that run the verifier, seconds a sample
+    # may take before its worker is killed and it scores 0 (counted in reward_timeouts), the
+    # thinking cut off before scoring, weights of a scorer's named parts (default 1 each).
     score_workers: int = 8
     score_timeout: float = 30.0
+    # A batch whose samples failed to score (errors and timeouts) above this fraction ends
+    # the run (ScorerBroken): scoring is broken, not the samples. 1.0: never.
+    max_failure_fraction: float = 0.5
     strip_think: bool = True
     reward_weights: dict[str, float] = dataclasses.field(default_factory=dict)
     # The named part whose value is a sample's pass (0 or 1) for pass rates, the curriculum
@@ -146,7 +149,8 @@ class TaskConfig:
     pass_part: str | None = None
     # Multi-turn tasks (a `make_env`, tasks/env.py; rl/episodes.py): model turns per episode,
     # the episode's whole context in tokens (prompt, turns, observations), each turn's budget
-    # (0: sampler.max_new_tokens), threads that run the environments, seconds per env call.
+    # (0: sampler.max_new_tokens), worker processes that run the environments, seconds per
+    # env call (past it the call's worker is killed, with the episodes it held).
     max_turns: int = 1
     max_episode_tokens: int = 1024
     turn_tokens: int = 0
@@ -205,6 +209,11 @@ class TaskConfig:
         require(self.env_timeout > 0, "task.env_timeout", "must be > 0")
         require(self.tool_timeout > 0, "task.tool_timeout", "must be > 0")
         require(self.score_timeout > 0, "task.score_timeout", "must be > 0")
+        require(
+            0 <= self.max_failure_fraction <= 1,
+            "task.max_failure_fraction",
+            f"must be in [0, 1], got {self.max_failure_fraction}",
+        )
 
     def _check_mixture(self) -> None:
         if self.name != "mixture":

@@ -6,6 +6,15 @@ result = scorer(completions, examples)   # Scored: rewards [n], named parts, cou
 A user's scorer is untrusted code: one that raises, hangs or returns something other than a
 finite number costs that sample, never the run. Such a sample scores 0 and is counted
 (`reward_errors`, `reward_timeouts`); the first error of each kind is logged once with its text.
+A batch in which more than `max_failure_fraction` of the samples scored could not be (errors
+and timeouts together) means scoring is broken, not the samples: ScorerBroken ends the run
+with the first failure's text rather than train on zeros (task.max_failure_fraction).
+
+Where `score` runs. Each sample's `task.score(completion, example)` runs in one of `workers`
+worker processes forked from the trainer (tasks/workers.py says why forked, and what that
+means for the task object): a scorer stuck in C code that holds the GIL (a regex that
+backtracks for minutes) cannot freeze the trainer's threads, and at `timeout` seconds its
+worker is killed and replaced, the sample counted in `reward_timeouts`.
 
 What the verifier sees. With `strip_think` a completion's thinking is cut off before scoring:
 the text after the last `</think>`; a completion that opens `<think>` and never closes it scores
@@ -17,9 +26,10 @@ the reward is their weighted sum (weights from `task.reward_weights`, then the t
 `reward/<part>`.
 
 Threads. `Scorer.__call__` is called from the thread that feeds the trainer and from the main
-thread's evaluation at once; each call hands its samples to the shared pool and waits for its
-own futures. A task with `score_many(completions, examples)` (the code task: its programs run
-in its own bounded sandbox pool) is called once per batch on the caller's thread instead.
+thread's evaluation at once; each call hands its samples to the shared worker processes and
+waits for its own futures. A task with `score_many(completions, examples)` (the code task: its
+programs run in its own bounded sandbox pool; the math task: its verifier is a process with a
+timeout of its own) is called once per batch on the caller's thread instead.
 """
 
 from __future__ import annotations
@@ -34,7 +44,7 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 
 from jaxrl_scale.configbase import ConfigError
-from jaxrl_scale.tasks.workers import WorkerPool
+from jaxrl_scale.tasks.workers import PoolBroken, WorkerProcesses, gather
 
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 
@@ -82,8 +92,10 @@ class Scored:
 
 
 class Scorer:
-    """A task's `score` over batches of completions, in a pool of `workers` threads, each
-    sample with `timeout` seconds once it starts (see the module's docstring)."""
+    """A task's `score` over batches of completions, in `workers` worker processes, each
+    sample with `timeout` seconds once it starts; a batch with more than
+    `max_failure_fraction` of its scored samples failed raises ScorerBroken (1.0: never).
+    See the module's docstring."""
 
     def __init__(
         self,
@@ -94,10 +106,12 @@ class Scorer:
         strip_think: bool = True,
         weights: Mapping[str, float] | None = None,
         pass_part: str | None = None,
+        max_failure_fraction: float = 1.0,
     ):
         self.task, self.timeout, self.strip_think = task, timeout, strip_think
         self._weights, self._pass_part = dict(weights or {}), pass_part
-        self._pool = WorkerPool(workers, name="jaxrl-scorer")
+        self.max_failure_fraction = max_failure_fraction
+        self._pool = WorkerProcesses(workers, timeout=timeout, shares=task, name="jaxrl-scorer")
         self._logged: set[str] = set()  # error kinds already logged (first text of each)
         self._log_lock = threading.Lock()  # two callers may hit a first error at once
 
@@ -115,35 +129,34 @@ class Scorer:
             texts.append(answer)
         values: list[object] = [0.0] * len(texts)
         todo = [i for i, t in enumerate(texts) if t is not None]
-        # Per-sample scorers go to the pool first; batch scorers run here meanwhile.
+        failures: list[str] = []  # this batch's failures' texts, for ScorerBroken's message
+        # Per-sample scorers go to the worker processes first; batch scorers run here meanwhile.
         each, batched = [], []
-        for task, indices in self._by_task(todo, examples):
+        for task, domain, indices in self._by_task(todo, examples):
             if hasattr(task, "score_many"):
                 batched.append((task, indices))
             else:
-                each += [(task.score, i) for i in indices]
-        futures = {self._pool.submit(fn, texts[i], examples[i]): i for fn, i in each}
-        if futures and not self._pool.running:  # every thread blocked in the scorer
-            for f in futures:
-                f.cancel()
-            counts["reward_timeouts"] += len(futures)
-            futures = {}
+                each += [(domain, i) for i in indices]
+        futures = {self._pool.submit(_score, d, texts[i], examples[i]): i for d, i in each}
         for task, indices in batched:
-            self._score_many(task, indices, texts, examples, values, counts)
-        self._collect(futures, values, counts)
-        return self._combine(values, counts, examples)
+            self._score_many(task, indices, texts, examples, values, counts, failures)
+        self._collect(futures, values, counts, failures)
+        scored = self._combine(values, counts, examples, failures)
+        self._check_failures(counts, len(todo), failures)
+        return scored
 
-    def _by_task(self, todo, examples) -> list[tuple[object, list[int]]]:
-        """(task, sample indices) groups: a mixture's samples go to their domain's task."""
+    def _by_task(self, todo, examples) -> list[tuple[object, str | None, list[int]]]:
+        """(task, domain, sample indices) groups: a mixture's samples go to their domain's
+        task (domain None: the task itself)."""
         components = getattr(self.task, "components", None)
         if components is None:
-            return [(self.task, todo)]
+            return [(self.task, None, todo)]
         groups: dict[str, list[int]] = {}
         for i in todo:
             groups.setdefault(examples[i]["domain"], []).append(i)
-        return [(components[d], indices) for d, indices in groups.items()]
+        return [(components[d], d, indices) for d, indices in groups.items()]
 
-    def _score_many(self, task, todo, texts, examples, values, counts) -> None:
+    def _score_many(self, task, todo, texts, examples, values, counts, failures) -> None:
         try:
             got = list(task.score_many([texts[i] for i in todo], [examples[i] for i in todo]))
             if len(got) != len(todo):
@@ -152,7 +165,8 @@ class Scorer:
             raise
         except Exception as e:  # noqa: BLE001 - a broken scorer costs its batch, counted
             counts["reward_errors"] += len(todo)
-            self._log("error", f"{type(e).__name__}: {e}")
+            failures.append(f"{type(e).__name__}: {e}")
+            self._log("error", failures[-1])
             return
         for i, v in zip(todo, got, strict=True):
             values[i] = v
@@ -161,26 +175,48 @@ class Scorer:
         for name, value in (task.stats() if hasattr(task, "stats") else {}).items():
             counts[name] = counts.get(name, 0) + value
 
-    def _collect(self, futures: dict, values, counts) -> None:
-        for (status, got), i in zip(
-            self._pool.gather(list(futures), self.timeout), futures.values(), strict=True
-        ):
+    def _collect(self, futures: dict, values, counts, failures) -> None:
+        try:
+            outcomes = gather(list(futures))
+        except PoolBroken as e:
+            raise ScorerBroken(f"task {self._name}: the scorer's worker processes: {e}") from e
+        for (status, got), i in zip(outcomes, futures.values(), strict=True):
             if status == "ok":
                 values[i] = got
             elif status == "timeout":
                 counts["reward_timeouts"] += 1
-                self._log("timeout", f"no score within {self.timeout:g} s")
+                failures.append(f"no score within {self.timeout:g} s")
+                self._log("timeout", failures[-1])
             else:
                 if isinstance(got, FATAL):
                     raise got
                 counts["reward_errors"] += 1
-                self._log("error", f"{type(got).__name__}: {got}")
+                failures.append(f"{type(got).__name__}: {got}")
+                self._log("error", failures[-1])
+
+    def _check_failures(self, counts, attempted: int, failures: list[str]) -> None:
+        """ScorerBroken when more than `max_failure_fraction` of the `attempted` samples
+        failed: a scorer that fails that often is broken, and zeros are no training signal."""
+        failed = counts["reward_errors"] + counts["reward_timeouts"]
+        if not attempted or failed <= self.max_failure_fraction * attempted:
+            return
+        raise ScorerBroken(
+            f"task {self._name}: {failed} of {attempted} samples could not be scored "
+            f"({counts['reward_errors']} errors, {counts['reward_timeouts']} timeouts; the "
+            f"first: {failures[0] if failures else '?'}), more than task.max_failure_fraction "
+            f"= {self.max_failure_fraction:g} of the batch: scoring is broken, so the run ends "
+            "rather than train on zeros"
+        )
+
+    @property
+    def _name(self) -> str:
+        return getattr(self.task, "name", type(self.task).__name__)
 
     def _task_of(self, example: dict):
         components = getattr(self.task, "components", None)
         return self.task if components is None else components[example["domain"]]
 
-    def _combine(self, values, counts, examples) -> Scored:
+    def _combine(self, values, counts, examples, failures) -> Scored:
         n = len(values)
         rewards, passed = np.zeros(n), np.zeros(n)
         parts: dict[str, np.ndarray] = {}
@@ -191,7 +227,8 @@ class Scorer:
             except (TypeError, ValueError, ArithmeticError) as e:
                 rewards[i] = passed[i] = 0.0
                 counts["reward_errors"] += 1
-                self._log("garbage", str(e))
+                failures.append(str(e))
+                self._log("garbage", failures[-1])
         domains: dict[str, float] = {}
         if getattr(self.task, "components", None) is not None:
             labels = np.array([e["domain"] for e in examples])
@@ -218,12 +255,17 @@ class Scorer:
             if kind in self._logged:
                 return
             self._logged.add(kind)
-        name = getattr(self.task, "name", type(self.task).__name__)
         warnings.warn(
-            f"task {name}: a sample scored 0 ({text}); later ones of this kind are only "
+            f"task {self._name}: a sample scored 0 ({text}); later ones of this kind are only "
             "counted (reward_errors, reward_timeouts)",
             stacklevel=3,
         )
+
+
+def _score(held, domain: str | None, completion: str, example: dict):
+    """In a scorer's worker process: the sample's task (its domain's, in a mixture) scores it."""
+    task = held.shared if domain is None else held.shared.components[domain]
+    return task.score(completion, example)
 
 
 def _number(value, what: str) -> float:

@@ -1,0 +1,139 @@
+"""The scorer's worker processes: a scorer that holds the GIL is killed at its timeout while the
+trainer's threads go on, a task defined where pickle cannot reach still scores, and scoring
+that is broken (too many failures, no worker) ends the run instead of training on zeros."""
+
+import os
+import re
+import threading
+import time
+import warnings
+
+import numpy as np
+import pytest
+from conftest import TINY_CONFIG
+
+from jaxrl_scale.config import ConfigError, load_config
+from jaxrl_scale.tasks import Scorer, make_scorer
+from jaxrl_scale.tasks.scoring import ScorerBroken
+
+# re.match(r"(a+)+$", "a" * n + "b") backtracks 2^n steps inside C, holding the GIL: about
+# half a minute at n = 30 here, far past any timeout below.
+STUCK_N = 30
+
+
+class Regex:
+    """score = the completion read as a number; "stuck" runs a regex that holds the GIL,
+    "raise" raises, "hang" sleeps (a timeout that releases the GIL)."""
+
+    def score(self, completion, example):
+        if completion == "stuck":
+            re.match(r"(a+)+$", "a" * STUCK_N + "b")
+        if completion == "raise":
+            raise KeyError("answer")
+        if completion == "hang":
+            time.sleep(30)
+        return float(completion)
+
+
+def _score(scorer, texts):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the first failure of each kind is logged
+        return scorer(texts, [{"prompt": "x"}] * len(texts))
+
+
+class Heartbeat:
+    """A thread that ticks every 5 ms: the trainer's heartbeats and feeding loop stand-in."""
+
+    def __init__(self):
+        self.ticks, self._stop = 0, threading.Event()
+        self._thread = threading.Thread(target=self._beat, daemon=True)
+
+    def _beat(self):
+        while not self._stop.wait(0.005):
+            self.ticks += 1
+
+    def __enter__(self):
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join()
+
+
+def test_a_scorer_stuck_in_a_regex_that_holds_the_gil_costs_its_sample_and_nothing_else():
+    """A thread timeout cannot end code that holds the GIL: the waiter never ran again until
+    the regex finished. In a worker process the sample's worker is killed at the timeout;
+    the other samples score, the caller returns, and other threads ran meanwhile."""
+    scorer = Scorer(Regex(), workers=2, timeout=0.5)
+    with Heartbeat() as beat:
+        start = time.monotonic()
+        got = _score(scorer, ["stuck", "1", "0.5", "0.25", "0.75"])
+        took = time.monotonic() - start
+    assert took < 3.0, f"{took:.1f} s"
+    np.testing.assert_array_equal(got.rewards, [0, 1, 0.5, 0.25, 0.75])
+    assert got.counts["reward_timeouts"] == 1 and got.counts["reward_errors"] == 0
+    assert beat.ticks >= 10, beat.ticks  # the trainer's threads were never frozen
+    again = _score(scorer, ["stuck", "0.5"])  # a fresh worker took the killed one's place
+    np.testing.assert_array_equal(again.rewards, [0, 0.5])
+    assert again.counts["reward_timeouts"] == 1
+
+
+def test_a_task_that_pickle_cannot_carry_scores_in_the_workers():
+    """A task as a notebook makes one: a class local to a function, holding a lambda. The
+    workers are forked, so nothing of it is pickled; what a call changes in the task stays
+    in its worker (the trainer's copy is untouched)."""
+
+    class Notebook:
+        def __init__(self):
+            self.parse = lambda text: float(text) * 2
+            self.calls = 0
+
+        def score(self, completion, example):
+            self.calls += 1
+            return self.parse(completion) + example["bonus"]
+
+    task = Notebook()
+    got = Scorer(task, workers=2)(["1", "0.25"], [{"bonus": 0.5}, {"bonus": 0.0}])
+    np.testing.assert_array_equal(got.rewards, [2.5, 0.5])
+    assert task.calls == 0
+
+
+def test_a_batch_with_too_many_failures_ends_the_run_naming_the_key():
+    """Errors and timeouts together; the threshold is a fraction of the samples scored."""
+    scorer = Scorer(Regex(), workers=2, timeout=0.3, max_failure_fraction=0.5)
+    at = _score(scorer, ["raise", "hang", "1", "0.5"])  # 2 of 4: not above half
+    assert at.counts["reward_errors"] == 1 and at.counts["reward_timeouts"] == 1
+    with pytest.raises(ScorerBroken, match=r"3 of 4 samples.*task.max_failure_fraction = 0.5"):
+        _score(scorer, ["raise", "hang", "raise", "1"])
+    with pytest.raises(ScorerBroken, match=r"KeyError: 'answer'"):  # the first failure's text
+        _score(scorer, ["raise", "raise", "raise", "1"])
+    # Unclosed thinking is the model's doing, not the scorer's: not counted against it.
+    think = _score(scorer, ["<think>a", "<think>b", "<think>c", "1"])
+    assert think.counts["think_unclosed"] == 3 and think.rewards[3] == 1
+
+
+def test_max_failure_fraction_is_a_config_key_that_make_scorer_reads():
+    cfg = load_config(TINY_CONFIG)
+    assert cfg.task.max_failure_fraction == 0.5
+    with pytest.raises(ConfigError, match=r"task.max_failure_fraction: must be in \[0, 1\]"):
+        load_config(TINY_CONFIG, ["task.max_failure_fraction=1.5"])
+    strict = load_config(TINY_CONFIG, ["task.max_failure_fraction=0.2"])
+    scorer = make_scorer(strict.task, Regex())
+    with pytest.raises(ScorerBroken, match=r"1 of 4 samples"):
+        _score(scorer, ["raise", "1", "1", "1"])
+    lenient = make_scorer(load_config(TINY_CONFIG, ["task.max_failure_fraction=1.0"]).task,
+                          Regex())  # fmt: skip
+    assert _score(lenient, ["raise", "raise"]).counts["reward_errors"] == 2
+
+
+def test_a_scorer_with_no_worker_process_ends_the_run(monkeypatch):
+    """No worker can start (the process table is full): every sample would score 0."""
+
+    def no_fork():
+        raise BlockingIOError(11, "Resource temporarily unavailable")
+
+    scorer = Scorer(Regex(), workers=2)
+    monkeypatch.setattr(os, "fork", no_fork)
+    with pytest.raises(ScorerBroken, match=r"no worker process can be started"):
+        _score(scorer, ["1", "0.5"])
