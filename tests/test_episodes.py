@@ -24,6 +24,7 @@ from jaxrl_scale.rl.episodes import EngineEpisodes, EpisodeRunner
 from jaxrl_scale.rl.generator import WaveGenerator
 from jaxrl_scale.rl.losses import policy_loss
 from jaxrl_scale.tasks.env import EnvError, EnvRunner, GymText, Observations, TextArena
+from jaxrl_scale.tasks.scoring import ScorerBroken
 from jaxrl_scale.tasks.tools import ToolEnv, parse_calls, schema
 from jaxrl_scale.tasks.user import UserTask
 from jaxrl_scale.tasks.workers import WorkerPool
@@ -94,7 +95,7 @@ def test_an_episode_is_its_turns_as_sampled_between_observations_masked_out(retr
     assert generate.contexts[1][0] == tok.encode("1+2=") + want[:4]
     np.testing.assert_array_equal(rewards, [1.0, 1.0])
     assert stats["turns_mean"] == 2 and stats["env_errors"] == 0
-    assert stats["episodes_truncated"] == 0 and task.made == 2
+    assert stats["episodes_truncated"] == 0
 
 
 def test_out_of_turns_or_tokens_an_episode_is_truncated(retry_env):
@@ -519,3 +520,15 @@ def test_router_replay_with_a_multi_turn_task_is_refused_at_setup(retry_env, tmp
                                     "task.max_episode_tokens=24", "train.steps=1"])  # fmt: skip
     with pytest.raises(ConfigError, match="model.router_replay"):
         train(cfg, tmp_path)
+
+
+def test_a_run_whose_environments_mostly_fail_ends_naming_the_key(retry_env, tmp_path):
+    overrides = [*FAST, "task.name=retry_env:make", "task.args.fail_on=reset",
+                 "sampler.batching=static", "task.max_turns=2", "task.max_episode_tokens=24",
+                 "train.steps=2", "warm_start.steps=0"]  # fmt: skip
+    with warnings.catch_warnings(), pytest.raises(RuntimeError) as ended:
+        warnings.simplefilter("ignore")
+        train(load_config(TINY_CONFIG, overrides), tmp_path)
+    cause = ended.value if isinstance(ended.value, ScorerBroken) else ended.value.__cause__
+    assert isinstance(cause, ScorerBroken)
+    assert "16 of a batch's 16 episodes" in str(cause) and "task.max_failure_fraction" in str(cause)

@@ -222,7 +222,13 @@ def test_bad_examples_are_errors_naming_the_row(user_module):
 
 
 def test_a_user_task_trains_from_yaml_its_failing_samples_counted(user_module, tmp_path):
-    overrides = [*FAST, "task.name=user_task:make", "task.args.traps=true", "train.steps=3"]
+    overrides = [
+        *FAST,
+        "task.name=user_task:make",
+        "task.args.traps=true",
+        "train.steps=3",
+        "task.max_failure_fraction=1.0",
+    ]  # a batch may be mostly traps
     rows = train(load_config(TINY_CONFIG, overrides), tmp_path)
     assert [r["step"] for r in rows] == [0, 1, 2, 3]
     steps = rows[1:]
@@ -248,7 +254,7 @@ def test_a_task_object_trains_from_a_notebook(user_module, tmp_path):
     obj = user_module.make()
     rows = train(load_config(TINY_CONFIG, [*FAST, "train.steps=1"]), tmp_path, task=obj)
     assert [r["step"] for r in rows] == [0, 1]
-    # The object scored: step 1's 16 samples, the evals' 8 prompts x 2 samples at steps 0
-    # and 1, and batches generated ahead (pipeline_rl) of 16 samples each.
-    assert obj.calls >= 16 + 2 * 16 and obj.calls % 16 == 0
+    # The object scored in forked worker processes (tasks/workers.py): what its score
+    # changes stays there, and the notebook's object is untouched.
+    assert obj.calls == 0
     assert rows[1]["reward_errors"] == 0 and "reward/format" in rows[1]

@@ -474,7 +474,7 @@ def run_generator(cfg: ExperimentConfig, group: int) -> int:
     model_cfg, graphdef, abstract, tokenizer = _model(cfg)
     base = _generation_base(cfg, model_cfg, mesh)
     task = make_task(cfg.task, seed=cfg.seed, tokenizer=tokenizer)
-    scorer = make_scorer(cfg.task, task)  # the verifier's thread pool, as the trainer's
+    scorer = make_scorer(cfg.task, task)  # the verifier's workers, as the trainer's
     tok = task.tokenizer
     if hasattr(task, "make_env"):  # multi-turn: the episode budget bounds the contexts
         if processes.size > 1:

@@ -54,6 +54,7 @@ from jaxrl_scale.rl.pipeline import ParamsForChunk
 from jaxrl_scale.rl.step import Batch
 from jaxrl_scale.tasks import Scorer, make_scorer
 from jaxrl_scale.tasks.env import EnvRunner
+from jaxrl_scale.tasks.scoring import ScorerBroken
 
 if TYPE_CHECKING:  # the root config composes every part's section
     from jaxrl_scale.config import ExperimentConfig
@@ -92,7 +93,7 @@ class RolloutWorker:
         frozen=None,  # a LoRA base (lora.py): params given to this worker are then adapters
     ):
         self.cfg, self.task, self.tok, self.graphdef = cfg, task, task.tokenizer, graphdef
-        self.scorer = make_scorer(cfg.task, task)  # the verifier's thread pool
+        self.scorer = make_scorer(cfg.task, task)  # the verifier's worker processes
         if cfg.model.vocab_size < self.tok.vocab_size:
             raise ConfigError(
                 f"model.vocab_size: {cfg.model.vocab_size} is below the task tokenizer's "
@@ -272,6 +273,7 @@ class RolloutWorker:
         advantages, the batch on the host, the row's statistics.
         `curriculum`: the snapshot taken after the batch's pass rates were recorded."""
         cfg, ro = self.cfg, scored.ro
+        check_environments(cfg, scored)
         adv, keep = group_advantages(
             scored.rewards, cfg.train.group_size, normalize=cfg.loss.normalize,
             baseline=cfg.loss.baseline,
@@ -445,6 +447,19 @@ def score_episodes(
         **stats,
     }
     return Scored(ro, rewards, ro.versions, pass_rates, stats)
+
+
+def check_environments(cfg: ExperimentConfig, scored: Scored) -> None:
+    """A batch of episodes more than `task.max_failure_fraction` of which failed in their
+    environment ends the run (ScorerBroken), as broken scoring does: a run that trains on
+    what little is left for hours is worse than one that stops and says why."""
+    failed, n = scored.stats.get("env_errors", 0), len(scored.rewards)
+    if failed and failed > cfg.task.max_failure_fraction * n:
+        raise ScorerBroken(
+            f"{failed} of a batch's {n} episodes failed in their environment (the first "
+            "failure of each kind is logged above): more than task.max_failure_fraction "
+            f"({cfg.task.max_failure_fraction:g}); fix the environment, or raise the key"
+        )
 
 
 def sampling_sd(scores) -> float:

@@ -41,8 +41,8 @@ class Task(Protocol):
     `score(completion, example)` gets the completion's text (its thinking cut off, see
     tasks/scoring.py) and the example it answers, and returns its reward: a float (a verifier's
     usual range is [0, 1], which the pass-rate metrics assume), or a mapping of named parts
-    summed with `reward_weights`. It may be called from several threads at once (a scorer that
-    is not thread-safe sets task.score_workers=1); one that raises, hangs past
+    summed with `reward_weights`. It runs in forked worker processes (tasks/workers.py), several at
+    once, so what it changes on the task stays there; one that raises, hangs past
     task.score_timeout or returns a non-number scores that sample 0, counted."""
 
     train_examples: Sequence[dict]
