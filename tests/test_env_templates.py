@@ -161,7 +161,9 @@ def _episodes(tok, task, answers, *overrides, end=None):
     cfg = load_config(TINY_CONFIG, ["task.max_turns=4", "task.max_episode_tokens=2048",
                                     "sampler.max_new_tokens=256", *overrides])  # fmt: skip
     generate = Scripted(tok, answers, tok.eos_ids[-1] if end is None else end)
-    runner = EpisodeRunner(cfg, task, tok, generate, EnvRunner(workers=cfg.task.env_workers, timeout=5.0))
+    runner = EpisodeRunner(
+        cfg, task, tok, generate, EnvRunner(workers=cfg.task.env_workers, timeout=5.0)
+    )
     return runner, generate
 
 
