@@ -28,6 +28,7 @@ holds it), one JSON object a line: {"setup_error": why} when the run could not b
 0, "cpu_seconds": its CPU time}. The program's output says nothing of the sandbox's statuses.
 """
 
+import contextlib
 import ctypes
 import errno
 import json
@@ -252,7 +253,8 @@ def main() -> None:
         if done == pid:
             break
     if cfg["mode"] == "uid":
-        _kill_uid(cfg["uid"])
+        with contextlib.suppress(OSError):  # its pids cgroup full: the host kills them then
+            _kill_uid(cfg["uid"])
     killed_by = 0 if os.WIFEXITED(status) else os.WTERMSIG(status)
     code = 128 + killed_by if killed_by else os.WEXITSTATUS(status)
     _report(report, code=code, signal=killed_by, cpu_seconds=usage.ru_utime + usage.ru_stime)
