@@ -76,7 +76,7 @@ class CodeConfig:
     # rlimits alone the task refuses to run unless allow_unisolated is set.
     isolation: Literal["auto", "namespaces+uid+rlimits", "uid+rlimits", "rlimits"] = "auto"
     allow_unisolated: bool = False
-    workers: int = 0  # programs run at once; 0: one per CPU core
+    workers: int = 0  # programs run at once; 0: what cores and memory hold (default_workers)
     limits: SandboxLimits = dataclasses.field(default_factory=SandboxLimits)
 
     def __post_init__(self):
