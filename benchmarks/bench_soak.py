@@ -219,14 +219,19 @@ def soak(out: Path, *, steps: int, kills: int, trainers: int, groups: int, seed:
         events.remove("drain")
         events.append("drain")  # the drained group leaves last
         next_group = groups
+
+        def joined() -> list[int]:  # the groups up and taking work
+            return [g for g, (p, log) in drill.groups.items()
+                    if p.poll() is None and "joined the trainer" in log.read_text()]  # fmt: skip
+
         for event in events:
             time.sleep(rng.uniform(0.5, 2.5))
             assert all(p.poll() is None for p, _ in drill.trainer_procs), (
                 f"the run ended before the faults did ({event} was next): raise --steps"
             )
-            live = [g for g, (p, log) in drill.groups.items()
-                    if p.poll() is None and "joined the trainer" in log.read_text()]  # fmt: skip
-            g = rng.choice(live or list(drill.groups))
+            if event == "drain":  # a group still starting has no SIGTERM handler yet
+                drill.wait_for(lambda: bool(joined()), "a joined group to drain")
+            g = rng.choice(joined() or list(drill.groups))
             if event == "kill":  # any process of the group; the group started again
                 victim = rng.randrange(group_processes)
                 counts["rest_killed"] += drill.kill_group(g, victim)
