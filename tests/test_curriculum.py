@@ -50,3 +50,10 @@ def test_a_snapshot_is_a_copy_and_restores_the_same_draws():
     assert [restored.next_batch(4).tolist() for _ in range(4)] == later
     with pytest.raises(ValueError, match="for 10 prompts, not 7"):
         Curriculum(7, seed=3).load_state_dict(snapshot)
+
+
+def test_a_group_with_no_pass_rate_keeps_what_was_known():
+    c = Curriculum(4, seed=0, retire_threshold=0.9)
+    c.update([0, 1], [0.5, 1.0])
+    c.update([0, 1], [np.nan, np.nan])  # no episode of either group could be trained
+    assert c.pass_rate[0] == 0.5 and c.pass_rate[1] == 1.0 and c.retired[1]

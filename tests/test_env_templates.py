@@ -4,6 +4,7 @@ own rendering, the turn's real end token, malformed observations, tool episodes,
 that cannot be trained left out of the loss."""
 
 import json
+import time
 import warnings
 
 import jax
@@ -99,10 +100,11 @@ def test_an_observation_continues_the_conversation_as_the_template_renders_it(na
     assert cut.startswith(TURN_END[name]) and first + turn + cut == want
 
 
-def test_a_llama_turn_that_ended_with_end_of_text_is_closed_by_the_templates_turn_end():
+@pytest.mark.parametrize("end", ["<|end_of_text|>", "<|eom_id|>", "<|eot_id|>"])
+def test_any_end_token_a_llama_turn_sampled_stands_for_the_templates_turn_end(end):
     tok = chat_tokenizer("llama3.2")
-    after = Observations(tok).after_turn("again", ended_with=_id(tok, "<|end_of_text|>"))
-    assert after.startswith("<|eot_id|><|start_header_id|>user<|end_header_id|>")
+    after = Observations(tok).after_turn("again", ended_with=_id(tok, end))
+    assert after.startswith("<|start_header_id|>user<|end_header_id|>")  # no second end
 
 
 class Scripted:
@@ -162,7 +164,11 @@ def _episodes(tok, task, answers, *overrides, end=None):
                                     "sampler.max_new_tokens=256", *overrides])  # fmt: skip
     generate = Scripted(tok, answers, tok.eos_ids[-1] if end is None else end)
     runner = EpisodeRunner(
-        cfg, task, tok, generate, EnvRunner(workers=cfg.task.env_workers, timeout=5.0)
+        cfg,
+        task,
+        tok,
+        generate,
+        EnvRunner(workers=cfg.task.env_workers, timeout=cfg.task.env_timeout),
     )
     return runner, generate
 
@@ -351,3 +357,65 @@ def test_an_episode_whose_prompt_alone_fills_the_budget_is_counted_and_warned_ab
     assert stats["episodes_prompt_too_long"] == 2 and stats["episodes_truncated"] == 2
     assert np.isnan(rewards).all() and generate.calls == 0
     assert any("task.max_episode_tokens" in str(w.message) for w in caught)
+
+
+def test_a_held_out_evaluation_keeps_the_return_of_an_episode_unlike_its_group():
+    # Training leaves the odd one out (NaN); an evaluation counts what it returned.
+    tok = chat_tokenizer("qwen2.5")
+    Flaky.made = 0
+    task = WeatherTask(tok, make=lambda e: Flaky(e, set(), ["Q", "other", "Q", "Q"]))
+    runner, _ = _episodes(tok, task, ["a"] * 2, "task.max_turns=1", "task.env_workers=1")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        _, returns, _ = runner.run(None, task.train_examples, jax.random.key(0),
+                                   sampling=None, repeat=4, training=False)  # fmt: skip
+    assert list(returns) == [0.0, 1.0, 0.0, 1.0]
+
+
+class Flood(Weather):
+    """A tool that answers 4 MB."""
+
+    def step(self, action):
+        return [{"role": "tool", "content": "x" * 4_000_000}], 0.0, False
+
+
+def test_an_observation_is_cut_to_the_room_left_before_it_is_tokenized():
+    tok = chat_tokenizer("qwen2.5")
+    runner, _ = _episodes(tok, WeatherTask(tok, make=Flood), ["a"] * 2,
+                          "task.max_episode_tokens=1024")  # fmt: skip
+    start = time.perf_counter()
+    ro, _, stats = runner.run(None, [{"question": "q"}], jax.random.key(0), sampling=None,
+                              repeat=1)  # fmt: skip
+    # Tokenizing 4 MB byte by byte takes seconds here; 64 characters a token of room does not.
+    assert time.perf_counter() - start < 2.0
+    assert stats["episodes_truncated"] == 1 and stats["env_errors"] == 0
+    assert ro.lengths[0] + ro.prompt_mask[0].sum() == 1024
+
+
+def test_tool_episodes_weigh_named_parts_with_the_configs_weights_over_the_tasks():
+    tok = chat_tokenizer("qwen2.5")
+    task = UserTask(Scores(tok), tokenizer=tok, reward_weights={"correct": 2.0})
+    _, reward, done = task.make_env(task.train_examples[0]).step("21")
+    assert done and reward == 0.25 * 1.0 + 2.0 * 1.0
+
+
+class Sleepy(Flaky):
+    def step(self, action):
+        if self.number == 0:
+            time.sleep(30)  # past task.env_timeout: its worker is killed
+        return "go on", 0.0, False
+
+
+def test_episodes_lost_with_a_worker_killed_for_another_ones_hang_are_counted_apart():
+    tok = chat_tokenizer("qwen2.5")
+    Flaky.made = 0
+    task = WeatherTask(tok, make=lambda e: Sleepy(e, set(), ["Q"] * 3))
+    runner, _ = _episodes(tok, task, ["a"] * 3, "task.max_turns=2", "task.env_workers=1",
+                          "task.env_timeout=1")  # fmt: skip
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        _, rewards, stats = runner.run(None, task.train_examples, jax.random.key(0),
+                                       sampling=None, repeat=3)  # fmt: skip
+    # The hung one is the environment's failure; the two that shared its worker were lost.
+    assert stats["env_errors"] == 1 and stats["episodes_lost"] == 2
+    assert np.isnan(rewards).all()

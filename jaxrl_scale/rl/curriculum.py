@@ -58,8 +58,11 @@ class Curriculum:
         return np.asarray(picked)
 
     def update(self, indices, pass_rates) -> None:
-        """Record each prompt's latest group pass rate; retire those at the threshold."""
+        """Record each prompt's latest group pass rate; retire those at the threshold. A NaN
+        rate (a group none of whose episodes could be trained) keeps what was known."""
         indices, pass_rates = np.asarray(indices), np.asarray(pass_rates, float)
+        known = np.isfinite(pass_rates)
+        indices, pass_rates = indices[known], pass_rates[known]
         self.pass_rate[indices] = pass_rates
         if self.enabled:
             self.retired[indices] |= pass_rates >= self.threshold

@@ -71,7 +71,9 @@ class Episode:
 
     def fail(self, why: str) -> None:
         self.error, self.done, self.reward = why, True, 0.0
-        self.dropped = "env_errors"
+        # Lost with its worker process, killed for another environment's hang (tasks/env.py):
+        # not this environment's failure.
+        self.dropped = "episodes_lost" if "WorkerLost" in why else "env_errors"
 
     def room(self, budget: int) -> int:
         return budget - len(self.prompt) - len(self.tokens)
@@ -97,10 +99,11 @@ class EpisodeRunner:
         self._logged: set[str] = set()
         self._log_lock = threading.Lock()
 
-    def run(self, params_for_chunk, examples, key, *, sampling, repeat: int):
-        """(Rollout on the host of len(examples) x repeat episodes, their rewards [B] (NaN:
-        cannot be trained, see `settle_groups`), stats), every live episode's next turn
-        generated at once (a wave per turn)."""
+    def run(self, params_for_chunk, examples, key, *, sampling, repeat: int, training=True):
+        """(Rollout on the host of len(examples) x repeat episodes, their rewards [B], stats),
+        every live episode's next turn generated at once (a wave per turn). `training`: the
+        rewards of episodes that cannot be trained are NaN (`settle_groups`); else (a
+        held-out evaluation) each episode's return, 0 for one its environment failed."""
         t = self.cfg.task
         start = time.perf_counter()
         env_seconds = 0.0
@@ -143,6 +146,8 @@ class EpisodeRunner:
             for ep, (result, why) in zip(live, steps, strict=True):
                 self.observe(ep, result, why)
         rewards = self.settle_groups(episodes, repeat)
+        if not training:
+            rewards = np.array([ep.reward for ep in episodes])
         return self.rollout(episodes), rewards, self.stats(episodes, env_seconds, start)
 
     @property
@@ -201,15 +206,17 @@ class EpisodeRunner:
             ep.done = True  # (out of turns: truncated)
             ep.truncated |= not (done or obs is None)
             return None
+        room = max(ep.room(t.max_episode_tokens), 0)
+        obs, cut = _bounded(obs, room * MAX_CHARS_PER_TOKEN)
         try:
             text = self.observations.after_turn(obs, self._tools(ep), ended_with=ep.ended_with)
             ids = self.tok.encode(text)
         except Exception as e:  # noqa: BLE001 - the environment's data, reported per episode
             self.fail(ep, f"step's observation: {_why(e)}")
             return None
-        keep = ids[: max(ep.room(t.max_episode_tokens), 0)]
+        keep = ids[:room]
         ep.add(keep, [0.0] * len(keep), [0.0] * len(keep), [-1] * len(keep))
-        if len(keep) < len(ids) or ep.room(t.max_episode_tokens) <= 0:
+        if cut or len(keep) < len(ids) or ep.room(t.max_episode_tokens) <= 0:
             ep.done = ep.truncated = True
             return None
         return keep
@@ -220,7 +227,8 @@ class EpisodeRunner:
         return {
             "turns_mean": float(np.mean([ep.turns for ep in episodes])),
             "env_seconds": env_seconds,
-            "env_errors": sum(ep.error is not None for ep in episodes),
+            "env_errors": sum(ep.dropped == "env_errors" for ep in episodes),
+            "episodes_lost": sum(ep.dropped == "episodes_lost" for ep in episodes),
             "episodes_truncated": sum(ep.truncated and ep.error is None for ep in episodes),
             "episodes_prompt_too_long": sum(
                 ep.dropped == "episodes_prompt_too_long" for ep in episodes
@@ -472,6 +480,27 @@ class EngineEpisodes:
         rewards = self.runner.settle_groups(episodes, self.cfg.train.group_size)
         stats = self.runner.stats(episodes, self.waited - waited, batch.start)
         return batch.indices, self.runner.rollout(episodes), rewards, stats
+
+
+# What an observation's text is cut to before it is rendered and tokenized, per token of room
+# left: no tokenizer's token is longer, so the cut never shortens what fits, and a tool that
+# answers 50 MB costs a bounded tokenization on the generator's thread.
+MAX_CHARS_PER_TOKEN = 64
+
+
+def _bounded(obs, limit: int):
+    """(`obs` with its text cut to `limit` characters in all, whether any was cut)."""
+    if isinstance(obs, str):
+        return obs[:limit], len(obs) > limit
+    out, left, cut = [], limit, False
+    for m in obs:
+        content = m.get("content") if isinstance(m, dict) else None
+        if isinstance(content, str):
+            cut |= len(content) > left
+            m = {**m, "content": content[:left]}
+            left = max(left - len(content), 0)
+        out.append(m)
+    return out, cut
 
 
 def _why(e: Exception) -> str:

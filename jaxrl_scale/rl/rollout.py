@@ -332,8 +332,7 @@ def held_out_scores(
     sampling = Sampling(cfg.train.eval_temperature)
     if episodes is not None:  # whole episodes; the pass rate is the mean episode return
         _, returns, stats = episodes.run(params_for_chunk, examples, key, sampling=sampling,
-                                         repeat=k)  # fmt: skip
-        returns = np.nan_to_num(returns, nan=0.0)  # a failed episode returns 0 here
+                                         repeat=k, training=False)  # fmt: skip
         keep = ("turns_mean", "env_errors", "episodes_truncated", "tool_errors")
         return returns.reshape(len(examples), k), {name: stats[name] for name in keep}
     tok = scorer.task.tokenizer

@@ -103,7 +103,7 @@ def make_task(cfg, *, seed: int, tokenizer=None, task=None):
         obj = task if task is not None else user.build(cfg.name, cfg.args)
         return UserTask(
             obj, tokenizer=tokenizer, num_train=cfg.num_train, num_eval=cfg.num_eval,
-            label=label, tool_timeout=cfg.tool_timeout,
+            label=label, tool_timeout=cfg.tool_timeout, reward_weights=cfg.reward_weights,
         )  # fmt: skip
     common = dict(num_train=cfg.num_train, num_eval=cfg.num_eval, seed=seed, tokenizer=tokenizer)
     try:

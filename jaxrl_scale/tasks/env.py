@@ -296,8 +296,9 @@ class Observations:
 
     def after_turn(self, obs: Observation, tools=None, *, ended_with: int | None = None) -> str:
         """The text after a model turn: the template's turn end, the observation, the next
-        assistant header. `ended_with`: the end-of-turn token the model sampled last (the
-        template's turn end goes on after it); None: the turn was cut off before one (by
+        assistant header. `ended_with`: the end-of-turn token the model sampled last, which
+        stands for the template's (the template's turn end, an end token, is left out and
+        what it writes after one stays); None: the turn was cut off before one (by
         `task.turn_tokens`), so the template's whole turn end closes it here, as context."""
         if not self.chat:
             if not isinstance(obs, str):
@@ -314,11 +315,17 @@ class Observations:
                 "where a turn ends cannot be found in its rendering"
             )
         rest = full[full.index(self.PROBE_ASSISTANT) + len(self.PROBE_ASSISTANT) :]
-        if ended_with is not None:
-            end = self.tok.decode([ended_with], skip_special_tokens=False)
-            if end and rest.startswith(end):  # the model wrote the turn's end itself
-                rest = rest[len(end) :]
+        if ended_with is not None:  # the model's own end stands for the template's
+            for end in self._ends():
+                if rest.startswith(end):
+                    return rest[len(end) :]
         return rest
+
+    def _ends(self) -> list[str]:
+        """The tokenizer's end-of-turn tokens as text, longest first (Llama-3's turn may end
+        with <|eot_id|>, <|eom_id|> or <|end_of_text|>; the template writes <|eot_id|>)."""
+        texts = {self.tok.decode([i], skip_special_tokens=False) for i in self.tok.eos_ids}
+        return sorted((t for t in texts if t), key=len, reverse=True)
 
     def _messages(self, obs: Observation) -> list[dict]:
         if not self.chat:

@@ -100,6 +100,7 @@ class UserTask:
         num_eval: int = 0,
         label: str = "task",
         tool_timeout: float = 10.0,
+        reward_weights: Mapping[str, float] | None = None,
     ):
         # An environment task (`make_env`, tasks/env.py) rewards episodes: it needs no `score`.
         needed = ("train_examples", "eval_examples") + (
@@ -120,7 +121,9 @@ class UserTask:
                 f"task.name: {label} brings no tokenizer: set model.init_from to a checkpoint "
                 "(its tokenizer is used) or give the task a `tokenizer`"
             )
-        self.reward_weights = dict(getattr(obj, "reward_weights", None) or {})
+        # Its parts' weights: the config's (task.reward_weights) over the object's own.
+        self.reward_weights = {**(getattr(obj, "reward_weights", None) or {}),
+                               **(reward_weights or {})}  # fmt: skip
         self.pass_part = getattr(obj, "pass_part", None)  # the part that means "solved"
         train = self._examples(obj.train_examples, "train_examples", label)
         held_out = self._examples(obj.eval_examples, "eval_examples", label)
