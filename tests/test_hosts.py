@@ -322,6 +322,39 @@ def test_a_group_that_beats_but_makes_no_progress_counts_as_lost():
         hub.stop(grace=0.1)
 
 
+def test_a_rejoined_group_counts_its_processes_once():
+    """A group that rejoins gets a new id while its old entry lives until hosts.lost_after:
+    generator_processes counts each group (by its number) once, as its newest join."""
+    import zmq
+
+    from jaxrl_scale.hosts.hub import Hub
+    from jaxrl_scale.rl.curriculum import Curriculum
+
+    port = _free_port()
+    hub = Hub(_hub_cfg(port), Curriculum(64, seed=0), start=0, k=1, chunks=1, weights=[])
+    req = zmq.Context.instance().socket(zmq.REQ)
+
+    def join(group, token, processes):
+        req.send_json({"op": "join", "group": group, "host": "here", "token": token,
+                       "processes": processes})  # fmt: skip
+        assert req.poll(10_000)
+        return req.recv_json()["gen"]
+
+    try:
+        req.connect(f"tcp://127.0.0.1:{port}")
+        first = join(0, "a", 2)
+        assert hub.processes() == 2
+        assert join(0, "b", 2) != first  # the same group again: its old entry not yet lost
+        assert hub.processes() == 2  # (4 before)
+        join(1, "c", 1)
+        assert hub.processes() == 3
+        join(0, "d", 4)  # rejoined as a bigger job: its newest join counts
+        assert hub.processes() == 5
+    finally:
+        req.close(0)
+        hub.stop(grace=0.1)
+
+
 def test_the_dispatch_keeps_cursors_only_for_batches_not_yet_back():
     from jaxrl_scale.hosts.hub import Dispatch
     from jaxrl_scale.rl.curriculum import Curriculum

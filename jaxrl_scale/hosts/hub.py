@@ -202,7 +202,7 @@ class Hub:
         # A group's failure that would repeat (its message names the key), guarded by _cond:
         # the trainer's wait ends with it.
         self._group_failed: PermanentFailure | None = None
-        self._processes = 0  # guarded by _cond: the processes of the groups joined and live
+        self._processes = 0  # guarded by _cond: the processes of the live groups (each once)
         self.lost_rows = self.lost_batches = self.rejected = 0  # hub thread; read when joined
         # Hub thread only:
         self._gens: dict[int, dict] = {}
@@ -503,11 +503,15 @@ class Hub:
             )
 
     def _count_processes(self) -> None:
+        """Each group's processes once: a group that rejoined (a new id) while its old entry
+        waits out `hosts.lost_after` counts as its newest join (ids rise with joins)."""
+        newest = {g["group"]: g["processes"] for _, g in sorted(self._gens.items())}
         with self._cond:
-            self._processes = sum(g["processes"] for g in self._gens.values())
+            self._processes = sum(newest.values())
 
     def processes(self) -> int:
-        """The processes of the generator groups joined and not lost (the trainer thread)."""
+        """The processes of the generator groups joined and not lost, each group (by its
+        number) counted once (the trainer thread)."""
         with self._cond:
             return self._processes
 
