@@ -749,6 +749,61 @@ def test_a_group_that_cannot_run_the_trainers_model_ends_the_run_naming_the_key(
     assert "rejoin" not in gen_log.read_text() and "lost the trainer" not in gen_log.read_text()
 
 
+# A user's task whose scorer always raises (its grading service down): every batch fails
+# more than task.max_failure_fraction (0.5) of its samples.
+BROKEN_SCORER = """
+from jaxrl_scale.models.tokenizer import CharTokenizer
+
+
+class Task:
+    name = "graded"
+
+    def __init__(self):
+        rows = [{"prompt": f"{a}+{b}=", "answer": a + b} for a in range(8) for b in range(8)]
+        self.train_examples, self.eval_examples = rows[:56], rows[56:]
+        self.tokenizer = CharTokenizer("0123456789+-*= ")
+
+    def score(self, completion, example):
+        raise RuntimeError("the grading service is down")
+
+
+def make():
+    return Task()
+"""
+
+
+def test_broken_scoring_in_a_group_ends_the_trainers_run_with_the_scorers_error(
+    tmp_path, processes
+):
+    """A group whose scorer fails every sample raises ScorerBroken; it tells the hub, and
+    the trainer's run ends at once with the scorer's error (the group died unheard before:
+    the hub dropped it after hosts.lost_after and the trainer failed after hosts.timeout
+    with 'no generator group heard from')."""
+    (tmp_path / "graded.py").write_text(BROKEN_SCORER)
+    port = _free_port()
+    extra = ["train.steps=2", "task.name=graded:make", "warm_start.steps=0",
+             "hosts.generator_groups=1", "hosts.timeout=600"]  # fmt: skip
+    out = tmp_path / "run"
+    trainer_log, gen_log = tmp_path / "trainer.log", tmp_path / "gen.log"
+    env = {"PYTHONPATH": str(tmp_path)}
+    trainer = processes.start(_env("trainer", **env), _args(out, port, *extra), trainer_log)
+    gen = processes.start(_env("generator", JAXRL_GROUP="0", **env), _args(out, port, *extra),
+                          gen_log)  # fmt: skip
+    try:
+        trainer.wait(timeout=240)
+        gen.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        logs = f"{trainer_log.read_text()[-2000:]}\n{gen_log.read_text()[-2000:]}"
+        pytest.fail(f"still running:\n{logs}")
+    text = trainer_log.read_text()
+    assert trainer.returncode != 0, text[-3000:]
+    assert "ScorerBroken: task graded: " in text, text[-3000:]
+    assert "could not be scored" in text and "the grading service is down" in text
+    assert "(generator group 0 on 127.0.0.1)" in text
+    assert "no generator group has been heard from" not in text
+    assert gen.returncode != 0 and "told the trainer" in gen_log.read_text()
+
+
 # The shipped multi-host recipes: (trainer processes, devices per host). Each runs on that
 # topology (its meshes, generator group, pipeline mode and k as written) on 127.0.0.1, with
 # fake CPU devices, the model and the shapes shrunk, through the launcher users run.

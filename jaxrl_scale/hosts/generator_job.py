@@ -19,7 +19,10 @@ restarts (load, restore, compile) finds it waiting; a new trainer answers with a
 A group that reaches no trainer at all exits after `hosts.timeout`, naming the hub. A failure
 that would repeat however often the group rejoined (`weights.PermanentFailure`: leaves of
 another model than the trainer's; a config error at setup) is told to the hub, which ends the
-trainer's run with it, naming the key, and the group exits (status 2). Threads:
+trainer's run with it, naming the key, and the group exits (status 2). So is broken scoring
+(`ScorerBroken`: a batch whose failed samples pass `task.max_failure_fraction`, a verifier
+that cannot run; `PoolBroken`: no worker process starts): the trainer's run ends with the
+scorer's error, as a colocated run's does, not after `hosts.timeout`. Threads:
 the main thread owns the control and data sockets and the decoding; the puller thread owns the
 `WeightClient`; the heartbeat thread its own control socket; both outlive any one trainer
 (a failure is handed to the main thread, which rejoins). The versions held, the newest
@@ -56,6 +59,8 @@ from jaxrl_scale.rl.generator import EngineBatches, WaveGenerator
 from jaxrl_scale.rl.rollout import held_out_scores, score_episodes, score_rollout
 from jaxrl_scale.tasks import make_scorer, make_task
 from jaxrl_scale.tasks.env import EnvRunner
+from jaxrl_scale.tasks.scoring import ScorerBroken
+from jaxrl_scale.tasks.workers import PoolBroken
 
 if TYPE_CHECKING:  # the root config composes every part's section
     from jaxrl_scale.config import ExperimentConfig
@@ -815,17 +820,22 @@ def main(cfg: ExperimentConfig, group: int) -> int:
         return 1
     except ConfigError as e:  # it would fail so again: the trainer's run ends with it
         if jax.process_index() == 0:  # (a group's leader speaks for it)
-            _report(cfg, group, e)
+            _report(cfg, group, str(e), kind="config")
+        raise
+    except (ScorerBroken, PoolBroken) as e:  # broken scoring, here as on any group
+        if jax.process_index() == 0:
+            _report(cfg, group, f"{type(e).__name__}: {e}", kind="scoring")
         raise
 
 
-def _report(cfg: ExperimentConfig, group: int, error: ConfigError) -> None:
-    """Tell the trainer's hub that this group failed for good (`error` names the key), so
-    its run ends now rather than waiting for the group; waits up to `hosts.timeout` for a
-    trainer to answer (one starting after this group)."""
+def _report(cfg: ExperimentConfig, group: int, error: str, *, kind: str) -> None:
+    """Tell the trainer's hub that this group failed for good (`error` names the key, or the
+    scorer's failure: `kind` "config" or "scoring"), so its run ends now with that error
+    rather than waiting for the group; waits up to `hosts.timeout` for a trainer to answer
+    (one starting after this group)."""
     control = Requester(cfg.hosts.hub, patience=cfg.hosts.timeout, what=f"generator group {group}")
     message = {"op": "fail", "group": group, "host": address(cfg, trainer=False),
-               "error": str(error)}  # fmt: skip
+               "error": error, "kind": kind}  # fmt: skip
     try:
         control.request(message)
         print(f"generator group {group}: told the trainer ({error})", file=sys.stderr,

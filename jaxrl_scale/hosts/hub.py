@@ -20,8 +20,9 @@ published version start + n - k, and its tokens must all carry versions at least
 (`oldest`): the ahead side waits, so nothing is generated to be thrown away. The trainer takes
 batches in number order. A group silent for `hosts.lost_after` seconds is lost: its batch's
 prompts are handed out again (same prompts, same number) and its rows counted (`lost_rows`).
-A group that fails for good (`weights.PermanentFailure`, "fail") ends the trainer's wait, and
-so its run, with that error.
+A group that fails for good ("fail": `weights.PermanentFailure`, a config that differs, or
+`tasks.scoring.ScorerBroken`, its scoring broken) ends the trainer's wait, and so its run,
+with that error.
 
 Ownership. The hub thread owns its sockets, the generator table and the curriculum after the
 feeder starts (it draws prompts when handing out and records pass rates when a batch arrives,
@@ -51,6 +52,7 @@ from jaxrl_scale.hosts.weights import PermanentFailure, WeightServer
 from jaxrl_scale.parallel import distributed
 from jaxrl_scale.rl.curriculum import Curriculum
 from jaxrl_scale.rl.rollout import Rollouts, Scored, held_out_row
+from jaxrl_scale.tasks.scoring import ScorerBroken
 
 if TYPE_CHECKING:  # the root config composes every part's section
     from jaxrl_scale.config import ExperimentConfig
@@ -199,9 +201,9 @@ class Hub:
         self._eval_ids = iter(range(2**31))
         self._stopping: float | None = None  # when stopping: the time the hub thread ends by
         self._failed: BaseException | None = None
-        # A group's failure that would repeat (its message names the key), guarded by _cond:
-        # the trainer's wait ends with it.
-        self._group_failed: PermanentFailure | None = None
+        # A group's failure that would repeat (its message names the key, or the scorer's
+        # failure), guarded by _cond: the trainer's wait ends with it.
+        self._group_failed: PermanentFailure | ScorerBroken | None = None
         self._processes = 0  # guarded by _cond: the processes of the live groups (each once)
         self.lost_rows = self.lost_batches = self.rejected = 0  # hub thread; read when joined
         # Hub thread only:
@@ -320,7 +322,8 @@ class Hub:
             return {"error": "bad message"}
         now = time.monotonic()
         if op == "fail":  # a failure the group would meet again however often it rejoined
-            error = PermanentFailure(
+            failure = ScorerBroken if msg.get("kind") == "scoring" else PermanentFailure
+            error = failure(
                 f"{msg.get('error')} (generator group {msg.get('group')} on {msg.get('host')})"
             )
             print(f"hub: {error}; the run ends", file=sys.stderr, flush=True)
