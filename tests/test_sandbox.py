@@ -482,6 +482,61 @@ def test_uids_are_claimed_host_wide(sandbox):
         assert proc.wait(30) == 0
 
 
+# A run that says which uid it ran under, then stays for the seconds on its stdin.
+UID_PROGRAM = "import os, time\nprint(os.getuid(), flush=True)\ntime.sleep(float(input()))\n"
+
+
+def test_a_forked_process_runs_under_uids_of_its_own():
+    """A Sandbox copied into a forked process (an environment's worker) claims its own uids:
+    its runs never share a uid, a process count or a cgroup with the parent's runs under way,
+    and its close gives back nothing of the parent's."""
+    import select
+
+    from jaxrl_scale.tasks.sandbox import UID_CLAIMS
+
+    if os.geteuid() != 0:
+        pytest.skip("uids are claimed only by root (no one else runs programs under them)")
+    limits = dataclasses.replace(LIMITS, wall_seconds=15.0)  # room for a loaded machine
+    try:  # the uid level where unshare is missing: that is enough to show the uids
+        s = Sandbox(limits, workers=2, allow_unisolated=True)
+    except SandboxUnavailable as e:
+        pytest.skip(f"no sandbox with an unprivileged uid here: {e}")
+    with s:
+        ours = set(s.uids)
+        parent_run = s.submit(UID_PROGRAM, "2.5")  # under way while the child runs
+        read_end, write_end = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # the child: report, give back its own, and never return into pytest
+            try:
+                os.close(read_end)
+                r = s.run(UID_PROGRAM, "0.3")
+                report = {"uids": list(s.uids), "status": r.status, "stdout": r.stdout}
+                s.close()
+                os.write(write_end, json.dumps(report).encode())
+            finally:
+                os._exit(0)
+        os.close(write_end)
+        try:
+            ready, _, _ = select.select([read_end], [], [], 20)
+            child = json.loads(os.read(read_end, 65536) or "null") if ready else None
+        finally:
+            os.close(read_end)
+            if not ready:
+                os.kill(pid, 9)
+            os.waitpid(pid, 0)
+        assert child is not None, "the child's run never ran (no uid free in its copy)"
+        assert len(child["uids"]) == 2 and not set(child["uids"]) & ours, child
+        assert child["status"] == "ok" and int(child["stdout"]) in child["uids"], child
+        r = parent_run.result()  # not ended with the child's run (same uid, same cgroup)
+        assert r.status == "ok" and int(r.stdout) in ours, r
+        # The child's close left the parent's claims alone: a fresh claimant skips them.
+        assert all(os.path.exists(f"{UID_CLAIMS}/{uid}") for uid in ours)
+        with Sandbox(LIMITS, workers=2, allow_unisolated=True) as other:
+            assert not set(other.uids) & ours
+        r = s.run("import os\nprint(os.getuid())")  # the parent's Sandbox runs on
+        assert r.status == "ok" and int(r.stdout) in ours, r
+
+
 def test_read_only_binds_are_read_only_below_too(tmp_path):
     """A mount below a read-only bind's source is read-only in the bind as well."""
     if os.geteuid() != 0 or shutil.which("unshare") is None:

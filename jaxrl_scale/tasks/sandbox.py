@@ -29,6 +29,12 @@ machine; the strongest that works is found once per process by running a probe p
 
 A Sandbox refuses both levels below namespaces unless `allow_unisolated=True`.
 
+A Sandbox copied into a forked process (a worker of tasks/workers.py) runs there under uids,
+cgroups and a pool of its own, claimed at its first use in that process: the parent's claims
+are flocks on open files the child shares, which cannot tell the two apart, so a child on the
+parent's uids would share their process counts and cgroups with the parent's runs (and its
+siblings'), and end them with its own. Its `close` gives back only what it claimed.
+
 Statuses come from what the program cannot write: the sandbox's own kills, the launcher's report
 on a pipe the program never holds, and the cgroup's count of OOM kills; never from its output.
 
@@ -52,6 +58,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import weakref
 from collections.abc import Sequence
@@ -75,6 +82,15 @@ UID_COUNT = 100_000
 UID_CLAIMS = "/run/jaxrl-sandbox/uids"
 _CGROUP_FOLDER = "jaxrl-sandbox"  # the runs' cgroups: <hierarchy>/jaxrl-sandbox/run-<uid>
 _works: set[tuple[str, str]] = set()  # (level, python) found to work in this process
+_claiming = threading.Lock()  # a forked process's first claim for a Sandbox, one at a time
+
+
+def _new_claiming_lock() -> None:
+    global _claiming
+    _claiming = threading.Lock()  # one held by another thread at the fork stays held
+
+
+os.register_at_fork(after_in_child=_new_claiming_lock)
 
 
 class SandboxUnavailable(RuntimeError):
@@ -165,9 +181,9 @@ class Sandbox:
     CPU core, fewer when the memory available holds fewer runs of `memory_bytes`). python: the
     interpreter (default: the trainer's own).
 
-    uids: the unprivileged uids its runs take, one per worker, claimed host-wide until
-    `close`. cgroup: "cgroup v2" or "cgroup v1" (each run in a cgroup with memory.max and
-    pids.max), or "none (why)"."""
+    uids: the unprivileged uids this process's runs take, one per worker, claimed host-wide
+    until `close` (in a forked process: its own, claimed at first use). cgroup: "cgroup v2"
+    or "cgroup v1" (each run in a cgroup with memory.max and pids.max), or "none (why)"."""
 
     def __init__(
         self,
@@ -183,23 +199,47 @@ class Sandbox:
         self.workers = workers or default_workers(self.limits)
         if isolation != "auto" and isolation not in LEVELS:
             raise ValueError(f"isolation must be 'auto' or one of {LEVELS}, got {isolation!r}")
-        claims = _claim_uids(self.workers)
-        self.uids = tuple(uid for uid, _ in claims)
-        self._uids: queue.SimpleQueue[int] = queue.SimpleQueue()
-        for uid in self.uids:
-            self._uids.put(uid)
         parents = _cgroup_parents()
         self._cgroup_parents = parents if isinstance(parents, _CgroupParents) else None
         self.cgroup = f"cgroup v{parents.version}" if self._cgroup_parents else f"none ({parents})"
-        self._cgroups: dict[int, _RunCgroup | None] = {}  # uid -> its cgroup, made at first use
-        # Claims and cgroups go at `close`, or when the Sandbox is collected unclosed.
-        self._release = weakref.finalize(self, _release, claims, self._cgroups)
+        self._held = self._hold()
         try:
             self.isolation = self._choose(isolation, allow_unisolated)
         except BaseException:
-            self._release()
+            self._held.release()
             raise
-        self._pool = cf.ThreadPoolExecutor(self.workers, thread_name_prefix="sandbox")
+
+    def _hold(self) -> _Held:
+        """New uid claims, made by this process on files it opens, with their (empty) cgroups
+        and a pool: given back at `close`, or when the Sandbox is collected unclosed."""
+        claims = _claim_uids(self.workers)
+        free: queue.SimpleQueue[int] = queue.SimpleQueue()
+        for uid, _ in claims:
+            free.put(uid)
+        cgroups: dict[int, _RunCgroup | None] = {}
+        return _Held(
+            pid=os.getpid(),
+            uids=tuple(uid for uid, _ in claims),
+            free=free,
+            cgroups=cgroups,
+            pool=cf.ThreadPoolExecutor(self.workers, thread_name_prefix="sandbox"),
+            release=weakref.finalize(self, _release, os.getpid(), claims, cgroups),
+        )
+
+    def _here(self) -> _Held:
+        """What this process holds: in a process forked from the one that claimed the uids,
+        claims of its own (the parent's threads, locks and claims are not its own)."""
+        held = self._held
+        if held.pid == os.getpid():
+            return held
+        with _claiming:
+            if self._held.pid != os.getpid():
+                self._held = self._hold()
+            return self._held
+
+    @property
+    def uids(self) -> tuple[int, ...]:
+        return self._here().uids
 
     def _choose(self, isolation: str, allow_unisolated: bool) -> str:
         reasons = {}
@@ -247,16 +287,19 @@ class Sandbox:
 
     def submit(self, program: str, stdin: str = "") -> cf.Future:
         """Queue one run on the pool; returns a Future of its RunResult."""
-        return self._pool.submit(self.run, program, stdin)
+        return self._here().pool.submit(self.run, program, stdin)
 
     def run_many(self, jobs: Sequence[tuple[str, str]]) -> list[RunResult]:
         """Run every (program, stdin) on the pool; results in the order of `jobs`."""
         return [f.result() for f in [self.submit(p, s) for p, s in jobs]]
 
     def close(self) -> None:
-        """Ends the pool (waiting for runs under way), then gives back its uids and cgroups."""
-        self._pool.shutdown(wait=True, cancel_futures=True)
-        self._release()
+        """Ends the pool (waiting for runs under way), then gives back its uids and cgroups:
+        those this process claimed (a forked copy never gives back its parent's)."""
+        held = self._held
+        if held.pid == os.getpid():
+            held.pool.shutdown(wait=True, cancel_futures=True)
+            held.release()
 
     def __enter__(self) -> Sandbox:
         return self
@@ -265,27 +308,29 @@ class Sandbox:
         self.close()
 
     def _run(self, level: str, program: str, stdin: str) -> RunResult:
-        uid = self._uids.get()  # one live run per uid
+        held = self._here()
+        uid = held.free.get()  # one live run per uid
         workdir = tempfile.mkdtemp(prefix="jaxrl-sandbox-")
         try:
-            return self._run_in(level, program, stdin, uid, workdir, self._cgroup(uid))
+            cgroup = self._cgroup(held, uid)
+            return self._run_in(level, program, stdin, uid, workdir, cgroup)
         finally:
             shutil.rmtree(workdir, ignore_errors=True)
-            self._uids.put(uid)
+            held.free.put(uid)
 
-    def _cgroup(self, uid: int) -> _RunCgroup | None:
+    def _cgroup(self, held: _Held, uid: int) -> _RunCgroup | None:
         """The uid's cgroup, made at its first run; None where cgroups cannot be made (the run
         goes on without one: `RunResult.cgroup` says so)."""
         if self._cgroup_parents is None:
             return None
-        if uid not in self._cgroups:  # only the run holding `uid` gets here for it
+        if uid not in held.cgroups:  # only the run holding `uid` gets here for it
             try:
                 cgroup = _RunCgroup.make(self._cgroup_parents, uid, self.limits)
                 cgroup.kill_all()  # a dead process's runs that outlived its claim on the uid
             except OSError:
                 cgroup = None
-            self._cgroups[uid] = cgroup
-        return self._cgroups[uid]
+            held.cgroups[uid] = cgroup
+        return held.cgroups[uid]
 
     def _run_in(
         self,
@@ -381,6 +426,21 @@ class Sandbox:
             time.monotonic() - start,
             cgroup is not None,
         )
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class _Held:
+    """What a Sandbox holds in the process `pid` that claimed it: uids claimed by flocks on
+    descriptors that process opened, `free` (those of no live run), each uid's cgroup (made at
+    its first run), a pool whose threads run there, and `release`, which gives back the
+    claims and cgroups once, in that process only."""
+
+    pid: int
+    uids: tuple[int, ...]
+    free: queue.SimpleQueue
+    cgroups: dict
+    pool: cf.ThreadPoolExecutor
+    release: weakref.finalize
 
 
 def _communicate(proc, report_fd: int, data: bytes, lim: SandboxLimits, deadline: float):
@@ -481,7 +541,7 @@ def _claim_uids(n: int) -> list[tuple[int, int | None]]:
         fd = _claim(uid)
         if fd is not None:
             claims.append((uid, fd))
-    _release(claims, {})
+    _release(os.getpid(), claims, {})
     raise SandboxUnavailable(
         f"{n} uids wanted, and live sandboxes on this host hold all but {len(claims)} of the "
         f"{UID_COUNT} from {UID_BASE} (claims in {UID_CLAIMS}): close some, or use fewer workers"
@@ -506,9 +566,12 @@ def _claim(uid: int) -> int | None:
         os.close(fd)  # its holder removed the file as we opened it: claim the new one
 
 
-def _release(claims: list[tuple[int, int | None]], cgroups: dict) -> None:
+def _release(pid: int, claims: list[tuple[int, int | None]], cgroups: dict) -> None:
     """Removes the runs' cgroups (and their parents once empty: cgroups are left in no one
-    else's), then gives the uids back (each claim's file goes first)."""
+    else's), then gives the uids back (each claim's file goes first); only in the process
+    `pid` that claimed them (a forked child has a copy of this finalizer, run at its exit)."""
+    if os.getpid() != pid:
+        return
     for cgroup in cgroups.values():
         if cgroup is not None:
             cgroup.remove()
