@@ -327,11 +327,11 @@ def test_packing_at_the_8b_recipe_shape_computes_a_fraction_of_the_padded_positi
 def test_packed_rows_cost_what_they_hold_at_the_demos_shapes_on_one_device():
     """The demo's shapes on one device, sync: 32 x 16 completions of 2-5 tokens (about 3 on
     average) under sampler.max_new_tokens=192. The token budget of a micro-step is the padded
-    step's (512 rows of 200 positions: 102,400), but a batch that fills 5 rows computes 5
-    rows, not a budget's worth: train_positions within the ladder's rounding of the tokens
-    (efficiency >= 0.6). Before, the rows were rounded up to a whole micro-step: 102,400
-    positions for ~1,900 tokens, the padded step's count. A batch past the budget runs as
-    micro-steps of equal rows, each within it."""
+    step's (512 rows of 200 positions: 102,400), but a batch that fills 6 rows computes 8
+    (the smallest rung), not a budget's worth: efficiency >= 0.6. Before, the rows were
+    rounded up to a whole micro-step: 102,400 positions for ~1,900 tokens, the padded
+    step's count. A batch past the budget runs as micro-steps of equal rows, each within
+    it."""
     from jaxrl_scale.config import load_config
     from jaxrl_scale.rl.packing import PackGeometry, micro_steps, padded_layout, step_rows
 
@@ -366,7 +366,32 @@ def test_packed_rows_cost_what_they_hold_at_the_demos_shapes_on_one_device():
         total = step_rows(rows, 1, per)
         m = micro_steps(total, per)
         assert total >= rows and total % m == 0 and total // m <= per
-        assert m == -(-rows // per) and total <= 1.25 * rows + m
+        assert m == -(-rows // per) and total <= max(2 * rows, per // 32)
+
+
+def test_a_packed_run_compiles_few_train_step_shapes_at_the_demos_shapes_on_one_device():
+    """Each packed row count is a compile of the train step. At the demo's shapes on one
+    device (a budget of 256 rows of 400 per micro-step) any batch, 1 to 512 rows (one
+    completion per row at most), runs in one of 7 shapes: a micro-step of 8, 16, ..., 256
+    rows (MICRO_RUNGS = 6 halvings of the budget), or two of 256. (The 1.25x ladder allowed
+    28 shapes of one micro-step here.) Each costs at most twice the rows it holds, or 8."""
+    from jaxrl_scale.config import load_config
+    from jaxrl_scale.rl.packing import MICRO_RUNGS, PackGeometry, micro_steps, step_rows
+
+    cfg = load_config("asset:demo.yaml", [
+        "train.prompts_per_step=32", "sampler.max_new_tokens=192", "mesh.data=1",
+        "pipeline.mode=sync", "train.packing=true",
+    ])  # fmt: skip
+    geometry = PackGeometry.of(cfg, 6, 1)
+    per, multiple = geometry.rows_per_micro, geometry.row_multiple
+    assert (per, multiple, geometry.row_len) == (256, 1, 400)
+    shapes = {}
+    for rows in range(1, 32 * 16 + 1):
+        total = step_rows(rows, multiple, per)
+        shapes[total, micro_steps(total, per)] = rows
+        assert rows <= total <= max(2 * rows, per // 2 ** (MICRO_RUNGS - 1))
+    assert sorted(shapes) == [(8, 1), (16, 1), (32, 1), (64, 1), (128, 1), (256, 1), (512, 2)]
+    assert len(shapes) <= MICRO_RUNGS + 1
 
 
 def test_auto_counts_the_fused_kernel_a_packed_step_gives_up():

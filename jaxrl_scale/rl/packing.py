@@ -24,12 +24,14 @@ packed step's loss, gradients and metrics equal the padded step's to float round
 
 Rows come in a few compiled shapes (`step_rows`): a batch runs as m micro-steps, as few as
 hold its rows within a token budget per batch shard (`PackGeometry.of`: at most
-`rows_per_micro` rows each), each of R / m rows rounded up on a 1, 2, 3, 4, 5, 6, 7, 8, 10, 12,
-... ladder of the batch shards (four shapes per doubling), so a run compiles a handful of
-steps, not one per batch, and a batch of short completions costs the rows it fills: a
-micro-step is never rounded up to the budget's rows (it was: at the demo's shapes, 32 x 16
-completions of ~3 tokens under a 192-token budget, the packed step computed the padded
-step's 102,400 positions for 1,908 tokens).
+`rows_per_micro` rows each), each of R / m rows rounded up to the next of six rungs, the
+budget's rows and its halves down to a 32nd (`MICRO_RUNGS`), so a run compiles at most six
+steps within one micro-step, and one more per number of micro-steps past it (seven over
+every batch size at the demo's shapes on one device, where a ladder of four shapes per
+doubling allowed 28), and a batch of short completions costs at most twice the rows it
+fills: a micro-step is never rounded up to the budget's rows (it was: at the demo's
+shapes, 32 x 16 completions of ~3 tokens under a 192-token budget, the packed step computed
+the padded step's 102,400 positions for 1,908 tokens).
 """
 
 from __future__ import annotations
@@ -86,9 +88,10 @@ _LADDER = (1, 1.25, 1.5, 1.75)  # x 2^k: 1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 14, 16,
 
 
 def bucket_rows(rows: int, multiple: int = 1) -> int:
-    """The compiled row count for `rows` rows: a multiple of `multiple` (row shards x
-    micro-steps), `multiple` times the next of 1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 14, 16, 20, ...
-    (four shapes per doubling: at most 1.25x the rows needed beyond 4 units)."""
+    """The compiled row count for `rows` rows without a micro-step budget (`step_rows`): a
+    multiple of `multiple` (row shards x micro-steps), `multiple` times the next of 1, 2, 3,
+    4, 5, 6, 7, 8, 10, 12, 14, 16, 20, ... (four shapes per doubling: at most 1.25x the rows
+    needed beyond 4 units)."""
     units = max(1, math.ceil(rows / multiple))
     scale = 1
     while True:
@@ -98,15 +101,27 @@ def bucket_rows(rows: int, multiple: int = 1) -> int:
         scale *= 2
 
 
+# The row counts a micro-step compiles in: the budget's rows and each half of them, this many
+# (a batch's rows, rounded up to the next, cost at most twice what they hold, or a 32nd of a
+# budget's rows when they hold less).
+MICRO_RUNGS = 6
+
+
 def step_rows(rows: int, multiple: int = 1, per_micro: int | None = None) -> int:
     """The compiled row count R for `rows` packed rows: m = ceil(rows / per_micro)
-    micro-steps (1 without `per_micro`), each of `bucket_rows(ceil(rows / m), multiple)` rows
-    capped at `per_micro` (a multiple of `multiple`). `micro_steps(R, per_micro)` gives m back
-    (R / m > (m - 1) / m x per_micro), and R splits into m equal micro-steps."""
+    micro-steps (1 without `per_micro`: then `bucket_rows`), each of ceil(rows / m) rows
+    rounded up to the next of `MICRO_RUNGS` sizes, per_micro / 2^i (i = 5, ..., 0) in whole
+    multiples of `multiple` (per_micro is a multiple of it). A run's batches so compile at
+    most MICRO_RUNGS shapes of one micro-step, and past the budget (m > 1: over half a
+    budget in each) the top rung, or for an odd budget the one below it: a shape or two per
+    m. `micro_steps(R, per_micro)` gives m back, and R splits into m equal micro-steps."""
     if not per_micro:
         return bucket_rows(rows, multiple)
     m = micro_steps(max(rows, 1), per_micro)
-    return m * min(bucket_rows(-(-rows // m), multiple), per_micro)
+    each = -(-rows // m)  # rows in each micro-step
+    units, top = -(-each // multiple), max(1, per_micro // multiple)  # of `multiple` rows
+    rungs = sorted({-(-top // 2**i) for i in range(MICRO_RUNGS)})
+    return m * multiple * next((r for r in rungs if r >= units), top)
 
 
 def micro_steps(rows: int, per_micro: int) -> int:
@@ -164,7 +179,7 @@ class PackGeometry:
         `train.tokens_per_micro_batch`, else what one of the padded step's micro-steps holds
         (its rows per shard x the padded row), so a packed batch of short completions runs
         as few micro-steps as its rows need, each no bigger than a padded one and no bigger
-        than the rows it holds rounded up on `bucket_rows`' ladder (`step_rows`). Rows are
+        than the rows it holds rounded up to the next of `step_rows`' rungs. Rows are
         `train.pack_length` long, else `default_row_len` cut to the budget.
         `train.packing: auto` keeps the padded step as a choice only where its micro-steps
         hold no more positions per shard than the budget allows."""
