@@ -13,7 +13,7 @@ import pytest
 from conftest import TINY_CONFIG
 
 from jaxrl_scale.config import ConfigError, load_config
-from jaxrl_scale.tasks import Scorer, make_scorer
+from jaxrl_scale.tasks import Scorer, make_scorer, workers
 from jaxrl_scale.tasks.scoring import ScorerBroken
 
 # re.match(r"(a+)+$", "a" * n + "b") backtracks 2^n steps inside C, holding the GIL: about
@@ -128,12 +128,48 @@ def test_max_failure_fraction_is_a_config_key_that_make_scorer_reads():
 
 
 def test_a_scorer_with_no_worker_process_ends_the_run(monkeypatch):
-    """No worker can start (the process table is full): every sample would score 0."""
+    """No worker can start (the process table is full): every sample would score 0. Forks
+    are retried for workers.FORK_RETRY_SECONDS first (a full table may empty again)."""
+    forks = []
 
     def no_fork():
+        forks.append(time.monotonic())
         raise BlockingIOError(11, "Resource temporarily unavailable")
 
-    scorer = Scorer(Regex(), workers=2)
+    monkeypatch.setattr(workers, "FORK_RETRY_SECONDS", 0.5)
     monkeypatch.setattr(os, "fork", no_fork)
+    scorer = Scorer(Regex(), workers=2)
     with pytest.raises(ScorerBroken, match=r"no worker process can be started"):
         _score(scorer, ["1", "0.5"])
+    assert len(forks) >= 3 and forks[-1] - forks[0] >= 0.4, forks  # retried, backing off
+
+
+def test_a_fork_that_fails_for_a_moment_costs_no_sample(monkeypatch):
+    """One EAGAIN (a process table full for a moment) ended the run."""
+    real_fork, forks = os.fork, []
+
+    def flaky_fork():
+        forks.append(1)
+        if len(forks) <= 3:
+            raise BlockingIOError(11, "Resource temporarily unavailable")
+        return real_fork()
+
+    monkeypatch.setattr(os, "fork", flaky_fork)
+    scorer = Scorer(Regex(), workers=1)
+    got = _score(scorer, ["1", "0.5"])
+    np.testing.assert_array_equal(got.rewards, [1, 0.5])
+    assert got.counts["reward_errors"] == 0 and len(forks) == 4
+
+
+def test_an_example_that_cannot_be_pickled_costs_its_sample_naming_what():
+    """Examples cross to the worker processes pickled: one that cannot is that sample's
+    error, naming the part that could not be sent."""
+    scorer = Scorer(Regex(), workers=1)
+    examples = [{"prompt": "x"}, {"prompt": "x", "state": threading.Lock()}]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        got = scorer(["1", "0.5"], examples)
+    np.testing.assert_array_equal(got.rewards, [1, 0])
+    assert got.counts["reward_errors"] == 1
+    [message] = [str(w.message) for w in caught if w.category is UserWarning]
+    assert "example['state'] (a lock)" in message and "pickle" in message, message

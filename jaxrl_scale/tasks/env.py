@@ -57,14 +57,18 @@ class EnvError(ValueError):
 
 
 # Each thread's event loop, kept from call to call (`_call`); an environment's worker process
-# runs its calls on one thread, so it has one loop for its whole life.
+# runs its calls on one thread, so it has one loop for its whole life. The loop runs only
+# inside a call: between calls what it holds is paused, not cancelled.
 _LOOP = threading.local()
 
 
 def _call(fn, *args):
     """`fn(*args)`; an awaitable it returns is run to its end on this thread's long-lived
     event loop (not a fresh one per call, which would cancel what `reset` started before
-    `step` could use it)."""
+    `step` could use it). The loop runs only while a call runs it: a task that `reset`
+    starts is still there when `step` comes, but it advanced only during this worker's calls
+    (any of its environments'), never between them; a timer or a heartbeat in it waits for
+    the next call."""
     out = fn(*args)
     if not inspect.isawaitable(out):
         return out
@@ -122,18 +126,21 @@ def check_step(result) -> tuple[Observation | None, float, bool]:
 
 class EnvRunner:
     """Many episodes' environments, each living in one of `workers` worker processes for its
-    whole episode, each call given `timeout` seconds once it starts (tasks/workers.py: the
-    processes are forked, so a task's `make_env` and its environments need not pickle; only
-    examples, actions, observations and results cross). A call that raises or hangs costs its
-    episode; a hung one has its worker killed, and with it the other environments that worker
-    held: their next calls fail (WorkerLost), each counted by its episode as its failure. A
-    new environment goes to the free worker holding fewest, so up to `workers` live episodes
-    have a process each. An environment's calls run one at a time (reset, then a step per
-    turn); its coroutines run on its worker's one event loop (`_call`).
+    whole episode, each call given `timeout` seconds (task.env_timeout) from the start of its
+    sending (tasks/workers.py: the processes are forked, so a task's `make_env` and its
+    environments need not pickle; only examples, actions, observations and results cross,
+    and those must). A call that raises or hangs costs its episode; a hung one has its worker
+    killed, and with it the other environments that worker held: their calls fail with
+    WorkerLost, "its worker process (pid N) was killed because another environment's call
+    ran past task.env_timeout (T s)", each counted by its episode as lost (not its
+    environment's error). A new environment goes to the free worker holding fewest, so up to
+    `workers` live episodes have a process each. An environment's calls run one at a time
+    (reset, then a step per turn); its coroutines run on its worker's one event loop
+    (`_call`), which runs only during that worker's calls.
 
     The environments callers hold are `RemoteEnv`s (dropping one frees it in its worker).
-    One set of workers per task object, forked the first time it opens an environment. When
-    no worker can be started at all, PoolBroken is raised: that ends the run."""
+    One set of workers per task object, all forked the first time it opens an environment.
+    When no worker can be started at all, PoolBroken is raised: that ends the run."""
 
     def __init__(self, *, workers: int = 16, timeout: float = 60.0):
         self.workers, self.timeout = workers, timeout
@@ -143,8 +150,10 @@ class EnvRunner:
     def _pool(self, task) -> WorkerProcesses:
         with self._lock:
             if id(task) not in self._pools:
-                pool = WorkerProcesses(self.workers, timeout=self.timeout, shares=task,
-                                       name="jaxrl-env")  # fmt: skip
+                pool = WorkerProcesses(
+                    self.workers, timeout=self.timeout, shares=task, name="jaxrl-env",
+                    call="environment's call", timeout_key="task.env_timeout",
+                )  # fmt: skip
                 self._pools[id(task)] = (task, pool)
             return self._pools[id(task)][1]
 
@@ -238,7 +247,8 @@ def _mirrored(env) -> dict:
 
 def _make(held, example):
     env = held.shared.make_env(example)
-    return held.keep(env), _mirrored(env)
+    mirrored = _mirrored(env)  # first: an environment whose `tools` raise is not kept
+    return held.keep(env), mirrored
 
 
 def _reset(held, handle: int):
@@ -253,13 +263,15 @@ def _step(held, handle: int, action: str):
 
 def _open(held, example):
     """`make_env(example)` and its `reset()`: (handle, observation, mirrored attributes); the
-    environment is kept once its reset has answered."""
+    environment is kept once its reset and its mirrored attributes have answered (and is
+    dropped again if the reply cannot be sent: tasks/workers.py)."""
     try:
         env = held.shared.make_env(example)
     except Exception as e:  # noqa: BLE001 - the user's error, reported per episode
         raise EnvError(f"make_env: {type(e).__name__}: {e}") from e
     obs = _call(env.reset)
-    return held.keep(env), obs, _mirrored(env)
+    mirrored = _mirrored(env)
+    return held.keep(env), obs, mirrored
 
 
 def _check_open(opened):

@@ -1,6 +1,6 @@
 """Where the user's code runs: worker processes that a timeout really ends, and a thread pool.
 
-pool = WorkerProcesses(8, timeout=30.0, shares=task)   # workers forked on demand, up to 8
+pool = WorkerProcesses(8, timeout=30.0, shares=task)   # 8 workers, forked at once
 future = pool.submit(fn, *args)     # fn(held, *args) in a worker; held.shared is `task`
 gather([future])                    # [("ok", value) | ("error", exception) | ("timeout", None)]
 
@@ -8,35 +8,51 @@ Why processes. Python cannot stop a thread, and a thread stuck in C code that ho
 (a regex that backtracks, a tight loop in an extension) stops every other thread with it: the
 trainer's feeding loop, its heartbeats, and the waiter whose timeout would have given up on
 it. A process can be killed. The user's scorers and environments run in worker processes; a
-call past the pool's `timeout` has its worker killed (SIGKILL to its process group, so what
-it started goes too) and the call counts as a timeout; a fresh worker takes its place.
+call past its timeout (from the moment its arguments start to go out) has its worker killed
+(SIGKILL to its process group, so what it started goes too) and the call counts as a timeout;
+a fresh worker takes its place.
 
 Why fork. A worker is `os.fork()`ed from the trainer rather than started fresh (`spawn`) or
 by a fork server: the task is the user's object, often defined in a notebook or in a script's
 `__main__`, holding what pickle cannot carry (closures, tokenizers, clients), and a forked
 worker has it as it was, with nothing pickled or imported again; only each call's arguments
-and result cross, pickled. Forking a process that runs other threads (JAX's, the trainer's)
-copies only the forking thread, so a worker never touches JAX, a device, or a lock another
-thread might have held: it runs the small loop below and the user's Python code, nothing else.
-If it still meets such a lock (another thread was writing to stdout at the fork), its call
-times out and the worker is replaced, as any hang is. What forking means for the user's code
-(docs/tasks.md, "Where your code runs"):
+and result cross, pickled (on the caller's thread and in the worker: one that does not pickle
+fails its call with a TypeError naming the part, e.g. `example['rng']`). Forking a process
+that runs other threads (JAX's, the trainer's) copies only the forking thread, so a worker
+never touches JAX, a device, or a lock another thread might have held: it runs the small loop
+below and the user's Python code, nothing else. If it still meets such a lock (another thread
+was writing to stdout at the fork), its call times out and the worker is replaced, as any
+hang is. What forking means for the user's code (docs/tasks.md, "Where your code runs"):
 
 - the worker's task is a copy: what a call changes in it stays in that worker;
 - threads the task started before the fork (a thread pool made in `__init__`) are not there;
 - the trainer's sockets and pipes are not inherited: a worker has /dev/null in their place,
-  so it never holds a trainer's connection or a subprocess's pipe open; regular files stay.
+  so it never holds a trainer's connection or a subprocess's pipe open; regular files stay;
+- memory: a worker shares the trainer's pages as they were at its fork (copy-on-write), so
+  what the trainer frees or rewrites after the fork stays allocated in the worker for its
+  life. A pool forks all its workers when it is made, not one by one as calls come (the
+  scorer's pool is made at setup, before the run's rollout and training buffers exist); a
+  worker forked later to replace a killed one pins the trainer's memory of that moment.
 
-Ownership. Each pool has a dispatcher thread that owns its workers: it forks them (lazily, up
-to `workers`), sends each one call at a time, reads the replies, and kills a worker whose
-call has run past `timeout`. Other threads only hand it calls (a queue) and wait on futures.
-A worker ignores SIGINT (the trainer handles Ctrl-C) and dies with its dispatcher thread
-(PR_SET_PDEATHSIG on Linux), so none outlives the trainer or its pool.
+Ownership. Each pool has a dispatcher thread that owns its workers: it forks them, sends each
+one call at a time, reads the replies, and kills a worker whose call has run past its timeout.
+It never blocks on a worker: each worker's socket is non-blocking, and what a call sends and
+what it answers move as the socket takes them, from the thread's one wait (a worker whose loop
+no longer reads, its GIL held by a thread the user's code left behind, costs only its own call).
+Other threads hand it calls (a queue) and wait on futures; `gather` gives up on a dispatcher
+that has not come round its loop for DISPATCHER_STUCK_AFTER seconds (PoolBroken) rather than
+wait for it forever. A worker ignores SIGINT (the trainer handles Ctrl-C) and dies with its
+dispatcher thread (PR_SET_PDEATHSIG on Linux), so none outlives the trainer or its pool.
+
+A fork that fails (EAGAIN, ENOMEM: the process table or memory full for a moment) is tried
+again, backing off from 50 ms to 1 s; a pool whose forks have failed for FORK_RETRY_SECONDS
+with no worker alive and a call waiting is broken (PoolBroken: that ends the run).
 
 State across calls. A call may keep an object in its worker (`held.keep(obj)` -> a handle) for
 later calls pinned to that worker (`submit(..., on=worker)`): an environment lives in one
-worker for its whole episode. A killed worker takes what it kept with it: calls pinned to it
-fail with WorkerLost.
+worker for its whole episode. A call that fails (it raises, or its reply cannot be sent) keeps
+nothing. A killed worker takes what it kept with it: calls pinned to it fail with WorkerLost,
+whose text names the worker and why it ended.
 
 `WorkerPool` is a pool of daemon threads, for calls that must share their caller's memory (a
 tool episode's tools, which run inside its environment's worker process).
@@ -49,42 +65,57 @@ import concurrent.futures as cf
 import contextlib
 import ctypes
 import dataclasses
+import inspect
 import os
 import pickle
 import queue
+import select
 import signal
+import socket
 import stat
+import struct
 import sys
 import threading
 import time
 import warnings
 import weakref
-from collections.abc import Callable
-from multiprocessing import connection as mpc
+from collections.abc import Callable, Mapping
 
 # --------------------------------------------------------------------------- worker processes
 
+FORK_RETRY_SECONDS = 5.0  # forks failing this long, no worker alive and a call waiting: broken
+DISPATCHER_STUCK_AFTER = 60.0  # a dispatcher this long between looks at its workers is stuck
+
 
 class CallTimeout(TimeoutError):
-    """A call ran past its pool's timeout; its worker process was killed."""
+    """A call ran past its timeout; its worker process was killed."""
 
 
 class WorkerLost(RuntimeError):
-    """The worker process a call was pinned to has ended; what it kept is gone."""
+    """The worker process a call ran in, or was pinned to, has ended; what it kept is gone."""
 
 
 class PoolBroken(RuntimeError):
     """No worker process can be started (or the pool was closed): no call can run."""
 
 
-# Forks are serialised: each one silences JAX's at-fork warning with warnings.catch_warnings,
-# which swaps process-wide state and so must not interleave with another pool's fork.
-_FORK_LOCK = threading.Lock()
 _PR_SET_PDEATHSIG = 1
 try:  # looked up in the trainer: a forked child should not load libraries
     _PRCTL = ctypes.CDLL(None, use_errno=True).prctl if sys.platform == "linux" else None
 except (OSError, AttributeError):
     _PRCTL = None
+_HEADER = struct.Struct("!Q")  # each message on a worker's socket: its length, then a pickle
+_NOSIGNAL = getattr(socket, "MSG_NOSIGNAL", 0)  # a dead worker: EPIPE, never SIGPIPE
+_CHUNK = 1 << 20
+
+
+def _ignore_jax_fork_warning() -> None:
+    """JAX warns at every fork; a worker never touches JAX (the module's docstring). One
+    targeted filter, put at the front of the process's filters before each fork: it is never
+    swapped in and back out (warnings.catch_warnings around a fork put another thread's
+    temporary filters back for good when the two overlapped), and putting it there again only
+    moves it, so it holds under a filter another thread set meanwhile ("always", to record)."""
+    warnings.filterwarnings("ignore", message=r"os\.fork\(\) was called", category=RuntimeWarning)
 
 
 class Held:
@@ -107,6 +138,11 @@ class Held:
     def drop(self, handle: int) -> None:
         self._kept.pop(handle, None)
 
+    def drop_since(self, mark: int) -> None:
+        """Forget what was kept after `mark` (a `_next` read earlier): a failed call's."""
+        for handle in [h for h in self._kept if h > mark]:
+            del self._kept[handle]
+
 
 def _drop(held: Held, handle: int) -> None:
     held.drop(handle)
@@ -118,17 +154,18 @@ class Worker:
     threads only name it (`submit(on=...)`) and read its `pid`."""
 
     pid: int
-    conn: mpc.Connection
+    sock: socket.socket  # non-blocking
     kept: int = 0  # objects it holds for later calls
     job: _Job | None = None  # the call it runs now
-    started: float = 0.0  # when that call was sent
+    started: float = 0.0  # when that call's sending began
     ended: str | None = None  # why it is gone
+    out: memoryview | None = None  # what is left to send of that call
+    got: bytearray = dataclasses.field(default_factory=bytearray)  # its reply so far
 
 
 @dataclasses.dataclass(eq=False)
 class _Job:
-    fn: Callable
-    args: tuple
+    data: bytes  # (fn, args), pickled by the caller
     future: cf.Future
     on: Worker | None  # pinned to the worker that holds its state
     spread: bool  # it keeps an object: to the worker that holds fewest
@@ -137,29 +174,41 @@ class _Job:
 
 
 class WorkerProcesses:
-    """Calls `fn(held, *args)` in up to `workers` forked worker processes, one call at a time
-    each, every call given `timeout` seconds once it is sent (see the module's docstring).
-    `shares`: the object each worker has from its fork (`held.shared`)."""
+    """Calls `fn(held, *args)` in `workers` forked worker processes, one call at a time each,
+    every call given `timeout` seconds from the moment its sending begins (see the module's
+    docstring). `shares`: the object each worker has from its fork (`held.shared`). For the
+    messages: `call` names what one call is, `timeout_key` the setting `timeout` comes from."""
 
-    def __init__(self, workers: int, *, timeout: float, shares=None, name: str = "jaxrl-worker"):
+    def __init__(self, workers: int, *, timeout: float, shares=None, name: str = "jaxrl-worker",
+                 call: str = "call", timeout_key: str = "the pool's timeout"):  # fmt: skip
         self.workers, self.timeout = workers, timeout
-        self._dispatcher = _Dispatcher(workers, timeout, shares, name)
+        lost = f"another {call} ran past {timeout_key} ({timeout:g} s)"
+        self._dispatcher = _Dispatcher(workers, timeout, shares, name, lost)
         weakref.finalize(self, self._dispatcher.close)
 
     def submit(self, fn: Callable, *args, on: Worker | None = None, spread: bool = False,
                keeps: int = 0, finish: Callable | None = None) -> cf.Future:  # fmt: skip
         """A future of `fn(held, *args)` run in a worker (`fn` a module-level function: it is
-        sent by name). `on`: the worker to run it in (a call that uses what an earlier one
-        kept); `spread`: to the free worker holding fewest kept objects, forking one while
-        fewer than `workers` run; `keeps`: the objects it keeps; `finish(value, worker)`: the
-        future's value, made from the worker's reply. Once done, `future.worker` ran it."""
+        sent by name; the arguments are pickled here, and a call whose arguments do not
+        pickle fails at once with a TypeError naming the part). `on`: the worker to run it in
+        (a call that uses what an earlier one kept); `spread`: to the free worker holding
+        fewest kept objects, forking one while fewer than `workers` run; `keeps`: the objects
+        it keeps; `finish(value, worker)`: the future's value, made from the worker's reply.
+        Once done, `future.worker` ran it."""
         future: cf.Future = cf.Future()
-        self._dispatcher.submit(_Job(fn, args, future, on, spread, keeps, finish))
+        future.dispatcher = self._dispatcher
+        try:
+            data = pickle.dumps((fn, args), pickle.HIGHEST_PROTOCOL)
+        except Exception as e:  # noqa: BLE001 - the caller's arguments, reported per call
+            future.set_exception(_unsendable(fn, args, e))
+            return future
+        self._dispatcher.submit(_Job(data, future, on, spread, keeps, finish))
         return future
 
     def release(self, worker: Worker, handle: int) -> None:
         """Forget an object `worker` kept (safe from a finalizer, on any thread)."""
-        self._dispatcher.submit(_Job(_drop, (handle,), cf.Future(), worker, False, -1, None))
+        data = pickle.dumps((_drop, (handle,)), pickle.HIGHEST_PROTOCOL)
+        self._dispatcher.submit(_Job(data, cf.Future(), worker, False, -1, None))
 
     def close(self) -> None:
         """Kill the workers; calls not yet done fail with PoolBroken."""
@@ -181,28 +230,80 @@ def outcome(future: cf.Future) -> tuple[str, object]:
 
 def gather(futures) -> list[tuple[str, object]]:
     """Wait for calls of WorkerProcesses (their pools end each one in time) and give each
-    one's `outcome`, in order."""
-    cf.wait(futures)
+    one's `outcome`, in order. PoolBroken if a pool's dispatcher thread stops coming round
+    its loop (DISPATCHER_STUCK_AFTER): nothing would end its calls then."""
+    pending = set(futures)
+    while pending:
+        _, pending = cf.wait(pending, timeout=min(1.0, DISPATCHER_STUCK_AFTER / 4))
+        for dispatcher in {getattr(f, "dispatcher", None) for f in pending} - {None}:
+            dispatcher.check_alive()
     return [outcome(f) for f in futures]
 
 
 def settled(futures) -> dict[cf.Future, tuple[str, object]]:
-    """Without waiting: the `outcome` of each of `futures` that has finished."""
+    """Without waiting: the `outcome` of each of `futures` that has finished (PoolBroken as
+    `gather` raises it)."""
+    for dispatcher in {getattr(f, "dispatcher", None) for f in futures if not f.done()} - {None}:
+        dispatcher.check_alive()
     return {f: outcome(f) for f in futures if f.done()}
 
 
-class _Dispatcher:
-    """The thread that owns one pool's workers. Other threads only call `submit` and `close`:
-    `_lock` orders them against the thread's exit (no call is queued after its last look). It
-    is re-entrant because a finalizer (`WorkerProcesses.release`) may run inside it, on
-    whichever thread the garbage collector interrupts."""
+def _unsendable(fn: Callable, args: tuple, error: Exception) -> TypeError:
+    """The error of a call that does not pickle, naming the innermost part that does not
+    (`example['rng'] (a lock)`)."""
+    try:
+        names = list(inspect.signature(fn).parameters)[1:]  # (after `held`)
+    except (TypeError, ValueError):
+        names = []
+    what = f"{getattr(fn, '__name__', fn)}'s arguments"
+    for i, part in [(-1, fn), *enumerate(args)]:
+        try:
+            pickle.dumps(part)
+        except Exception:  # noqa: BLE001 - this one
+            if i < 0:
+                what = f"the function {fn!r} (sent by name: a module-level one)"
+            else:
+                path, part = _unpicklable(part, names[i] if i < len(names) else f"argument {i + 1}")
+                what = f"{path} (a {type(part).__name__})"
+            break
+    return TypeError(
+        f"{what} cannot be sent to a worker process: it does not pickle ({type(error).__name__}"
+        f": {error}); what a call takes and returns crosses between processes, so it must pickle"
+    )
 
-    def __init__(self, workers: int, timeout: float, shares, name: str):
+
+def _unpicklable(value, path: str, depth: int = 0) -> tuple[str, object]:
+    """The innermost part of `value` (which does not pickle) that does not: its path, itself."""
+    if depth > 8:
+        return path, value
+    if isinstance(value, Mapping):
+        parts = [(f"{path}[{k!r}]", v) for k, v in value.items()]
+    elif isinstance(value, list | tuple):
+        parts = [(f"{path}[{i}]", v) for i, v in enumerate(value)]
+    else:
+        return path, value
+    for sub, part in parts:
+        try:
+            pickle.dumps(part)
+        except Exception:  # noqa: BLE001 - this one
+            return _unpicklable(part, sub, depth + 1)
+    return path, value
+
+
+class _Dispatcher:
+    """The thread that owns one pool's workers. Other threads only call `submit`, `close` and
+    `check_alive`: `_lock` orders them against the thread's exit (no call is queued after its
+    last look). It is re-entrant because a finalizer (`WorkerProcesses.release`) may run
+    inside it, on whichever thread the garbage collector interrupts."""
+
+    def __init__(self, workers: int, timeout: float, shares, name: str, lost: str):
         self.limit, self.timeout, self.shares, self.name = workers, timeout, shares, name
+        self.lost = lost  # why the calls pinned to a worker killed for a timeout fail
         self.inbox: queue.SimpleQueue = queue.SimpleQueue()  # calls handed over (any thread)
         self._lock = threading.RLock()
         self.closing = False  # under _lock
-        self.broken: str | None = None  # set once by the dispatcher thread
+        self.broken: str | None = None  # set by the dispatcher thread, or by `check_alive`
+        self.beat = self.handed = time.monotonic()  # its loop's last round; the last submit
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
         os.set_blocking(self._wake_w, False)
@@ -211,7 +312,9 @@ class _Dispatcher:
         self.workers: list[Worker] = []
         self.pending: collections.deque[_Job] = collections.deque()
         self.unreaped: list[int] = []  # killed, not yet exited (uninterruptible sleep)
-        self.retry_fork = 0.0  # after a fork failed, not before this time
+        self.fork_failing: float | None = None  # since when forks fail (None: they work)
+        self.fork_backoff = 0.0  # the wait before the next try, doubled at each failure
+        self.retry_fork = 0.0  # after a fork failed, not before this time (0: any time)
         self.thread = threading.Thread(target=self.run, daemon=True, name=name)
         self.thread.start()
 
@@ -221,6 +324,7 @@ class _Dispatcher:
         with self._lock:
             why = "the pool is closed" if self.closing else self.broken
             if why is None:
+                self.handed = time.monotonic()
                 self.inbox.put(job)
         if why is not None:
             job.future.set_exception(PoolBroken(why))
@@ -232,6 +336,22 @@ class _Dispatcher:
             self.closing = True
         self._wake()
 
+    def check_alive(self) -> None:
+        """PoolBroken when the thread has not come round its loop (which it does at least
+        every second while it has calls) for DISPATCHER_STUCK_AFTER seconds since it was
+        last handed one: nothing would end its calls. The pool stays broken."""
+        with self._lock:
+            late = time.monotonic() - max(self.beat, self.handed)
+            if late > DISPATCHER_STUCK_AFTER and self.broken is None and not self.closing:
+                self.broken = (
+                    f"the {self.name} pool's dispatcher thread has not looked at its workers "
+                    f"for {DISPATCHER_STUCK_AFTER:g} s (stuck: in a fork that does not return, "
+                    "unpickling a reply, or a bug), so nothing would end its calls"
+                )
+            why = self.broken
+        if why is not None:
+            raise PoolBroken(why)
+
     def _wake(self) -> None:
         with contextlib.suppress(OSError):  # full: it is awake already
             os.write(self._wake_w, b"\0")
@@ -240,7 +360,9 @@ class _Dispatcher:
 
     def run(self) -> None:
         try:
+            self._prefork()
             while True:
+                self.beat = time.monotonic()
                 self._take()  # before looking at `closing`: a close after it wakes the wait
                 if self.closing:
                     break
@@ -251,6 +373,13 @@ class _Dispatcher:
             raise
         finally:
             self._shutdown()
+
+    def _prefork(self) -> None:
+        """Every worker now, while the trainer holds little memory (each pins what it had at
+        its fork). A fork that fails here is tried again when a call needs a worker."""
+        while len(self.workers) < self.limit and self._fork() is not None:
+            pass
+        self.fork_failing, self.fork_backoff, self.retry_fork = None, 0.0, 0.0
 
     def _take(self) -> None:
         with contextlib.suppress(OSError):
@@ -269,7 +398,7 @@ class _Dispatcher:
                 continue
             if job.on is not None:
                 if job.on.ended is not None:
-                    _fail(job, WorkerLost(f"its worker process has ended: {job.on.ended}"))
+                    _fail(job, WorkerLost(f"its worker process (pid {job.on.pid}) {job.on.ended}"))
                 elif job.on.job is not None or not self._send(job.on, job):
                     self.pending.append(job)
                 continue
@@ -281,46 +410,57 @@ class _Dispatcher:
 
     def _free_worker(self, spread: bool) -> Worker | None:
         """A free worker, or a new one while fewer than `limit` run and none is free. With
-        `spread`, one of those holding fewest objects (counting those being made), a new one
-        (holding none) while fewer than `limit` run, else None: it waits for one."""
+        `spread`, a new one (holding none) while fewer than `limit` run and each holds some
+        (counting those being made), else a free one of those holding fewest, else None: it
+        waits for one. While forks fail (backing off), the workers there are serve."""
         if not spread:
-            free = [w for w in self.workers if w.job is None]
-            if free or len(self.workers) >= self.limit:
-                return free[0] if free else None
+            free = next((w for w in self.workers if w.job is None), None)
+            if free is not None or len(self.workers) >= self.limit:
+                return free
             return self._fork()
         load = {w: w.kept + max(w.job.keeps if w.job else 0, 0) for w in self.workers}
         if len(self.workers) < self.limit and min(load.values(), default=1) > 0:
-            return self._fork()
+            worker = self._fork()
+            if worker is not None or not load:
+                return worker
         fewest = min(load.values())
         return next((w for w in self.workers if w.job is None and load[w] == fewest), None)
 
     def _fork(self) -> Worker | None:
-        if time.monotonic() < self.retry_fork:
+        now = time.monotonic()
+        if now < self.retry_fork:
             return None
-        parent_end, child_end = mpc.Pipe()
+        parent_end, child_end = socket.socketpair()
         for stream in (sys.stdout, sys.stderr):  # or the child would print it again
             with contextlib.suppress(Exception):
                 stream.flush()
+        _ignore_jax_fork_warning()
         try:
-            with _FORK_LOCK, warnings.catch_warnings():
-                # JAX warns at every fork; this child never touches JAX (module docstring).
-                warnings.filterwarnings("ignore", r"os\.fork\(\) was called", RuntimeWarning)
-                pid = os.fork()
+            pid = os.fork()
         except OSError as e:
             parent_end.close()
             child_end.close()
-            self.retry_fork = time.monotonic() + 1.0
-            if not self.workers:
-                self.broken = f"no worker process can be started: os.fork() failed ({e})"
+            self.fork_failing = self.fork_failing or now
+            self.fork_backoff = min(max(2 * self.fork_backoff, 0.05), 1.0)
+            self.retry_fork = now + self.fork_backoff
+            if not self.workers and now - self.fork_failing >= FORK_RETRY_SECONDS:
+                self.broken = (
+                    f"no worker process can be started: os.fork() has failed for "
+                    f"{now - self.fork_failing:.1f} s ({e})"
+                )
             return None
         if pid == 0:  # the worker: it never returns into the trainer's code
             code = 1
             try:
+                parent_end.close()
                 _worker_main(child_end, self.shares, os.getppid())
                 code = 0
             finally:
                 os._exit(code)
+        self.fork_failing, self.fork_backoff, self.retry_fork = None, 0.0, 0.0
+        self.beat = time.monotonic()  # (forking a large trainer takes a while)
         child_end.close()
+        parent_end.setblocking(False)
         with contextlib.suppress(OSError):  # (the child does it too: whichever comes first)
             os.setpgid(pid, pid)
         worker = Worker(pid, parent_end)
@@ -328,45 +468,89 @@ class _Dispatcher:
         return worker
 
     def _send(self, worker: Worker, job: _Job) -> bool:
-        """Whether `job` was sent (or ended here: cancelled, or its arguments do not pickle);
-        False when `worker` turned out dead (ended here), so the job waits for another."""
+        """Start sending `job` to `worker` (its time counts from now; the wait loop sends the
+        rest); False when `worker` turned out dead (ended here), so the job waits for another.
+        True also when the job was cancelled meanwhile."""
         if not job.future.running() and not job.future.set_running_or_notify_cancel():
             return True
-        try:
-            data = pickle.dumps((job.fn, job.args), pickle.HIGHEST_PROTOCOL)
-        except Exception as e:  # noqa: BLE001 - the caller's arguments, reported per call
-            _fail(job, TypeError(f"the call cannot be sent to a worker process: {e}"))
-            return True
-        try:
-            worker.conn.send_bytes(data)
-        except OSError:
-            self._end(worker, "it died", None)
-            return False
         worker.job, worker.started = job, time.monotonic()
+        worker.out = memoryview(_HEADER.pack(len(job.data)) + job.data)
+        if not self._flush(worker):  # dead before it took a byte: the job goes elsewhere
+            worker.job = None
+            self._end(worker, "died", None)
+            return False
+        return True
+
+    def _flush(self, worker: Worker) -> bool:
+        """Send what the socket takes now of `worker`'s call; False: the worker is gone."""
+        try:
+            while worker.out is not None:
+                sent = worker.sock.send(worker.out[:_CHUNK], _NOSIGNAL)
+                worker.out = worker.out[sent:] if sent < len(worker.out) else None
+        except (BlockingIOError, InterruptedError):
+            pass
+        except OSError:
+            return False
         return True
 
     def _wait(self) -> None:
+        """Until a reply, a send's progress, a deadline, a fork's retry or a wake-up."""
+        now = time.monotonic()
         deadlines = [w.started + self.timeout for w in self.workers if w.job is not None]
-        if self.unreaped or (self.pending and self.retry_fork):  # look again soon
-            deadlines.append(time.monotonic() + 0.1)
-        timeout = max(min(deadlines) - time.monotonic(), 0.0) if deadlines else None
-        ready = mpc.wait([self._wake_r, *(w.conn for w in self.workers)], timeout)
-        for worker in list(self.workers):
-            if worker.conn in ready:
+        if deadlines or self.pending:  # come round at least this often while busy
+            deadlines.append(now + min(1.0, DISPATCHER_STUCK_AFTER / 4))
+        if self.unreaped:
+            deadlines.append(now + 0.1)
+        if self.pending and self.retry_fork > now:  # a call may wait for that fork
+            deadlines.append(self.retry_fork)
+        poll = select.poll()
+        poll.register(self._wake_r, select.POLLIN)
+        by_fd = {}
+        for w in self.workers:
+            by_fd[w.sock.fileno()] = w
+            poll.register(w.sock, select.POLLIN | (select.POLLOUT if w.out is not None else 0))
+        timeout = max(min(deadlines) - now, 0.0) * 1000 if deadlines else None
+        try:
+            events = poll.poll(timeout)
+        except InterruptedError:
+            events = []
+        for fd, event in events:
+            worker = by_fd.get(fd)
+            if worker is None:
+                continue
+            sending = worker.out is not None and event & (select.POLLOUT | select.POLLERR)
+            if sending and not self._flush(worker):
+                self._end(worker, "died", None)
+                continue
+            if event & (select.POLLIN | select.POLLHUP | select.POLLERR):
                 self._receive(worker)
         now = time.monotonic()
         for worker in list(self.workers):
             if worker.job is not None and now - worker.started > self.timeout:
                 late = f"no answer within {self.timeout:g} s"
-                self._end(worker, f"killed: a call on it gave {late}", CallTimeout(late))
+                self._end(worker, f"was killed because {self.lost}", CallTimeout(late))
         self._reap()
 
     def _receive(self, worker: Worker) -> None:
+        """Read what `worker` has sent; a whole reply completes its call."""
         try:
-            data = worker.conn.recv_bytes()
-        except (EOFError, OSError):
-            self._end(worker, "it died", None)
+            while True:
+                chunk = worker.sock.recv(_CHUNK)
+                if not chunk:
+                    self._end(worker, "died", None)
+                    return
+                worker.got += chunk
+        except (BlockingIOError, InterruptedError):
+            pass
+        except OSError:
+            self._end(worker, "died", None)
             return
+        if len(worker.got) < _HEADER.size:
+            return
+        end = _HEADER.size + _HEADER.unpack_from(worker.got)[0]
+        if len(worker.got) < end:
+            return
+        data, worker.got = bytes(worker.got[_HEADER.size : end]), worker.got[end:]
         job, worker.job = worker.job, None
         if job is None:
             return
@@ -389,21 +573,23 @@ class _Dispatcher:
 
     def _end(self, worker: Worker, why: str, error: BaseException | None) -> None:
         """`worker` is gone (killed here, or dead): its call fails with `error` (None: the
-        worker died under it), the calls pinned to it with WorkerLost."""
+        worker died under it), the calls pinned to it with WorkerLost. `why` completes
+        "its worker process (pid N) ..." in their messages."""
+        if worker.ended is not None:
+            return
         code = self._kill(worker)
-        if code is not None and code < 0:
-            why += f" (signal {-code})"
-        elif code:
-            why += f" (exit status {code})"
+        if why == "died" and code is not None:
+            why += f" (signal {-code})" if code < 0 else f" (exit status {code})"
         worker.ended = why
         self.workers.remove(worker)
-        worker.conn.close()
+        worker.sock.close()
+        lost = WorkerLost(f"its worker process (pid {worker.pid}) {why}")
         if worker.job is not None:
-            _fail(worker.job, error or WorkerLost(f"its worker process ended: {why}"))
+            _fail(worker.job, error or lost)
             worker.job = None
         for job in [j for j in self.pending if j.on is worker]:
             self.pending.remove(job)
-            _fail(job, WorkerLost(f"its worker process has ended: {why}"))
+            _fail(job, lost)
 
     def _kill(self, worker: Worker) -> int | None:
         """SIGKILL to the worker's process group; its exit status (negative: a signal), or
@@ -438,7 +624,7 @@ class _Dispatcher:
             _fail(job, PoolBroken(why))
         self.pending.clear()
         for worker in list(self.workers):
-            self._end(worker, "the pool is closed", PoolBroken(why))
+            self._end(worker, "was stopped: its pool is closed", PoolBroken(why))
         deadline = time.monotonic() + 5.0
         while self.unreaped and time.monotonic() < deadline:
             self._reap()
@@ -458,8 +644,8 @@ def _close_fds(*fds: int) -> None:
             os.close(fd)
 
 
-def _worker_main(conn: mpc.Connection, shared, trainer: int) -> None:
-    """A forked worker: cut loose from the trainer, then run calls until its pipe closes."""
+def _worker_main(sock: socket.socket, shared, trainer: int) -> None:
+    """A forked worker: cut loose from the trainer, then run calls until its socket closes."""
     with contextlib.suppress(ValueError, OSError):
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # the trainer handles Ctrl-C, kills it
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
@@ -469,7 +655,7 @@ def _worker_main(conn: mpc.Connection, shared, trainer: int) -> None:
         _PRCTL(_PR_SET_PDEATHSIG, signal.SIGKILL)
     if os.getppid() != trainer:  # the trainer died before the line above
         return
-    _shed_streams(keep=conn.fileno())
+    _shed_streams(keep=sock.fileno())
     # Fresh stdout and stderr: the trainer's may hold unflushed text or a lock taken by
     # another thread at the fork.
     for name, fd in (("stdout", 1), ("stderr", 2)):
@@ -478,9 +664,10 @@ def _worker_main(conn: mpc.Connection, shared, trainer: int) -> None:
     held = Held(shared)
     while True:
         try:
-            data = conn.recv_bytes()
+            data = _recv_message(sock)
         except (EOFError, OSError):
             return
+        mark = held._next
         try:
             fn, args = pickle.loads(data)
             reply = ("ok", fn(held, *args))
@@ -493,8 +680,27 @@ def _worker_main(conn: mpc.Connection, shared, trainer: int) -> None:
             data = pickle.dumps(reply, pickle.HIGHEST_PROTOCOL)
         except Exception as e:  # noqa: BLE001 - a result that cannot cross
             error = TypeError(f"the call's result cannot be sent back: {type(e).__name__}: {e}")
-            data = pickle.dumps(("error", error))
-        conn.send_bytes(data)
+            reply, data = ("error", error), pickle.dumps(("error", error))
+        if reply[0] == "error":  # its caller never gets the handles: nobody could drop them
+            held.drop_since(mark)
+        sock.sendall(_HEADER.pack(len(data)) + data)
+
+
+def _recv_message(sock: socket.socket) -> bytes:
+    """One message (blocking); EOFError when the socket has closed."""
+    (size,) = _HEADER.unpack(_recv_exactly(sock, _HEADER.size))
+    return _recv_exactly(sock, size)
+
+
+def _recv_exactly(sock: socket.socket, size: int) -> bytes:
+    buf = bytearray(size)
+    view, got = memoryview(buf), 0
+    while got < size:
+        n = sock.recv_into(view[got:])
+        if not n:
+            raise EOFError
+        got += n
+    return bytes(buf)
 
 
 def _shed_streams(keep: int) -> None:
