@@ -13,7 +13,7 @@ import pytest
 from conftest import TINY_CONFIG
 
 from jaxrl_scale.config import ConfigError, load_config
-from jaxrl_scale.tasks import Scorer, make_scorer, workers
+from jaxrl_scale.tasks import Scorer, UserTask, make_scorer, workers
 from jaxrl_scale.tasks.scoring import ScorerBroken
 
 # re.match(r"(a+)+$", "a" * n + "b") backtracks 2^n steps inside C, holding the GIL: about
@@ -159,6 +159,48 @@ def test_a_fork_that_fails_for_a_moment_costs_no_sample(monkeypatch):
     got = _score(scorer, ["1", "0.5"])
     np.testing.assert_array_equal(got.rewards, [1, 0.5])
     assert got.counts["reward_errors"] == 0 and len(forks) == 4
+
+
+class Batch:
+    """A user's batch scorer: "stuck" in a batch runs a regex that holds the GIL; its stats
+    count the samples it scored (in the process that scored them)."""
+
+    train_examples = eval_examples = [{"prompt": "x"}]
+    tokenizer = "a tokenizer"  # (never used: the prompts are strings)
+
+    def __init__(self):
+        self.scored = 0
+
+    def score(self, completion, example):
+        raise AssertionError("score_many is used instead")
+
+    def score_many(self, completions, examples):
+        if "stuck" in completions:
+            re.match(r"(a+)+$", "a" * STUCK_N + "b")
+        self.scored += len(completions)
+        return [float(c) for c in completions]
+
+    def stats(self):
+        scored, self.scored = self.scored, 0
+        return {"batch_scored": scored}
+
+
+def test_a_users_batch_scorer_stuck_in_a_regex_costs_its_batch_and_nothing_else():
+    """A user's `score_many` ran on the feeding thread with no timeout: one stuck in C froze
+    the run. It runs in a worker process, its batch given task.score_timeout."""
+    task = UserTask(Batch())
+    scorer = Scorer(task, workers=2, timeout=0.5)
+    with Heartbeat() as beat:
+        start = time.monotonic()
+        got = _score(scorer, ["1", "stuck", "0.5"])
+        took = time.monotonic() - start
+    assert took < 3.0, f"{took:.1f} s"
+    assert beat.ticks >= 10, beat.ticks
+    assert got.counts["reward_timeouts"] == 3 and not got.rewards.any()
+    fine = _score(scorer, ["1", "0.5"])
+    np.testing.assert_array_equal(fine.rewards, [1, 0.5])
+    assert fine.counts["batch_scored"] == 2  # its stats, from the process that scored
+    assert task.obj.scored == 0  # (the trainer's copy never scored)
 
 
 def test_an_example_that_cannot_be_pickled_costs_its_sample_naming_what():

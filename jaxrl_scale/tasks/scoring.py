@@ -14,7 +14,9 @@ Where `score` runs. Each sample's `task.score(completion, example)` runs in one 
 worker processes forked from the trainer (tasks/workers.py says why forked, and what that
 means for the task object): a scorer stuck in C code that holds the GIL (a regex that
 backtracks for minutes) cannot freeze the trainer's threads, and at `timeout` seconds its
-worker is killed and replaced, the sample counted in `reward_timeouts`.
+worker is killed and replaced, the sample counted in `reward_timeouts`. Examples go to the
+workers and scores come back pickled: an example that does not pickle is its sample's error
+(`reward_errors`), its message naming the part (`example['rng'] (a Generator)`).
 
 What the verifier sees. With `strip_think` a completion's thinking is cut off before scoring:
 the text after the last `</think>`; a completion that opens `<think>` and never closes it scores
@@ -25,11 +27,17 @@ the reward is their weighted sum (weights from `task.reward_weights`, then the t
 `reward_weights` attribute, else 1 each), and each part's batch mean is logged as
 `reward/<part>`.
 
+Batch scorers. A task with `score_many(completions, examples)` is called once per batch (a
+mixture: once per domain in the batch). A user's (tasks/user.py `UserTask` marks it,
+`score_many_in_worker`) runs in a worker process like `score`, the whole batch given `timeout`
+seconds (one batch scorer call is one call: a batch past it counts every sample in
+`reward_timeouts`), its `stats()` read in that worker right after. The built-in ones bound
+their own time and run on the caller's thread: the code task's programs run in its sandbox
+pool, the math task's verifier is a process with a timeout of its own.
+
 Threads. `Scorer.__call__` is called from the thread that feeds the trainer and from the main
 thread's evaluation at once; each call hands its samples to the shared worker processes and
-waits for its own futures. A task with `score_many(completions, examples)` (the code task: its
-programs run in its own bounded sandbox pool; the math task: its verifier is a process with a
-timeout of its own) is called once per batch on the caller's thread instead.
+waits for its own futures.
 """
 
 from __future__ import annotations
@@ -111,7 +119,13 @@ class Scorer:
         self.task, self.timeout, self.strip_think = task, timeout, strip_think
         self._weights, self._pass_part = dict(weights or {}), pass_part
         self.max_failure_fraction = max_failure_fraction
-        self._pool = WorkerProcesses(workers, timeout=timeout, shares=task, name="jaxrl-scorer")
+        tasks = (getattr(task, "components", None) or {None: task}).values()
+        self._pool = None  # no worker process when every task bounds its own time
+        if not all(_bounds_itself(t) for t in tasks):
+            self._pool = WorkerProcesses(
+                workers, timeout=timeout, shares=task, name="jaxrl-scorer",
+                timeout_key="task.score_timeout",
+            )  # fmt: skip
         self._logged: set[str] = set()  # error kinds already logged (first text of each)
         self._log_lock = threading.Lock()  # two callers may hit a first error at once
 
@@ -130,15 +144,20 @@ class Scorer:
         values: list[object] = [0.0] * len(texts)
         todo = [i for i, t in enumerate(texts) if t is not None]
         failures: list[str] = []  # this batch's failures' texts, for ScorerBroken's message
-        # Per-sample scorers go to the worker processes first; batch scorers run here meanwhile.
-        each, batched = [], []
+        # What runs in the worker processes is handed over first; built-in batch scorers run
+        # here meanwhile.
+        futures: dict = {}  # future -> its sample's index, or a batch's indices (a list)
+        here = []
         for task, domain, indices in self._by_task(todo, examples):
-            if hasattr(task, "score_many"):
-                batched.append((task, indices))
+            if _bounds_itself(task):
+                here.append((task, indices))
+            elif hasattr(task, "score_many"):  # a user's batch scorer
+                batch = ([texts[i] for i in indices], [examples[i] for i in indices])
+                futures[self._pool.submit(_score_batch, domain, *batch)] = indices
             else:
-                each += [(domain, i) for i in indices]
-        futures = {self._pool.submit(_score, d, texts[i], examples[i]): i for d, i in each}
-        for task, indices in batched:
+                for i in indices:
+                    futures[self._pool.submit(_score, domain, texts[i], examples[i])] = i
+        for task, indices in here:
             self._score_many(task, indices, texts, examples, values, counts, failures)
         self._collect(futures, values, counts, failures)
         scored = self._combine(values, counts, examples, failures)
@@ -176,22 +195,38 @@ class Scorer:
             counts[name] = counts.get(name, 0) + value
 
     def _collect(self, futures: dict, values, counts, failures) -> None:
+        """The worker processes' outcomes into `values` and `counts`: per sample, or per
+        batch (a user's `score_many`: its scores and its stats, or its failure counted once
+        for each of its samples)."""
         try:
             outcomes = gather(list(futures))
         except PoolBroken as e:
             raise ScorerBroken(f"task {self._name}: the scorer's worker processes: {e}") from e
-        for (status, got), i in zip(outcomes, futures.values(), strict=True):
-            if status == "ok":
-                values[i] = got
+        for (status, got), where in zip(outcomes, futures.values(), strict=True):
+            batch = isinstance(where, list)
+            n = len(where) if batch else 1
+            if status == "ok" and batch:
+                scores, stats = got
+                for i, v in zip(where, scores, strict=True):
+                    values[i] = v
+                for name, value in stats.items():
+                    counts[name] = counts.get(name, 0) + value
+            elif status == "ok":
+                values[where] = got
             elif status == "timeout":
-                counts["reward_timeouts"] += 1
-                failures.append(f"no score within {self.timeout:g} s")
+                counts["reward_timeouts"] += n
+                failures.append(
+                    f"score_many gave no scores for a batch of {n} within {self.timeout:g} s "
+                    "(task.score_timeout, for the whole batch)"
+                    if batch
+                    else f"no score within {self.timeout:g} s (task.score_timeout)"
+                )
                 self._log("timeout", failures[-1])
             else:
                 if isinstance(got, FATAL):
                     raise got
-                counts["reward_errors"] += 1
-                failures.append(f"{type(got).__name__}: {got}")
+                counts["reward_errors"] += n
+                failures.append(f"{'score_many: ' if batch else ''}{type(got).__name__}: {got}")
                 self._log("error", failures[-1])
 
     def _check_failures(self, counts, attempted: int, failures: list[str]) -> None:
@@ -262,10 +297,27 @@ class Scorer:
         )
 
 
+def _bounds_itself(task) -> bool:
+    """Whether `task` is a built-in batch scorer that bounds its own time (the code task's
+    sandbox, the math task's verifier process), run on the caller's thread. A user's
+    `score_many` (UserTask.score_many_in_worker) runs in a worker process, as `score` does."""
+    return hasattr(task, "score_many") and not getattr(task, "score_many_in_worker", False)
+
+
 def _score(held, domain: str | None, completion: str, example: dict):
     """In a scorer's worker process: the sample's task (its domain's, in a mixture) scores it."""
     task = held.shared if domain is None else held.shared.components[domain]
     return task.score(completion, example)
+
+
+def _score_batch(held, domain: str | None, completions: list[str], examples: list[dict]):
+    """In a scorer's worker process: a user's `score_many` over a batch, and its `stats()`
+    read right after (its counters live in this process): (scores, stats)."""
+    task = held.shared if domain is None else held.shared.components[domain]
+    scores = list(task.score_many(completions, examples))
+    if len(scores) != len(completions):
+        raise ValueError(f"score_many returned {len(scores)} scores for {len(completions)}")
+    return scores, dict(task.stats()) if hasattr(task, "stats") else {}
 
 
 def _number(value, what: str) -> float:

@@ -43,7 +43,11 @@ class Task(Protocol):
     usual range is [0, 1], which the pass-rate metrics assume), or a mapping of named parts
     summed with `reward_weights`. It runs in forked worker processes (tasks/workers.py), several at
     once, so what it changes on the task stays there; one that raises, hangs past
-    task.score_timeout or returns a non-number scores that sample 0, counted."""
+    task.score_timeout or returns a non-number scores that sample 0, counted. The examples it
+    gets and the values it returns cross to and from those processes pickled, so they must
+    pickle (plain data: strings, numbers, lists, dicts); an example that does not is its
+    sample's error, naming what could not be sent. A `score_many(completions, examples)` runs
+    there too, one call per batch given task.score_timeout for the whole batch."""
 
     train_examples: Sequence[dict]
     eval_examples: Sequence[dict]
@@ -90,6 +94,8 @@ class UserTask:
 
     The examples the trainer and the scorer see are copies of the user's with "prompt" the
     rendered text; a chat example keeps its messages under "messages"."""
+
+    score_many_in_worker = True  # the user's batch scorer runs in a worker (tasks/scoring.py)
 
     def __init__(
         self,
