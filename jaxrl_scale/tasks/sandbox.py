@@ -162,11 +162,13 @@ def _outcome(
         return code, "sandbox_error", f"{stderr}\njaxrl-sandbox: {why}"
     if code == 0:
         return code, "ok", stderr
-    # The CPU limit's signals, sent by the kernel once the program used its seconds (a program
-    # that signals itself before using them is "killed").
+    # The CPU limit's signals: SIGXCPU at the soft limit, SIGKILL a second later (a SIGKILL
+    # before the program used its seconds is "killed"). SIGXCPU always counts as the limit's:
+    # the CPU time the launcher reads can lag the kernel's check on a loaded host, and a
+    # program that sends it to itself only fails as it would have.
     signal_number = said.get("signal", 0)
     used = said.get("cpu_seconds", 0.0) >= 0.9 * lim.cpu_seconds
-    if signal_number in (signal.SIGXCPU, signal.SIGKILL) and used:
+    if signal_number == signal.SIGXCPU or (signal_number == signal.SIGKILL and used):
         return code, "timeout", stderr
     return code, "killed" if signal_number else "error", stderr
 
