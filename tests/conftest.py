@@ -1,6 +1,7 @@
 """Eight fake CPU devices for every test; must run before jax is imported."""
 
 import os
+import threading
 
 # The suite's cost is compiling thousands of small programs whose run time is tiny, so the
 # tests ask XLA's CPU compiler for its cheaper paths: backend optimisation level 0 and the
@@ -124,3 +125,23 @@ def tiny_model_config():
         qkv_bias=True,
         tie_embeddings=True,
     )
+
+
+class Heartbeat:
+    """A thread that ticks every 5 ms: the trainer's heartbeats and feeding loop stand-in."""
+
+    def __init__(self):
+        self.ticks, self._stop = 0, threading.Event()
+        self._thread = threading.Thread(target=self._beat, daemon=True)
+
+    def _beat(self):
+        while not self._stop.wait(0.005):
+            self.ticks += 1
+
+    def __enter__(self):
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join()

@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 import tokenizers
 from conftest import FIXTURES, TINY_CONFIG
+from test_episodes import Scripted
 
 from jaxrl_scale.config import load_config
-from jaxrl_scale.generation.sampler import EOS, Rollout
 from jaxrl_scale.models.chat import ChatTemplate
 from jaxrl_scale.models.tokenizer import Tokenizer
 from jaxrl_scale.rl.advantages import group_advantages
@@ -105,28 +105,6 @@ def test_any_end_token_a_llama_turn_sampled_stands_for_the_templates_turn_end(en
     tok = chat_tokenizer("llama3.2")
     after = Observations(tok).after_turn("again", ended_with=_id(tok, end))
     assert after.startswith("<|start_header_id|>user<|end_header_id|>")  # no second end
-
-
-class Scripted:
-    """A stand-in generator: each call answers every context with the next of `answers`
-    (its text, then `end`), every sampled token at log-prob -0.5."""
-
-    def __init__(self, tok, answers, end):
-        self.tok, self.answers, self.end, self.calls, self.contexts = tok, answers, end, 0, []
-
-    def __call__(self, params_for_chunk, contexts, key, *, sampling, n_new):
-        self.contexts.append([list(c) for c in contexts])
-        ids = self.tok.encode(self.answers[self.calls]) + [self.end]
-        self.calls += 1
-        b, k = len(contexts), min(len(ids), n_new)
-        tokens = np.full((b, n_new), self.tok.pad_id, np.int32)
-        tokens[:, :k] = ids[:k]
-        mask = np.zeros((b, n_new), np.float32)
-        mask[:, :k] = 1
-        prompt = np.ones((b, 1), np.int32)
-        return Rollout(prompt, prompt.astype(bool), tokens, mask, -0.5 * mask,
-                       np.where(mask > 0, self.calls, -1).astype(np.int32),
-                       np.full(b, EOS, np.int32), np.full(b, k, np.int32))  # fmt: skip
 
 
 class Weather:

@@ -45,14 +45,16 @@ def retry_env(monkeypatch):
 
 class Scripted:
     """A stand-in generator: each call answers every context with the next of `answers`
-    (text, then EOS), every sampled token at log-prob -0.5 and policy version `calls`."""
+    (text, then `end`: the first end-of-sequence id unless given), every sampled token at
+    log-prob -0.5 and policy version `calls`."""
 
-    def __init__(self, tok, answers):
+    def __init__(self, tok, answers, end=None):
         self.tok, self.answers, self.calls, self.contexts = tok, answers, 0, []
+        self.end = tok.eos_ids[0] if end is None else end
 
     def __call__(self, params_for_chunk, contexts, key, *, sampling, n_new):
         self.contexts.append([list(c) for c in contexts])
-        ids = self.tok.encode(self.answers[self.calls]) + [self.tok.eos_ids[0]]
+        ids = self.tok.encode(self.answers[self.calls]) + [self.end]
         self.calls += 1
         b, k = len(contexts), min(len(ids), n_new)
         tokens = np.full((b, n_new), self.tok.pad_id, np.int32)

@@ -731,17 +731,10 @@ def test_a_group_that_cannot_run_the_trainers_model_ends_the_run_naming_the_key(
              "hosts.restart_timeout=600"]  # fmt: skip
     out = tmp_path / "run"
     trainer_log, gen_log = tmp_path / "trainer.log", tmp_path / "gen.log"
-    started = time.monotonic()
     trainer = processes.start(_env("trainer"), _args(out, port, *extra), trainer_log)
     gen = processes.start(_env("generator", JAXRL_GROUP="0"),
                           _args(out, port, *extra, "model.hidden_size=48"), gen_log)  # fmt: skip
-    try:
-        trainer.wait(timeout=240)
-        gen.wait(timeout=60)
-    except subprocess.TimeoutExpired:
-        logs = f"{trainer_log.read_text()[-2000:]}\n{gen_log.read_text()[-2000:]}"
-        pytest.fail(f"still running after {time.monotonic() - started:.0f} s:\n{logs}")
-    text = trainer_log.read_text()
+    text = _ended(trainer, gen, trainer_log, gen_log)
     assert trainer.returncode == 2, text[-3000:]
     assert "config error: model: the trainer offers" in text, text[-3000:]
     assert "(generator group 0 on 127.0.0.1)" in text
@@ -789,13 +782,7 @@ def test_broken_scoring_in_a_group_ends_the_trainers_run_with_the_scorers_error(
     trainer = processes.start(_env("trainer", **env), _args(out, port, *extra), trainer_log)
     gen = processes.start(_env("generator", JAXRL_GROUP="0", **env), _args(out, port, *extra),
                           gen_log)  # fmt: skip
-    try:
-        trainer.wait(timeout=240)
-        gen.wait(timeout=60)
-    except subprocess.TimeoutExpired:
-        logs = f"{trainer_log.read_text()[-2000:]}\n{gen_log.read_text()[-2000:]}"
-        pytest.fail(f"still running:\n{logs}")
-    text = trainer_log.read_text()
+    text = _ended(trainer, gen, trainer_log, gen_log)
     assert trainer.returncode != 0, text[-3000:]
     assert "ScorerBroken: task graded: " in text, text[-3000:]
     assert "could not be scored" in text and "the grading service is down" in text
@@ -877,3 +864,15 @@ def test_a_run_survives_the_fault_soak(tmp_path):
     assert counts["left"] == 1  # the drained group, which left rather than being lost,
     assert counts["left_holding_work"] == 0  # with nothing of its own handed out again
     assert counts["lost_rows"] >= 0 and counts["staleness_max"] <= 4
+
+
+def _ended(trainer, gen, trainer_log, gen_log) -> str:
+    """The trainer's log once it and its group have exited (each given a bound)."""
+    started = time.monotonic()
+    try:
+        trainer.wait(timeout=240)
+        gen.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        logs = f"{trainer_log.read_text()[-2000:]}\n{gen_log.read_text()[-2000:]}"
+        pytest.fail(f"still running after {time.monotonic() - started:.0f} s:\n{logs}")
+    return trainer_log.read_text()

@@ -10,7 +10,7 @@ import warnings
 
 import numpy as np
 import pytest
-from conftest import TINY_CONFIG
+from conftest import TINY_CONFIG, Heartbeat
 
 from jaxrl_scale.config import ConfigError, load_config
 from jaxrl_scale.tasks import Scorer, UserTask, make_scorer, workers
@@ -39,26 +39,6 @@ def _score(scorer, texts):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the first failure of each kind is logged
         return scorer(texts, [{"prompt": "x"}] * len(texts))
-
-
-class Heartbeat:
-    """A thread that ticks every 5 ms: the trainer's heartbeats and feeding loop stand-in."""
-
-    def __init__(self):
-        self.ticks, self._stop = 0, threading.Event()
-        self._thread = threading.Thread(target=self._beat, daemon=True)
-
-    def _beat(self):
-        while not self._stop.wait(0.005):
-            self.ticks += 1
-
-    def __enter__(self):
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc):
-        self._stop.set()
-        self._thread.join()
 
 
 def test_a_scorer_stuck_in_a_regex_that_holds_the_gil_costs_its_sample_and_nothing_else():

@@ -14,6 +14,7 @@ import time
 import warnings
 
 import pytest
+from conftest import Heartbeat
 
 from jaxrl_scale.tasks import workers
 from jaxrl_scale.tasks.env import EnvRunner
@@ -31,26 +32,6 @@ STUCK_N = 30  # re.match(r"(a+)+$", "a" * 30 + "b"): half a minute in C, holding
 
 def _stuck():
     re.match(r"(a+)+$", "a" * STUCK_N + "b")
-
-
-class Heartbeat:
-    """A thread that ticks every 5 ms: the trainer's heartbeats and feeding loop stand-in."""
-
-    def __init__(self):
-        self.ticks, self._stop = 0, threading.Event()
-        self._thread = threading.Thread(target=self._beat, daemon=True)
-
-    def _beat(self):
-        while not self._stop.wait(0.005):
-            self.ticks += 1
-
-    def __enter__(self):
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc):
-        self._stop.set()
-        self._thread.join()
 
 
 # --------------------------------------------------------------------------- worker processes
