@@ -205,7 +205,7 @@ def setup(cfg: ExperimentConfig, out: str | Path, *, resume: bool = True, task=N
         from jaxrl_scale.hosts.hub import generator_devices, static_waves
 
         devices += cfg.hosts.generator_groups * generator_devices(cfg)
-        why = static_waves(cfg, task)
+        why = static_waves(cfg)
         if why is not None and distributed.is_main():
             warnings.warn(why, stacklevel=2)
     return Run(

@@ -660,9 +660,9 @@ def test_model_sampler_and_engine_do_not_load_the_transport():
 
 def test_multi_turn_episodes_run_on_a_generator_job(tmp_path, processes):
     """A user's environment task, by import path, importable on both hosts: its episodes
-    run on the generator job (the environments live there) and reach the trainer with their
-    masks and counts. They run in static waves there, not on the slot engine that
-    sampler.batching asks for: the rows say so (gen_batching) and so do both logs at setup."""
+    run on the generator job (the environments live there), on its slot engine as
+    sampler.batching asks (in static waves before: a slow environment stalled its wave), and
+    reach the trainer with their masks and counts."""
     port = _free_port()
     fixtures = str(ROOT / "tests" / "fixtures" / "tasks")
     extra = ["train.steps=2", "task.name=retry_env:make", "task.max_turns=2",
@@ -681,9 +681,9 @@ def test_multi_turn_episodes_run_on_a_generator_job(tmp_path, processes):
         assert 1 <= r["turns_mean"] <= 2 and r["env_errors"] == 0
         assert r["gen_tokens"] <= 2 * 4 * 16  # sampled tokens only: 2 turns of <= 4
         assert (r["gen_batching"], r["staleness_bound"], r["generator_processes"]) == (
-            "static", 8, 1)  # fmt: skip
-    why = "generator jobs run a multi-turn task's episodes in static waves"
-    assert why in trainer_log.read_text() and why in gen_log.read_text()
+            "continuous", 8, 1)  # fmt: skip
+        assert 0 < r["slot_occupancy"] <= 1 and r["episodes_trained"] == 16
+    assert "static waves" not in trainer_log.read_text() + gen_log.read_text()
 
 
 def test_a_generator_group_of_two_processes_pulls_its_own_rows_and_decodes_in_step(tmp_path):

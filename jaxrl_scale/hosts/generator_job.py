@@ -54,7 +54,7 @@ from jaxrl_scale.hosts.weights import PermanentFailure, WeightClient
 from jaxrl_scale.models import lora
 from jaxrl_scale.models.policy import Policy, for_generation
 from jaxrl_scale.parallel import distributed, sharding
-from jaxrl_scale.rl.episodes import EpisodeRunner
+from jaxrl_scale.rl.episodes import EngineEpisodes, EpisodeRunner
 from jaxrl_scale.rl.generator import EngineBatches, WaveGenerator
 from jaxrl_scale.rl.rollout import held_out_scores, score_episodes, score_rollout
 from jaxrl_scale.tasks import make_scorer, make_task
@@ -513,10 +513,10 @@ def run_generator(cfg: ExperimentConfig, group: int) -> int:
     run_key = jax.random.key(cfg.seed)
     made = seq = 0
     patience = cfg.hosts.timeout  # to reach a trainer at all; then for it to come back
-    on_engine = episodes is None and cfg.batching == "continuous"
+    on_engine = cfg.batching == "continuous"  # (a fixed schedule's batches: static waves)
     batch_rows = cfg.train.prompts_per_step * cfg.train.group_size
     say = (lambda text: print(text, flush=True)) if lead else (lambda text: None)
-    why = static_waves(cfg, task)
+    why = static_waves(cfg)
     if why is not None:
         say(f"{name}: {why}")
 
@@ -560,7 +560,12 @@ def run_generator(cfg: ExperimentConfig, group: int) -> int:
             # Continuous batching: the batches this session was handed, in the slot engine
             # (what a trainer before handed out is not this one's: a new engine per join).
             engine = None
-            if on_engine:
+            if on_engine and episodes is not None:  # episodes, as a colocated run's
+                engine = EngineEpisodes(cfg, graphdef, tok, episodes, mesh=mesh,
+                                        slots=cfg.sampler.slots or batch_rows,
+                                        sampling=sampling, curriculum=None,
+                                        examples=task.train_examples)  # fmt: skip
+            elif on_engine:
                 engine = EngineBatches(cfg, graphdef, tok, waves.interruption, mesh=mesh,
                                        prompt_len=-(-longest // 8) * 8, sampling=sampling,
                                        slots=cfg.sampler.slots or batch_rows)  # fmt: skip
@@ -653,19 +658,25 @@ def run_generator(cfg: ExperimentConfig, group: int) -> int:
 _AHEAD = 2
 
 
-def _queue(engine: EngineBatches, task, work: dict, run_key) -> None:
+def _queue(engine: EngineBatches | EngineEpisodes, task, work: dict, run_key) -> None:
     """The hub's batch into the slot engine, behind what it holds (held there until its
-    bound, `oldest`); the work and the time come back with it."""
-    prompts = [task.tokenizer.encode(task.train_examples[i]["prompt"]) for i in work["indices"]]
+    bound, `oldest`); the work and the time come back with it. Episodes open their
+    environments as they are queued."""
     key = jax.random.fold_in(run_key, work["key"])  # (the engine's seed if it is the first)
-    engine.queue(work["indices"], prompts, key, work["oldest"], tag=(work, time.perf_counter()))
+    tag = (work, time.perf_counter())
+    if isinstance(engine, EngineEpisodes):
+        engine.queue(work["indices"], key, work["oldest"], tag=tag)
+        return
+    prompts = [task.tokenizer.encode(task.train_examples[i]["prompt"]) for i in work["indices"]]
+    engine.queue(work["indices"], prompts, key, work["oldest"], tag=tag)
 
 
-def _engine_run(cfg, scorer, engine: EngineBatches, weights: Weights, base, done_at: float,
-                *, score: bool = True):  # fmt: skip
+def _engine_run(cfg, scorer, engine: EngineBatches | EngineEpisodes, weights: Weights, base,
+                done_at: float, *, score: bool = True):  # fmt: skip
     """One run of the slot engine with the newest weights held (at least the oldest queued
-    batch's bound; the batch behind it is held by the engine until its own); the frames of
-    the oldest batch if it is now complete (`score`: else it is dropped, as a follower of a
+    batch's bound; the batch behind it is held by the engine until its own), or for
+    episodes one step on (a run, or a short wait for their environments); the frames of the
+    oldest batch if it is now complete (`score`: else it is dropped, as a follower of a
     group's leader drops it), else None."""
     oldest = engine.queued[0].tag[0]["oldest"]
 
@@ -676,7 +687,11 @@ def _engine_run(cfg, scorer, engine: EngineBatches, weights: Weights, base, done
     engine.step(params_for_chunk)
     if not engine.complete():
         return None
-    _, ro, (work, queued_at) = engine.pop()
+    if isinstance(engine, EngineEpisodes):  # (groups of one process: the leader scores)
+        _, ro, rewards, stats, (work, queued_at) = engine.pop()
+        scored = score_episodes(cfg, ro, rewards, stats, reference=bool(cfg.loss.kl_coef))
+        scored.stats.update(slot_occupancy=engine.occupancy, gen_engine=1)
+        return _frames(scored, work, time.perf_counter() - max(queued_at, done_at))
     if not score:
         return None
     return _scored_frames(cfg, scorer, ro, work, max(queued_at, done_at),

@@ -691,18 +691,12 @@ def address(cfg: ExperimentConfig, *, trainer: bool = True) -> str:
     return hub_host if trainer and distributed.is_main() else socket.gethostname()
 
 
-def static_waves(cfg: ExperimentConfig, task) -> str | None:
+def static_waves(cfg: ExperimentConfig) -> str | None:
     """Why generator jobs decode this run's batches in static waves although
     `sampler.batching` asks for the slot engine (the rows say `gen_batching: static`), or None
     where they run what it asks."""
     if cfg.batching != "continuous":
         return None
-    if hasattr(task, "make_env"):
-        return ("sampler.batching: continuous, but generator jobs run a multi-turn task's "
-                "episodes in static waves (rows: gen_batching static): a wave's episodes take "
-                "their turns together, so a slow environment stalls its whole wave. A "
-                "colocated run (hosts.generator_groups=0) runs them on the slot "
-                "engine")  # fmt: skip
     if cfg.pipeline.mode == "sync" or cfg.pipeline.lockstep:
         return ("sampler.batching: continuous, but generator jobs decode each batch in static "
                 "waves under a fixed schedule (pipeline.mode sync or pipeline.lockstep: the "

@@ -305,15 +305,16 @@ class EpisodeRunner:
 
 @dataclasses.dataclass
 class _Batch:
-    """A training batch of episodes drawn into the engine (owned by the feeding thread)."""
+    """A training batch of episodes queued in the engine (owned by the feeding thread)."""
 
     indices: np.ndarray  # prompt indices
     episodes: list[Episode]
-    cursor: tuple[int, int]  # the curriculum's (epoch, position) before the draw
+    tag: object  # the caller's (colocated: the curriculum's cursor before the draw)
     not_before: int | None  # the oldest version its tokens may carry
     opening: int = 0  # environments still being made and reset
     ready: list[int] = dataclasses.field(default_factory=list)  # requests opened, not queued
     start: float = 0.0
+    waited: float = 0.0  # the engine's `waited` when it was queued
 
 
 class EngineEpisodes:
@@ -327,7 +328,11 @@ class EngineEpisodes:
     a prefill of the episode) and the next turn sampled. Environments are made and reset on
     the pool too, and a batch's episodes enter the engine in batch order once opened; the
     batch behind is queued as `EngineBatches` queues it (held until its version bound).
-    Owned by the thread that calls `next` (the feeding thread)."""
+
+    Colocated, `next` draws each batch's prompts from `curriculum`; a generator job (no
+    curriculum) queues the batches the hub hands it (`queue`) and moves them on one step at
+    a time (`step`, `complete`, `pop`), as it does `EngineBatches`. Owned by the thread that
+    calls these (the feeding thread, or the generator job's)."""
 
     def __init__(self, cfg, graphdef, tok, runner: EpisodeRunner, *, mesh, slots: int,
                  sampling, curriculum, examples):  # fmt: skip
@@ -344,7 +349,13 @@ class EngineEpisodes:
         self.batch_of: dict[int, _Batch] = {}  # request -> its batch, while it opens
         self.requests = 0
         self.version = -1  # of the last run
+        self.chunk = 0  # engine runs in this `next` (or since the job's last `pop`)
+        self._fresh = None  # (version, params) asked for before a `next` loop, not yet run
         self.waited = 0.0  # seconds with nothing to decode, every live row at its environment
+        # The share of slot-steps with a row decoding since the batch before was handed
+        # over, and the engine's (steps, slot-steps) counts then (as `EngineBatches`).
+        self.occupancy = 0.0
+        self._counts = (0, 0)
 
     def _build(self, first: _Batch) -> None:
         """The engine, once the first batch's environments have opened: its prompt columns
@@ -361,12 +372,21 @@ class EngineEpisodes:
             parked_rows=self.parked_rows,
         )  # fmt: skip
 
-    def _submit(self, key, oldest: int | None) -> None:
+    def _draw(self, key, oldest: int | None) -> None:
+        """Draw the next batch's prompts from the curriculum and queue them."""
+        cursor = (self.curriculum.epoch, self.curriculum.position)
+        indices = self.curriculum.next_batch(self.cfg.train.prompts_per_step)
+        self.queue(indices, key, oldest, tag=cursor)
+
+    def queue(self, indices, key, oldest: int | None, tag=None) -> None:
+        """Queue a batch: `train.group_size` episodes of each of `examples[indices]`, their
+        environments opened now, held in the engine until the version is at least `oldest`
+        (None: not held); `key` seeds the engine if it is the first. `tag` comes back with
+        the batch (`pop`)."""
         cfg = self.cfg
         self.key = key if self.key is None else self.key
-        cursor = (self.curriculum.epoch, self.curriculum.position)
-        indices = self.curriculum.next_batch(cfg.train.prompts_per_step)
-        batch = _Batch(indices, [], cursor, oldest, start=time.perf_counter())
+        batch = _Batch(np.asarray(indices), [], tag, oldest, start=time.perf_counter(),
+                       waited=self.waited)  # fmt: skip
         for i in indices:
             for _ in range(cfg.train.group_size):
                 ep = Episode(None)
@@ -441,45 +461,71 @@ class EngineEpisodes:
         return prompts, len(self.live)
 
     def cursor(self) -> tuple[int, int] | None:
-        return self.queued[0].cursor if self.queued else None
+        return self.queued[0].tag if self.queued else None
+
+    def release(self) -> None:
+        """Free the engine's slots on the devices while nothing is queued (a generator job's
+        evaluation runs in their place); the next batch builds the engine again."""
+        if self.queued:
+            raise ValueError(f"{len(self.queued)} batch(es) are still queued in the engine")
+        self.engine, self._counts = None, (0, 0)
+
+    def complete(self) -> bool:
+        """Whether every episode of the oldest queued batch has ended."""
+        return bool(self.queued) and all(ep.done for ep in self.queued[0].episodes)
+
+    def step(self, params_for_chunk: ParamsForChunk) -> None:
+        """One move on: the environment calls that ended are settled; then one engine run
+        with the newest weights, or, when it would decode nothing while environments are
+        busy, a short wait for them (none busy: newer weights may release a held prompt, so
+        the engine runs). (No engine yet: the first batch's environments are opening.)"""
+        self._settle()
+        engine = self.engine
+        if engine is not None and (
+            engine.would_run(self.version) or (engine.pending and not self.calls)
+        ):
+            if self._fresh is None:
+                jax.block_until_ready(engine.state.done)  # as EngineBatches.step
+                self._fresh = params_for_chunk(self.chunk)
+                self.chunk += 1
+            (self.version, params), self._fresh = self._fresh, None
+            for row in engine.run(params, self.version, self.cfg.sampler.admit_every):
+                self._turn_ended(row)
+        elif self.calls:  # every live row is at its environment
+            clock = time.perf_counter()
+            cf.wait(list(self.calls), timeout=0.05, return_when=cf.FIRST_COMPLETED)
+            self.waited += time.perf_counter() - clock
+
+    def pop(self):
+        """(prompt indices, Rollout on the host, rewards [B] (NaN: cannot be trained), stats,
+        tag) of the oldest queued batch, once `complete`."""
+        batch = self.queued.pop(0)
+        if self.engine is not None:
+            counts = (self.engine.steps, self.engine.slot_steps)
+            steps, busy = (now - then for now, then in zip(counts, self._counts, strict=True))
+            self.occupancy = busy / (self.slots * steps) if steps else 0.0
+            self._counts = counts
+        episodes = batch.episodes
+        rewards = self.runner.settle_groups(episodes, self.cfg.train.group_size)
+        stats = self.runner.stats(episodes, self.waited - batch.waited, batch.start)
+        return batch.indices, self.runner.rollout(episodes), rewards, stats, batch.tag
 
     def next(self, params_for_chunk: ParamsForChunk, key, oldest: int | None):
         """(prompt indices, Rollout on the host, rewards [B], stats) of the oldest queued
         batch once every one of its episodes has ended; `oldest` as `EngineBatches.next`."""
         ahead = 2 if self.cfg.pipeline.mode == "pipeline_rl" else 1
         while len(self.queued) < ahead:
-            self._submit(key, None if oldest is None else oldest + len(self.queued))
-        batch = self.queued[0]
+            self._draw(key, None if oldest is None else oldest + len(self.queued))
         if self.engine is not None and self.engine.busy:  # its last run has ended before
             jax.block_until_ready(self.engine.state.done)  # the next weights are asked for
-        self.version, params = params_for_chunk(0)  # what a held prompt is admitted by
-        chunk, fresh = 1, True
-        waited = self.waited
-        while not all(ep.done for ep in batch.episodes):
-            self._settle()
-            engine = self.engine
-            # A run that would decode nothing waits for the environments instead (unless
-            # none is busy: then newer weights may release a held prompt).
-            # (No engine yet: the first batch's environments are opening, waited for below.)
-            if engine is not None and (
-                engine.would_run(self.version) or (engine.pending and not self.calls)
-            ):
-                if not fresh:
-                    jax.block_until_ready(engine.state.done)  # as EngineBatches.next
-                    self.version, params = params_for_chunk(chunk)
-                    chunk += 1
-                fresh = False
-                for row in engine.run(params, self.version, self.cfg.sampler.admit_every):
-                    self._turn_ended(row)
-            elif self.calls:  # every live row is at its environment
-                clock = time.perf_counter()
-                cf.wait(list(self.calls), timeout=0.05, return_when=cf.FIRST_COMPLETED)
-                self.waited += time.perf_counter() - clock
-        self.queued.pop(0)
-        episodes = batch.episodes
-        rewards = self.runner.settle_groups(episodes, self.cfg.train.group_size)
-        stats = self.runner.stats(episodes, self.waited - waited, batch.start)
-        return batch.indices, self.runner.rollout(episodes), rewards, stats
+        # What a held prompt is admitted by, asked for now: the first run uses it.
+        self._fresh = params_for_chunk(0)
+        self.version, self.chunk = self._fresh[0], 1
+        while not self.complete():
+            self.step(params_for_chunk)
+        self._fresh = None
+        indices, ro, rewards, stats, _ = self.pop()
+        return indices, ro, rewards, stats
 
 
 # What an observation's text is cut to before it is rendered and tokenized, per token of room

@@ -236,6 +236,7 @@ class RolloutWorker:
         if self.episodic:
             if cfg.batching == "continuous":
                 indices, ro, rewards, stats = self.continuous.next(params_for_chunk, key, oldest)
+                stats["slot_occupancy"] = self.continuous.occupancy
             else:
                 indices = self.curriculum.next_batch(cfg.train.prompts_per_step)
                 examples = [self.task.train_examples[i] for i in indices]
