@@ -692,6 +692,7 @@ def _engine_run(cfg, scorer, engine: EngineBatches | EngineEpisodes, weights: We
         scored = score_episodes(cfg, ro, rewards, stats, reference=bool(cfg.loss.kl_coef))
         scored.stats.update(slot_occupancy=engine.occupancy, gen_engine=1)
         return _frames(scored, work, time.perf_counter() - max(queued_at, done_at))
+    _, ro, (work, queued_at) = engine.pop()
     if not score:
         return None
     return _scored_frames(cfg, scorer, ro, work, max(queued_at, done_at),

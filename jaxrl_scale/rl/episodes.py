@@ -503,8 +503,8 @@ class EngineEpisodes:
         if self.engine is not None:
             counts = (self.engine.steps, self.engine.slot_steps)
             steps, busy = (now - then for now, then in zip(counts, self._counts, strict=True))
-            self.occupancy = busy / (self.slots * steps) if steps else 0.0
-            self._counts = counts
+            if steps:  # (none since the batch before: it finished in runs already counted)
+                self.occupancy, self._counts = busy / (self.slots * steps), counts
         episodes = batch.episodes
         rewards = self.runner.settle_groups(episodes, self.cfg.train.group_size)
         stats = self.runner.stats(episodes, self.waited - batch.waited, batch.start)

@@ -335,14 +335,15 @@ class EngineBatches(_OnGenerator):
 
     def pop(self):
         """(prompt indices, Rollout, tag) of the oldest queued batch, once `complete`
-        (`occupancy` is then the slots' since the batch before): its
-        groups in the order they were queued, on the host, where scoring reads it and the
-        trainer places its rows in their shards when it takes the batch (with router replay
-        its experts are most of its bytes)."""
+        (`occupancy` is then the slots' since the batch before, kept when no run came
+        between): its groups in the order they were queued, on the host, where scoring reads
+        it and the trainer places its rows in their shards when it takes the batch (with
+        router replay its experts are most of its bytes)."""
         q = self.queued.pop(0)
         counts = (self.engine.steps, self.engine.slot_steps)
         steps, busy = (now - then for now, then in zip(counts, self._counts, strict=True))
-        self.occupancy, self._counts = busy / (self.slots * steps) if steps else 0.0, counts
+        if steps:  # (none since the batch before: it finished in runs already counted)
+            self.occupancy, self._counts = busy / (self.slots * steps), counts
         rows = [f for r in q.requests for f in sorted(self.finished.pop(r), key=lambda f: f.row)]
         stack = lambda name: np.stack([getattr(f, name) for f in rows])  # noqa: E731
         ro = Rollout(
