@@ -113,3 +113,24 @@ def test_fit_cli_c_min_fraction_leaves_out_early_points(tmp_path, capsys):
     assert everything["points"] == C.size
     assert late["points"] == int(np.sum(C >= 3000.0)) < C.size
     assert "left out" in out.err
+
+
+def test_a_fit_that_did_not_converge_is_neither_ranked_nor_compared(tmp_path, capsys):
+    good = _run_dir(tmp_path, "good", 0.61, 2.0, 0)
+    noisy = tmp_path / "noisy"  # four evaluations that no sigmoid follows
+    noisy.mkdir()
+    rows = zip(C[::8], [0.3, 0.7, 0.25, 0.65], strict=True)
+    (noisy / "metrics.jsonl").write_text("".join(
+        json.dumps({"step": i, "compute_flops": c, "eval_pass_rate": y}) + "\n"
+        for i, (c, y) in enumerate(rows)
+    ))  # fmt: skip
+    args = [str(good), str(noisy), "--bootstrap", "200"]
+    assert main(["fit", *args, "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    entry = report["runs"][1]
+    assert not (entry["converged"] and np.isfinite(entry["a_ci"]).all())
+    assert report["ranking"] == ["good"] and report["not_converged"] == ["noisy"]
+    assert report["shared_ceiling"] == []
+    assert any("train.eval_every" in w for w in entry["warnings"])
+    assert main(["fit", *args]) == 0
+    assert "not converged, not ranked: noisy" in capsys.readouterr().out

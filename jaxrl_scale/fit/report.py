@@ -215,7 +215,16 @@ def fit_files(
         decline = detect_decline(curve, r0=r0, eval_size=noise["eval_size"], seed=seed)
         runs.append(_run_entry(curve, boot, predict_at, extrapolation, decline))
         plotted.append((curve, boot, c_cut))
-    ranking = sorted((e for e in runs if e["declining"] is None), key=lambda e: -e["a"])
+    for e in runs:
+        if not _fitted(e):
+            e["warnings"].append(
+                f"{e['run']}: the fit did not converge (A [{_fmt(e['a_ci'][0])}, "
+                f"{_fmt(e['a_ci'][1])}]), so it is neither ranked nor compared; more "
+                "evaluations over more compute would help (train.eval_every, more steps)"
+            )
+    ranking = sorted(
+        (e for e in runs if e["declining"] is None and _fitted(e)), key=lambda e: -e["a"]
+    )
     shared = []
     for i, first in enumerate(ranking):
         for second in ranking[i + 1 :]:
@@ -231,6 +240,7 @@ def fit_files(
         "runs": runs,
         "ranking": [e["run"] for e in ranking],
         "declining": [e["run"] for e in runs if e["declining"] is not None],
+        "not_converged": [e["run"] for e in runs if not _fitted(e)],
         "eval_size": eval_size,
         "margin": margin,
         "shared_ceiling": shared,
@@ -240,6 +250,11 @@ def fit_files(
 
         report["plot"] = str(plot_fits(plotted, plot, predict_at=predict_at, xlabel=x, ylabel=y))
     return report
+
+
+def _fitted(entry: dict[str, Any]) -> bool:
+    """Whether a run's fit converged, with a finite A and interval: only those are ranked."""
+    return bool(entry["converged"]) and all(math.isfinite(v) for v in (entry["a"], *entry["a_ci"]))
 
 
 def shared_entry(s) -> dict[str, Any]:
@@ -314,6 +329,8 @@ def format_report(report: dict[str, Any]) -> str:
         lines.append("ranking by A: " + (" > ".join(report["ranking"]) or "(none)"))
     if report["declining"]:
         lines.append("declining, not ranked: " + ", ".join(report["declining"]))
+    if report.get("not_converged"):
+        lines.append("not converged, not ranked: " + ", ".join(report["not_converged"]))
     for s in report["shared_ceiling"]:
         lines.append(describe_shared(s, report["margin"]))
     if "plot" in report:
