@@ -6,7 +6,7 @@
 The task is the part to copy (`GuessTheNumber` below: one game per episode, seeded by its
 example). Run as a script it trains a tiny random model over printable ASCII for a few steps
 on the slot engine, a smoke run of textarena's messages through episodes: with a real
-checkpoint set `model.path` and drop the tokenizer (the checkpoint's chat template then
+checkpoint set `model.init_from` and drop the tokenizer (the checkpoint's chat template then
 renders the game's messages as user turns).
 """
 
