@@ -258,3 +258,10 @@ def test_a_task_object_trains_from_a_notebook(user_module, tmp_path):
     # changes stays there, and the notebook's object is untouched.
     assert obj.calls == 0
     assert rows[1]["reward_errors"] == 0 and "reward/format" in rows[1]
+
+
+def test_fewer_training_examples_than_a_step_draws_is_refused_at_setup(user_module, tmp_path):
+    overrides = [*FAST, "task.name=user_task:make", "task.args.n_train=3"]  # 4 prompts a step
+    with pytest.raises(ConfigError, match=r"train.prompts_per_step: 4 prompts a step, but the "
+                                          r"task has 3 training example"):  # fmt: skip
+        train(load_config(TINY_CONFIG, overrides), tmp_path)

@@ -108,6 +108,14 @@ class RolloutWorker:
         self.sampling = Sampling(s.temperature, s.top_p, s.top_k)
         self.interruption = Interruption.from_config(s, self.tok)
         self.reference = bool(cfg.loss.kl_coef)  # GRPO's KL term: the flops of its forward
+        if len(task.train_examples) < cfg.train.prompts_per_step:  # a batch draws distinct ones
+            raise ConfigError(
+                f"train.prompts_per_step: {cfg.train.prompts_per_step} prompts a step, but the "
+                f"task has {len(task.train_examples)} training example(s) (each step draws "
+                "distinct ones; lower train.prompts_per_step, or give the task more examples"
+                + (f", task.num_train is {cfg.task.num_train}" if cfg.task.num_train else "")
+                + ")"
+            )
         self.curriculum = Curriculum(
             len(task.train_examples),
             seed=cfg.seed,
