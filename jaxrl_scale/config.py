@@ -55,7 +55,7 @@ __all__ = [
     "LossConfig", "MathConfig", "MeshConfig", "ModelConfig", "OptimConfig", "PipelineConfig",
     "RopeScalingConfig", "SamplerConfig", "TaskConfig", "TrainConfig", "WarmStartConfig",
     "apply_overrides", "asset_path", "check_sampling", "check_thinking_budget", "dump_config",
-    "from_dict", "load_config", "parse_override", "to_dict",
+    "from_dict", "load_config", "parse_override", "resolve_paths", "to_dict",
 ]  # fmt: skip
 
 
@@ -289,3 +289,42 @@ def dump_config(cfg: ExperimentConfig, header: str = "") -> str:
     comments at the top."""
     comments = "".join(f"# {line}\n" for line in header.splitlines())
     return comments + yaml.safe_dump(to_dict(cfg), sort_keys=False)
+
+
+def resolve_paths(cfg: ExperimentConfig, cwd: str | Path | None = None) -> ExperimentConfig:
+    """`cfg` with its relative file paths made absolute (against `cwd`, default the current
+    directory), so that the config a run writes (RUN/config.yaml) reruns from anywhere: the
+    data files of task.math / task.code, model.init_from and model.lora.init_from, and any
+    string in task.args (and a mixture's args) that names an existing file or folder. Names
+    that are not files here (a Hugging Face dataset, `asset:...`) stay as they are."""
+    base = Path.cwd() if cwd is None else Path(cwd)
+
+    def path(value: Any) -> Any:
+        if not isinstance(value, str) or not value or value.startswith(ASSET):
+            return value
+        p = Path(value).expanduser()
+        if p.is_absolute() or not (base / p).exists():
+            return value
+        return str((base / p).resolve())
+
+    def args(tree: Any) -> Any:
+        if isinstance(tree, Mapping):
+            return {k: args(v) for k, v in tree.items()}
+        if isinstance(tree, list | tuple):
+            return type(tree)(args(v) for v in tree)
+        return path(tree)
+
+    t, m = cfg.task, cfg.model
+    task = dataclasses.replace(
+        t,
+        args=args(t.args),
+        mixture=tuple(dataclasses.replace(c, args=args(c.args)) for c in t.mixture),
+        math=dataclasses.replace(t.math, data=path(t.math.data), eval_data=path(t.math.eval_data)),
+        code=dataclasses.replace(t.code, data=path(t.code.data), eval_data=path(t.code.eval_data)),
+    )
+    model = dataclasses.replace(
+        m,
+        init_from=path(m.init_from),
+        lora=dataclasses.replace(m.lora, init_from=path(m.lora.init_from)),
+    )
+    return dataclasses.replace(cfg, task=task, model=model)

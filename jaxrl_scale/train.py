@@ -43,12 +43,12 @@ import jax
 import numpy as np
 
 import jaxrl_scale
-from jaxrl_scale.config import ExperimentConfig, dump_config
+from jaxrl_scale.config import ExperimentConfig, dump_config, resolve_paths
 from jaxrl_scale.configbase import ConfigError
 from jaxrl_scale.fit.data import curve_from_rows
 from jaxrl_scale.fit.forecast import OnlineForecast
 from jaxrl_scale.models import lora
-from jaxrl_scale.models.hf import load_pretrained
+from jaxrl_scale.models.hf import load_pretrained, save_tokenizer
 from jaxrl_scale.models.peft import load_adapter, resolve_lora
 from jaxrl_scale.models.policy import Policy
 from jaxrl_scale.parallel import distributed, sharding
@@ -101,6 +101,7 @@ def setup(cfg: ExperimentConfig, out: str | Path, *, resume: bool = True, task=N
             "train(task=...): a task object cannot reach generator jobs on other hosts; name "
             "it by import path in task.name (importable on every host) instead"
         )
+    cfg = resolve_paths(cfg)  # RUN/config.yaml reruns from any directory
     # ---------------------------------------------------------------- processes and meshes
     distributed.initialize(cfg.distributed)  # several processes: jax.distributed first
     out = Path(out)
@@ -130,6 +131,7 @@ def setup(cfg: ExperimentConfig, out: str | Path, *, resume: bool = True, task=N
             print(f"{part.name}: model-written programs run sandboxed ({box.isolation})")
     worker = RolloutWorker(cfg, task, graphdef, mesh=mesh, gen_mesh=gen_mesh, frozen=frozen)
     if distributed.is_main():  # the resolved config reruns the run: --config RUN/config.yaml
+        save_tokenizer(worker.tok, out / "tokenizer")  # what export reads (no task)
         stamp = f"jaxrl-scale {jaxrl_scale.__version__}, {datetime.datetime.now():%Y-%m-%d %H:%M}"
         header = f"{stamp}\nresolved config"
         if task_object is not None:  # the YAML alone does not rerun this run
@@ -361,24 +363,72 @@ def train_run(run: Run) -> list[dict[str, Any]]:
 
 def export_run(run_dir: str | Path, out: str | Path, *, peft_out=None) -> list[Path]:
     """A run's newest checkpoint as a Hugging Face folder at `out` (a LoRA policy merged:
-    W + s A B), and with `peft_out` a LoRA run's adapters as a PEFT folder."""
-    from jaxrl_scale.config import load_config
+    W + s A B), and with `peft_out` a LoRA run's adapters as a PEFT folder. Reads the run's
+    config.yaml (the model), tokenizer/ and the checkpoint's parameters only: no task, no
+    curriculum, no sandbox, so it works whatever task trained the run; a LoRA run also reads
+    its base (model.init_from, else the seed's). Writes nothing into the run directory, and
+    builds on the CPU device (host memory), so a run exports on a machine without its
+    accelerators."""
+    from flax import nnx
+
+    from jaxrl_scale.config import MeshConfig, load_config
     from jaxrl_scale.models.hf import save_pretrained
     from jaxrl_scale.models.peft import save_adapter
+    from jaxrl_scale.rl.checkpoint import restore_params
 
-    run_dir = Path(run_dir)
-    run = setup(load_config(run_dir / "config.yaml"), run_dir)
-    if not run.resumed:
-        raise FileNotFoundError(f"{run_dir}: no checkpoint to export")
-    m, params = run.cfg.model, run.start.train.params
+    run_dir, out = Path(run_dir).absolute(), Path(out).absolute()
+    for target in (out, None if peft_out is None else Path(peft_out).absolute()):
+        if target is not None and (target == run_dir or run_dir in target.parents):
+            raise ConfigError(
+                f"export --out / --peft: {target} is inside the run directory {run_dir}; "
+                "export writes elsewhere and leaves the run as it is"
+            )
+    if not (run_dir / "config.yaml").exists():
+        raise FileNotFoundError(f"{run_dir}: no config.yaml (not a run directory)")
+    cfg = load_config(run_dir / "config.yaml")
+    m = cfg.model
     if peft_out is not None and not m.lora.enabled:
         raise ConfigError(f"--peft: {run_dir} is not a LoRA run (model.lora.rank = 0)")
-    model = lora.merge_policy(run.worker.graphdef, params, run.frozen)
-    written = [save_pretrained(model, run.worker.tok, out)]
+    tokenizer = _run_tokenizer(run_dir, cfg)
+    mesh = sharding.make_mesh(MeshConfig(data=1), devices=jax.local_devices(backend="cpu")[:1])
+    if m.lora.enabled:  # the base's weights are the config's, not the checkpoint's
+        if m.init_from:
+            m_base = dataclasses.replace(m, lora=dataclasses.replace(m.lora, init_from=None))
+            model, _ = load_pretrained(m.init_from, mesh=mesh, seed=cfg.seed,
+                                       **m_base.runtime_fields())  # fmt: skip
+        else:
+            model = sharding.init_sharded(lambda rngs: Policy(m, rngs=rngs), mesh, cfg.seed)
+        graphdef, frozen, params = lora.split_policy(model, m)
+        abstract = abstract_like(params)
+        base = lora.fingerprint(frozen)
+    else:
+        model = nnx.eval_shape(lambda: Policy(m, rngs=nnx.Rngs(0)))
+        graphdef, frozen, params = lora.split_policy(model, m)
+        place = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+        abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=place),
+                                params)  # fmt: skip
+        base = None
+    step, params = restore_params(run_dir, abstract, base=base)
+    model = lora.merge_policy(graphdef, params, frozen)
+    written = [save_pretrained(model, tokenizer, out)]
     if peft_out is not None:
         written.append(save_adapter(params, m, peft_out, base=m.init_from))
-    run.checkpointer.close()
     return written
+
+
+def _run_tokenizer(run_dir: Path, cfg: ExperimentConfig):
+    """The tokenizer the run trained with: RUN/tokenizer (written at setup), else that of
+    model.init_from for runs from before that folder."""
+    from jaxrl_scale.models.hf import load_tokenizer, resolve_checkpoint
+
+    if (run_dir / "tokenizer" / "tokenizer.json").exists():
+        return load_tokenizer(run_dir / "tokenizer")
+    if cfg.model.init_from:
+        return load_tokenizer(resolve_checkpoint(cfg.model.init_from))
+    raise FileNotFoundError(
+        f"{run_dir}: no tokenizer/ folder (a run started before runs kept their tokenizer) "
+        "and no model.init_from to take the tokenizer from"
+    )
 
 
 # --------------------------------------------------------------------------- helpers

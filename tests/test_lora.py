@@ -338,12 +338,14 @@ def test_lora_checkpoint_exports_and_refuses_another_base(tmp_path):
     from jaxrl_scale.rl.checkpoint import CheckpointMismatch
     from jaxrl_scale.train import setup
 
+    out = tmp_path / "run"  # export writes outside it
+
     args = [*FAST, *LORA_RUN, "pipeline.mode=sync", "train.steps=2", "checkpoint.every=2"]
-    train(load_config(TINY_CONFIG, args), tmp_path)
-    run = setup(load_config(TINY_CONFIG, args), tmp_path)  # the same base: resumes
+    train(load_config(TINY_CONFIG, args), out)
+    run = setup(load_config(TINY_CONFIG, args), out)  # the same base: resumes
     assert run.resumed and run.start.step == 2
     # Export: a merged Hugging Face folder and the adapters as a PEFT folder.
-    assert main(["export", str(tmp_path), "--out", str(tmp_path / "hf"),
+    assert main(["export", str(out), "--out", str(tmp_path / "hf"),
                  "--peft", str(tmp_path / "adapter")]) == 0  # fmt: skip
     adapted = lora.merge_policy(run.worker.graphdef, run.start.train.params, run.frozen)
     merged, _ = load_pretrained(tmp_path / "hf")
@@ -356,9 +358,9 @@ def test_lora_checkpoint_exports_and_refuses_another_base(tmp_path):
         np.testing.assert_array_equal(x, y)
     run.checkpointer.close()
     with pytest.raises(CheckpointMismatch, match="another base"):
-        setup(load_config(TINY_CONFIG, [*args, "seed=7"]), tmp_path)
+        setup(load_config(TINY_CONFIG, [*args, "seed=7"]), out)
     with pytest.raises(CheckpointMismatch, match="does not make"):  # full FT vs adapters
-        setup(load_config(TINY_CONFIG, [a for a in args if "lora" not in a]), tmp_path)
+        setup(load_config(TINY_CONFIG, [a for a in args if "lora" not in a]), out)
 
 
 def test_run_starts_from_a_peft_adapter_on_a_hugging_face_base(tmp_path):

@@ -10,6 +10,7 @@ import contextlib
 import dataclasses
 import json
 import math
+import os
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -259,9 +260,14 @@ def load_tokenizer(path: str | Path) -> Tokenizer:
         backend = tokenizers.Tokenizer.from_file(str(file))
     except Exception as e:  # the tokenizers library raises a bare Exception subclass
         raise CheckpointError(f"{file}: not a readable tokenizer ({e})") from None
-    hf = _read_json(path / "config.json")
-    gen_file = path / "generation_config.json"
+    gen_file, config_file = path / "generation_config.json", path / "config.json"
     gen = _read_json(gen_file) if gen_file.exists() else {}
+    # A model folder has config.json; a tokenizer folder (save_tokenizer) may have only
+    # generation_config.json, which then names the special ids.
+    if config_file.exists() or not gen:
+        hf = _read_json(config_file)
+    else:
+        hf = {k: gen[k] for k in ("pad_token_id", "bos_token_id") if k in gen}
     eos = gen.get("eos_token_id", hf.get("eos_token_id"))
     if eos is None:
         raise CheckpointError(f"{path}: no eos_token_id in generation_config.json or config.json")
@@ -399,23 +405,41 @@ def save_pretrained(
         tensors[name] = np.ascontiguousarray(to_hf_layout(array, n_in, name))
     shards = _split_shards(tensors, max_shard_bytes)
     if len(shards) == 1:
-        save_file(shards[0], str(path / "model.safetensors"), metadata={"format": "pt"})
+        write_safetensors(shards[0], path / "model.safetensors")
     else:
         weight_map = {}
         for i, shard in enumerate(shards):
             file = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-            save_file(shard, str(path / file), metadata={"format": "pt"})
+            write_safetensors(shard, path / file)
             weight_map.update(dict.fromkeys(shard, file))
         total = sum(a.nbytes for a in tensors.values())
         index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
         (path / INDEX_FILE).write_text(json.dumps(index, indent=2))
     (path / "config.json").write_text(json.dumps(config_to_hf(model.cfg, tokenizer), indent=2))
+    save_tokenizer(tokenizer, path)
+    return path
+
+
+def save_tokenizer(tokenizer: Tokenizer, path: str | Path) -> Path:
+    """`tokenizer` into folder `path` as `load_tokenizer` reads it back: tokenizer.json, the
+    chat template if any, and generation_config.json with the special ids."""
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
     gen = {"eos_token_id": list(tokenizer.eos_ids), "pad_token_id": tokenizer.pad_id}
     if tokenizer.bos_id is not None:
         gen["bos_token_id"] = tokenizer.bos_id
     (path / "generation_config.json").write_text(json.dumps(gen, indent=2))
     tokenizer.save(path)
     return path
+
+
+def write_safetensors(tensors: dict[str, np.ndarray], file: Path) -> None:
+    """`tensors` as a safetensors file with the mode other files get here (the process's
+    umask: 644 by default), not the 600 the safetensors library leaves."""
+    save_file(tensors, str(file), metadata={"format": "pt"})
+    umask = os.umask(0)  # reading the umask means setting it: put it straight back
+    os.umask(umask)
+    file.chmod(0o666 & ~umask)
 
 
 def _split_shards(tensors: dict[str, np.ndarray], max_bytes: int | None) -> list[dict]:

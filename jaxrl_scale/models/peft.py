@@ -20,11 +20,10 @@ import jax
 import numpy as np
 from flax import nnx
 from safetensors import SafetensorError, safe_open
-from safetensors.numpy import save_file
 
 from jaxrl_scale.configbase import ConfigError
 from jaxrl_scale.models.config import LORA_TARGETS, LoRAConfig, ModelConfig
-from jaxrl_scale.models.hf import CheckpointError
+from jaxrl_scale.models.hf import CheckpointError, write_safetensors
 from jaxrl_scale.models.lora import PROJECTIONS
 
 CONFIG_FILE = "adapter_config.json"
@@ -179,7 +178,7 @@ def save_adapter(
             tensors[_tensor_name(layer, proj, which)] = np.ascontiguousarray(
                 value.reshape(rows, -1).T
             )
-    save_file(tensors, str(path / WEIGHTS_FILE), metadata={"format": "pt"})
+    write_safetensors(tensors, path / WEIGHTS_FILE)
     lora = cfg.lora
     config = {
         "peft_type": "LORA",

@@ -113,7 +113,7 @@ class Checkpointer:
                 host_target = jax.tree.map(lambda m: np.zeros(m.shape, m.dtype), meta["host"])
                 target = {"train": abstract_train, "host": host_target}
                 tree = self.manager.restore(step, args=ocp.args.StandardRestore(target))
-                self._check_base(step, tree["host"].get("base"), base)
+                _check_base(step, self.directory, tree["host"].get("base"), base)
             except CheckpointMismatch:
                 raise
             except Exception as e:  # orbax raises many types for damaged files
@@ -155,30 +155,92 @@ class Checkpointer:
             "config that wrote it (RUN/config.yaml), or start over with --no-resume"
         )
 
-    def _check_base(self, step: int, saved, base: np.ndarray | None) -> None:
-        """Refuse adapters saved on top of another base than this run's (or a LoRA state
-        where this run has none, and the reverse)."""
-        from jaxrl_scale.models.lora import same_base
-
-        if saved is None and base is None:
-            return
-        if saved is None or base is None:
-            have, want = ("no", "a") if saved is None else ("a", "no")
-            raise CheckpointMismatch(
-                f"checkpoint {step} in {self.directory} has {have} LoRA base, this config has "
-                f"{want} (model.lora.rank): resume with the config that wrote it "
-                "(RUN/config.yaml), or start over with --no-resume"
-            )
-        if not same_base(np.asarray(saved), base):
-            raise CheckpointMismatch(
-                f"checkpoint {step} in {self.directory} holds LoRA adapters trained on another "
-                "base model than this run's (model.init_from / seed): resume with the base "
-                "they were trained on, or start over with --no-resume"
-            )
-
     def wait(self) -> None:
         self.manager.wait_until_finished()
 
     def close(self) -> None:
         self.manager.wait_until_finished()
         self.manager.close()
+
+
+def restore_params(run_dir: str | Path, abstract_params, *, base: np.ndarray | None = None):
+    """(step, trainable parameters) of a run's newest readable checkpoint, read without
+    writing anything under `run_dir` and without the rest of the run state (optimizer,
+    curriculum, pending batches): what `export` reads. `abstract_params`: the shapes, dtypes
+    and shardings to restore onto; `base`: a LoRA run's base fingerprint, checked as on
+    resume. FileNotFoundError when the run has no checkpoint."""
+    import logging
+
+    directory = Path(run_dir).absolute() / "checkpoints"
+    if not directory.is_dir():
+        raise FileNotFoundError(f"{run_dir}: no checkpoints/ folder (no checkpoint to export)")
+    absl = logging.getLogger("absl")  # orbax logs a warning per read-only manager
+    level = absl.level
+    absl.setLevel(logging.ERROR)
+    try:
+        manager = ocp.CheckpointManager(
+            directory,
+            options=ocp.CheckpointManagerOptions(read_only=True, create=False),
+            item_handlers=ocp.PyTreeCheckpointHandler(),
+        )
+    finally:
+        absl.setLevel(level)
+    try:
+        steps = sorted(manager.all_steps(), reverse=True)
+        for step in steps:
+            try:
+                meta = manager.item_metadata(step).tree
+                have, want = _shapes(meta["train"]["params"]), _shapes(abstract_params)
+                if have != want:
+                    raise CheckpointMismatch(
+                        f"checkpoint {step} in {directory} holds parameters of other shapes "
+                        "than the run's config.yaml makes"
+                    )
+                target = {"train": {"params": abstract_params}}
+                saved_base = meta["host"].get("base")
+                if saved_base is not None:  # a LoRA run's: checked below
+                    target["host"] = {"base": np.zeros(saved_base.shape, saved_base.dtype)}
+                args = ocp.args.PyTreeRestore(
+                    item=target,
+                    restore_args=ocp.checkpoint_utils.construct_restore_args(target),
+                    partial_restore=True,
+                )
+                tree = manager.restore(step, args=args)
+            except CheckpointMismatch:
+                raise
+            except Exception as e:  # orbax raises many types for damaged files
+                warnings.warn(
+                    f"checkpoint {step} in {directory} is unreadable ({e}); trying older",
+                    stacklevel=2,
+                )
+                continue
+            saved = tree.get("host", {}).get("base")
+            _check_base(step, directory, saved, base)
+            return step, tree["train"]["params"]
+    finally:
+        manager.close()
+    if steps:
+        raise CheckpointError(f"none of the checkpoints {steps} in {directory} can be read")
+    raise FileNotFoundError(f"{run_dir}: no checkpoint to export")
+
+
+def _check_base(step: int, directory: Path, saved, base: np.ndarray | None) -> None:
+    """Refuse adapters saved on top of another base than this run's (or a LoRA state
+    where this run has none, and the reverse)."""
+    from jaxrl_scale.models.lora import same_base
+
+    if saved is None and base is None:
+        return
+    if saved is None or base is None:
+        have, want = ("no", "a") if saved is None else ("a", "no")
+        raise CheckpointMismatch(
+            f"checkpoint {step} in {directory} has {have} LoRA base, this config has "
+            f"{want} (model.lora.rank): resume with the config that wrote it "
+            "(RUN/config.yaml), or start over with --no-resume"
+        )
+    if not same_base(np.asarray(saved), base):
+        raise CheckpointMismatch(
+            f"checkpoint {step} in {directory} holds LoRA adapters trained on another "
+            "base model than this run's (model.init_from / seed): resume with the base "
+            "they were trained on, or start over with --no-resume"
+        )
