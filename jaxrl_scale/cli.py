@@ -202,17 +202,26 @@ def _fit(args) -> None:
 
 def _memory(args) -> int:
     import json
+    import time
 
     from jaxrl_scale.memory import format_plan, plan, resolve_model
 
     cfg = resolve_model(load_config(args.config, args.overrides))
+    started = time.perf_counter()
+
+    def say(text: str) -> None:  # on stderr: --json keeps stdout to the report
+        print(f"[{time.perf_counter() - started:5.1f} s] {text}", file=sys.stderr, flush=True)
+
+    say(f"planning {args.config} from shapes (nothing is allocated)")
     report = plan(
         cfg,
         prompt_len=args.prompt_len,
         device_memory_gib=args.device_memory,
         mem_fraction=args.mem_fraction,
         processes=args.processes,
+        say=say,
     )
+    say("done")
     print(json.dumps(report, indent=2) if args.json else format_plan(report))
     return 0 if report.get("fits", True) else 1
 

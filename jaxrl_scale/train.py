@@ -31,6 +31,7 @@ import dataclasses
 import datetime
 import functools
 import inspect
+import math
 import sys
 import time
 import types
@@ -47,6 +48,7 @@ from jaxrl_scale.config import ExperimentConfig, dump_config, resolve_paths
 from jaxrl_scale.configbase import ConfigError
 from jaxrl_scale.fit.data import curve_from_rows
 from jaxrl_scale.fit.forecast import OnlineForecast
+from jaxrl_scale.memory.check import check_fits
 from jaxrl_scale.models import lora
 from jaxrl_scale.models.hf import load_pretrained, save_tokenizer
 from jaxrl_scale.models.peft import load_adapter, resolve_lora
@@ -113,6 +115,8 @@ def setup(cfg: ExperimentConfig, out: str | Path, *, resume: bool = True, task=N
     if m.lora.init_from:  # a PEFT adapter fixes the adapters' shape
         m = dataclasses.replace(m, lora=resolve_lora(m.lora))
         cfg = dataclasses.replace(cfg, model=m)
+    _say(f"setup: the policy from {m.init_from}" if m.init_from else
+         f"setup: a {m.architecture} policy from seed {cfg.seed}")  # fmt: skip
     if m.init_from:
         model, tokenizer = load_pretrained(
             m.init_from, mesh=mesh, seed=cfg.seed, **m.runtime_fields()
@@ -125,11 +129,16 @@ def setup(cfg: ExperimentConfig, out: str | Path, *, resume: bool = True, task=N
     if cfg.model.lora.init_from:
         params = load_adapter(cfg.model.lora.init_from, params, cfg.model)
     task_object, task = task, make_task(cfg.task, seed=cfg.seed, tokenizer=tokenizer, task=task)
+    _say(f"setup: task {getattr(task, 'name', cfg.task.name)}: {len(task.train_examples)} "
+         f"training and {len(task.eval_examples)} held-out examples")  # fmt: skip
     for part in (getattr(task, "components", None) or {"": task}).values():  # code tasks
         box = getattr(getattr(part, "obj", part), "sandbox", None)
         if box is not None and distributed.is_main():
             print(f"{part.name}: model-written programs run sandboxed ({box.isolation})")
     worker = RolloutWorker(cfg, task, graphdef, mesh=mesh, gen_mesh=gen_mesh, frozen=frozen)
+    used = {d for m_ in (mesh, gen_mesh) if m_ is not None for d in m_.devices.flat
+            if d.process_index == jax.process_index()}  # fmt: skip
+    check_fits(cfg, worker.longest_prompt, devices=len(used))  # before the run compiles
     if distributed.is_main():  # the resolved config reruns the run: --config RUN/config.yaml
         save_tokenizer(worker.tok, out / "tokenizer")  # what export reads (no task)
         stamp = f"jaxrl-scale {jaxrl_scale.__version__}, {datetime.datetime.now():%Y-%m-%d %H:%M}"
@@ -241,6 +250,9 @@ def train_run(run: Run) -> list[dict[str, Any]]:
     )
     forecasts = _Forecasts(cfg, worker.task)  # the eval curve's, and each domain's
     rows: list[dict[str, Any]] = []
+    t = cfg.train
+    progress = _Progress(t.steps, start.step, t.prompts_per_step * t.group_size,
+                         enabled=distributed.is_main())  # fmt: skip
     # ---------------------------------------------------------------- warm start, step-0 eval
     if run.resumed:
         if distributed.is_main():  # the log as trimmed just above: only process 0 reads it
@@ -248,6 +260,7 @@ def train_run(run: Run) -> list[dict[str, Any]]:
             forecasts.replay(rows_so_far)
     else:
         if cfg.warm_start.steps:
+            progress.phase(f"warm start: {cfg.warm_start.steps} supervised steps")
             params, _ = warm_start(train_state.params, worker.graphdef, worker.task,
                                    cfg.warm_start, seed=cfg.seed, frozen=run.frozen)  # fmt: skip
             train_state = run.new_train_state(params)  # a KL reference is this policy
@@ -261,6 +274,10 @@ def train_run(run: Run) -> list[dict[str, Any]]:
         return worker.evaluate_row(params, eval_key, placed=placed)
 
     if not run.resumed:
+        progress.phase(
+            f"evaluating the starting policy: {len(worker.task.eval_examples)} held-out "
+            f"prompts x {t.eval_samples} samples (the first evaluation compiles the sampler)"
+        )
         evaluation = evaluate(train_state.params, jax.random.fold_in(key, 10**9), start.step)
         if distributed.is_main():  # (the only process with generator jobs' evaluations)
             forecasts.observe(0, 0.0, evaluation)
@@ -293,7 +310,7 @@ def train_run(run: Run) -> list[dict[str, Any]]:
         metrics_log.write(row)
         rows.append(row)
         if distributed.is_main():
-            _progress(row, cfg.train.steps)
+            progress.step(row)
             if "forecast_status" in row:
                 print(forecasts.overall.last.describe(), flush=True)
         return row
@@ -305,6 +322,12 @@ def train_run(run: Run) -> list[dict[str, Any]]:
                              start.base)  # fmt: skip
             run.checkpointer.save(state, rollouts_to_host)
 
+    progress.phase(
+        f"training: steps {start.step + 1}-{t.steps} in {cfg.pipeline.mode} (the first step "
+        "compiles the train step)"
+        if start.step < t.steps
+        else "training: nothing left to do"
+    )
     clock.start()
     try:
         for step in range(start.step + 1, cfg.train.steps + 1):
@@ -491,6 +514,12 @@ class _Forecasts:
         return fields
 
 
+def _say(text: str) -> None:
+    """A setup phase, on process 0's stdout."""
+    if distributed.is_main():
+        print(text, flush=True)
+
+
 def _should_stop(forecaster: OnlineForecast) -> bool:
     """Whether the run stops early after this evaluation (`forecast.stop_when_gain_below`).
     Process 0 decides, from the forecast it alone keeps, and every process follows: were each
@@ -503,17 +532,19 @@ def _should_stop(forecaster: OnlineForecast) -> bool:
 
 
 def _report_untrained(batches: int, abandoned: int, queued: int, generated: int) -> None:
-    """What generation ran ahead of the last step: work the run's end leaves untrained.
-    `abandoned` of the `batches` were stopped mid-generation (on the slot engine their
-    prompts are among the `queued` too)."""
+    """What generation ran ahead of the last step, said once as information (normal in
+    pipeline_rl and on the slot engine): `batches` generated ahead (`abandoned` of them
+    stopped mid-generation), `queued` prompts drawn into the engine (`generated` of their
+    rows generated or generating)."""
+    parts = []
     if batches:
-        also = f", {abandoned} of them stopped mid-generation" if abandoned else ""
-        print(f"pipeline_rl: {batches} batch(es) generated ahead were not trained{also}; a "
-              "resumed run generates them again", flush=True)  # fmt: skip
+        also = f", {abandoned} stopped mid-generation" if abandoned else ""
+        parts.append(f"{batches} batch(es) generated{also}")
     if queued:
-        print(f"continuous batching: {queued} prompt(s) queued ahead were not trained "
-              f"({generated} row(s) of them generated or generating); a resumed run draws "
-              "them again", flush=True)  # fmt: skip
+        parts.append(f"{queued} prompt(s) queued ({generated} row(s) generated or generating)")
+    if parts:
+        print(f"info: generation ran ahead of the last step: {'; '.join(parts)}; not trained, "
+              "a resumed run draws them again", flush=True)  # fmt: skip
 
 
 @dataclasses.dataclass(frozen=True)
@@ -602,18 +633,65 @@ def _charge_dropped(batches: list[Rollouts], totals: dict) -> None:
         )
 
 
-def _progress(row: dict[str, Any], total: int) -> None:
-    """A one-line status: redrawn in place on a terminal, printed on eval steps otherwise."""
-    line = (
-        f"step {row['step']}/{total}  reward {row.get('reward_mean', 0):.3f}  "
-        f"loss {row.get('loss', 0):+.4f}  staleness {row.get('staleness_max', 0)}"
-    )
-    if "eval_pass_rate" in row:
-        line += f"  eval {row['eval_pass_rate']:.3f}"
-    if sys.stdout.isatty():
-        print("\r" + line.ljust(100), end="\n" if "eval_pass_rate" in row else "", flush=True)
-    elif "eval_pass_rate" in row:
-        print(line, flush=True)
+class _Progress:
+    """What a run is doing, said on process 0's stdout: one line per setup phase, then the
+    steps as `k/N` with samples/s, reward, staleness and the time left. On a terminal a bar
+    redrawn in place (kept at evaluations); piped, plain lines: every step when steps take
+    `every` seconds or more, else one per `every` seconds, and every evaluation's. Main
+    thread."""
+
+    def __init__(self, total: int, first: int, rows_per_step: int, *, enabled: bool,
+                 every: float = 5.0, stream=None):  # fmt: skip
+        self.total, self.first, self.rows = total, first, rows_per_step
+        self.enabled, self.every = enabled, every
+        self.stream = stream if stream is not None else sys.stdout
+        self.tty = bool(getattr(self.stream, "isatty", lambda: False)())
+        self.started: float | None = None  # when the first step's row came in
+        self.last_line = -math.inf
+
+    def phase(self, text: str) -> None:
+        if self.enabled:
+            self._print(text)
+
+    def step(self, row: dict[str, Any]) -> None:
+        if not self.enabled:
+            return
+        now = time.perf_counter()
+        k, n = row["step"], self.total
+        if self.started is None:  # the first step carries the compiles: rates start after it
+            self.started, self.started_step = now, k
+        done = k - self.started_step
+        rate = done / (now - self.started) if done and now > self.started else 0.0
+        eta = f"{_duration((n - k) / rate)}" if rate else "-"
+        samples = f"{rate * self.rows:.1f}" if rate else "-"
+        line = (
+            f"step {k}/{n}  {samples} samples/s  reward {row.get('reward_mean', 0):.3f}  "
+            f"staleness {row.get('staleness_max', 0)}  ETA {eta}"
+        )
+        evaluated = "eval_pass_rate" in row
+        if evaluated:
+            line += f"  eval {row['eval_pass_rate']:.3f}"
+        if self.tty:
+            width = 20
+            filled = round(width * k / max(n, 1))
+            bar = "#" * filled + "." * (width - filled)
+            self.stream.write(f"\r[{bar}] {line}".ljust(110) + ("\n" if evaluated else ""))
+            self.stream.flush()
+        elif evaluated or k == n or now - self.last_line >= self.every:
+            self._print(line)
+            self.last_line = now
+
+    def _print(self, text: str) -> None:
+        if self.tty:
+            self.stream.write("\r" + " " * 110 + "\r")  # a bar being redrawn gives way
+        print(text, file=self.stream, flush=True)
+
+
+def _duration(seconds: float) -> str:
+    seconds = int(round(seconds))
+    if seconds >= 3600:
+        return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m"
+    return f"{seconds // 60}m{seconds % 60:02d}s" if seconds >= 60 else f"{seconds}s"
 
 
 class _TrainModule(types.ModuleType):

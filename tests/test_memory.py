@@ -35,7 +35,13 @@ def test_json_reports_both_programs_and_the_parameters_match_real_shards(capsys)
         main(["memory", "--config", TINY, "--json", *sum((["--set", o] for o in overrides), [])])
         == 0
     )
-    report = json.loads(capsys.readouterr().out)
+    captured = capsys.readouterr()
+    report = json.loads(captured.out)  # stdout is the report alone; progress is on stderr
+    said = [line.split("] ", 1)[1] for line in captured.err.splitlines() if "] " in line]
+    compiled = [line for line in said if line.startswith("compiling the ")]
+    assert compiled[:4] == ["compiling the train step ...", "compiling the decode chunk ...",
+                            "compiling the slot engine admission ...",  # pipeline_rl
+                            "compiling the held-out evaluation ..."], captured.err  # fmt: skip
     cfg = load_config(TINY, overrides)
     assert report["sequence_length"] == report["prompt_len"] + 64
     for name in ("train_step", "generate"):

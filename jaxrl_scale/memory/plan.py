@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import jax
@@ -45,6 +46,7 @@ def plan(
     device_memory_gib: float | None = None,
     mem_fraction: float | None = None,
     processes: int = 1,
+    say: Callable[[str], None] | None = None,
 ) -> dict[str, Any]:
     """Every program's per-device bytes on the config's meshes, what each set of devices
     holds at once, whether that fits the memory pool (`device_memory_gib` x `mem_fraction`,
@@ -59,7 +61,8 @@ def plan(
     `processes`: the processes the trainer's job spans (one per host); this machine's devices
     are split into that many blocks, each planned as a process's devices (the generator's
     share of every process, `sharding.make_meshes`), so a split the run would refuse is
-    refused here too."""
+    refused here too. `say`: told the name of each program as its compile starts."""
+    say = say or (lambda text: None)
     source = "--prompt-len"
     if prompt_len is None:
         prompt_len, source = task_prompt_len(cfg)
@@ -92,7 +95,7 @@ def plan(
     # first, before the generator starts, makes one of its own): no copy beside them.
     own_copy = False
 
-    def programs(cfg):
+    def programs(cfg, note=""):
         # Multi-turn episodes (task.max_turns > 1, rl/episodes.py): the train step's rows
         # hold whole episodes (max_episode_tokens completion columns), and each turn decodes
         # turn_tokens after a context of up to the episode's budget; on the slot engine a
@@ -110,14 +113,18 @@ def plan(
                 turn = t.max_episode_tokens
                 gen_prompt = t.prompt_tokens or gen_prompt
             gen_cfg = dataclasses.replace(cfg, sampler=dataclasses.replace(s, max_new_tokens=turn))
-        return {
-            "train_step": train_step_memory(train_cfg, mesh, prompt_len),
-            "generate": generate_memory(
-                gen_cfg, gmesh, gen_prompt, copy=copy, copies=copies, own_devices=own_devices
-            ),
-            "prefill": prefill_memory(gen_cfg, gmesh, gen_prompt, copy=copy),
-            "evaluate": evaluate_memory(gen_cfg, gmesh, gen_prompt, copy=copy, own_copy=own_copy),
-        }
+        start = "slot engine admission" if cfg.batching == "continuous" else "prefill"
+        say(f"compiling the train step{note} ...")
+        out = {"train_step": train_step_memory(train_cfg, mesh, prompt_len)}
+        say(f"compiling the decode chunk{note} ...")
+        out["generate"] = generate_memory(
+            gen_cfg, gmesh, gen_prompt, copy=copy, copies=copies, own_devices=own_devices
+        )
+        say(f"compiling the {start}{note} ...")
+        out["prefill"] = prefill_memory(gen_cfg, gmesh, gen_prompt, copy=copy)
+        say(f"compiling the held-out evaluation{note} ...")
+        out["evaluate"] = evaluate_memory(gen_cfg, gmesh, gen_prompt, copy=copy, own_copy=own_copy)
+        return out
 
     report = {
         "sequence_length": prompt_len + cfg.sampler.max_new_tokens,
@@ -133,7 +140,7 @@ def plan(
     }
     wide_cfg = float32_config(cfg)
     if wide_cfg is not None:  # the CPU's bf16 programs: the smaller of two upper bounds
-        wide = programs(wide_cfg)
+        wide = programs(wide_cfg, " in float32 (the CPU's bound for bf16)")
         for name in ("train_step", "generate", "prefill"):
             bound_temporaries(report[name], wide[name]["temporaries_bytes"])
         report["prefill"]["extra_bytes"] = min(
@@ -144,9 +151,11 @@ def plan(
     report["host_batches"] = host_batches(cfg, prompt_len)
     names = ["train_step", "generator"]
     if processes > 1 and own_devices and not cfg.hosts.generator_groups:
+        say("compiling the weight transfer to the generator's devices ...")
         report["weight_transfer"] = plan_transfer(report, cfg, mesh, processes)
         names.append("weight_transfer")
     if cfg.hosts.generator_groups:
+        say("compiling the trainer host's version layout for the generator groups ...")
         plan_hosts(report, cfg, mesh, prompt_len)
         names = ["trainer_host", "generator"]
     elif gen_mesh is None:

@@ -120,6 +120,10 @@ class TrainConfig:
     # its fsdp / tensor group), whole rows (0: `micro_batches` slices), so a batch of long
     # completions runs as more micro-steps instead of running out of memory.
     tokens_per_micro_batch: int = 0
+    # At setup, refuse a run whose train step or generator the memory plan says does not fit
+    # the devices (memory/check.py: a rough screen first, the compiled plan past a quarter
+    # of the memory).
+    check_memory: bool = True
 
     def __post_init__(self):
         for name in (

@@ -138,8 +138,11 @@ class RolloutWorker:
         examples = task.train_examples + task.eval_examples
         if self.episodic:
             longest = cfg.task.max_episode_tokens
+            self.longest_prompt = cfg.task.prompt_tokens  # (the memory check's)
         else:  # widest prompts are padded to
-            longest = max(len(p) for p in self._encode(examples))
+            encoded = self._encode(examples)
+            longest = self.longest_prompt = max(len(p) for p in encoded)
+            _warn_unknown_characters(self.tok, encoded)
         row_shards = sharding.batch_ways(mesh)  # packed rows (train.packing), else None
         self.packing = PackGeometry.of(cfg, longest, row_shards) if cfg.train.packing else None
         self.waves = WaveGenerator(
@@ -152,6 +155,8 @@ class RolloutWorker:
         self.episodes = None
         if self.episodic:
             envs = EnvRunner(workers=cfg.task.env_workers, timeout=cfg.task.env_timeout)
+            if self.tok.chat_template is None:
+                _check_plain_environment(task, envs)
             self.episodes = EpisodeRunner(cfg, task, self.tok, self.generate, envs)
             if cfg.batching == "continuous":
                 self.continuous = EngineEpisodes(
@@ -557,3 +562,44 @@ def _batch_from_host(fields: dict[str, Any]) -> Batch | PackedBatch:
     if "num_seqs" in fields:
         return PackedBatch(**{**fields, "num_seqs": int(fields["num_seqs"])})
     return Batch(**fields)
+
+
+def _warn_unknown_characters(tok, encoded: list[list[int]], share: float = 0.01) -> None:
+    """Warn when the tokenizer turned more than `share` of the prompts' tokens into its
+    padding or unknown token: text it does not cover, which the model would see as padding
+    (a prompt's own tokens are never padding; rows are padded later, beside them)."""
+    unk = getattr(tok.backend.model, "unk_token", None)
+    flagged = {i for i in (tok.backend.token_to_id(unk) if unk else None,) if i is not None}
+    if tok.pad_id not in tok.eos_ids:  # a pad that is the end token may stand in a prompt
+        flagged.add(tok.pad_id)
+    total = sum(len(p) for p in encoded)
+    bad = sum(1 for p in encoded for i in p if i in flagged)
+    if total and bad / total > share:
+        names = ", ".join(f"{i} {tok.backend.id_to_token(i)!r}" for i in sorted(flagged))
+        warnings.warn(
+            f"the tokenizer turns {bad / total:.0%} of the prompts' tokens ({bad:,} of "
+            f"{total:,}) into padding or unknown tokens (id {names}): text it does not cover, "
+            "which the model sees as padding. Use a tokenizer that covers the task's text "
+            "(model.init_from a checkpoint made for it), or keep the prompts to its characters",
+            stacklevel=3,
+        )
+
+
+def _check_plain_environment(task, envs) -> None:
+    """Refuse, at setup, episodes that need a chat template the tokenizer lacks: a task with
+    `tools`, or environments whose first observation is chat messages (probed on one
+    environment of the first training example)."""
+    need = (
+        "the tokenizer has no chat template (a checkpoint's tokenizer_config.json "
+        "'chat_template' or chat_template.jinja): start from an instruct checkpoint "
+        "(model.init_from), or give the environment plain-text observations"
+    )
+    if getattr(task, "tools", None):
+        raise ConfigError(f"task: a tool task's episodes are chat conversations, but {need}")
+    [(env, why)] = envs.make(task, task.train_examples[:1])
+    if env is None:  # the environment's own error: counted per episode when the run meets it
+        return
+    [(obs, why)] = envs.reset([env])
+    if isinstance(obs, list) or getattr(env, "tools", None):
+        what = "chat messages" if isinstance(obs, list) else "offered with tools"
+        raise ConfigError(f"task: the environment's first observation is {what}, but {need}")
