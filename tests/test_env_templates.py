@@ -332,7 +332,8 @@ def test_an_episode_whose_prompt_alone_fills_the_budget_is_counted_and_warned_ab
         warnings.simplefilter("always")
         _, rewards, stats = runner.run(None, [{"question": "q"}], jax.random.key(0),
                                        sampling=None, repeat=2)  # fmt: skip
-    assert stats["episodes_prompt_too_long"] == 2 and stats["episodes_truncated"] == 2
+    # Counted once, under their own key: not also as episodes whose turns ran out of tokens.
+    assert stats["episodes_prompt_too_long"] == 2 and stats["episodes_truncated"] == 0
     assert np.isnan(rewards).all() and generate.calls == 0
     assert any("task.max_episode_tokens" in str(w.message) for w in caught)
 

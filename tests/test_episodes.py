@@ -97,19 +97,22 @@ def test_an_episode_is_its_turns_as_sampled_between_observations_masked_out(retr
     assert generate.contexts[1][0] == tok.encode("1+2=") + want[:4]
     np.testing.assert_array_equal(rewards, [1.0, 1.0])
     assert stats["turns_mean"] == 2 and stats["env_errors"] == 0
-    assert stats["episodes_truncated"] == 0
+    assert stats["episodes_truncated"] == 0 and stats["episodes_out_of_turns"] == 0
 
 
 def test_out_of_turns_or_tokens_an_episode_is_truncated(retry_env):
     runner, _, _ = _runner(retry_env, ["9", "8"], "task.max_turns=2")
     ro, rewards, stats = runner.run(None, [{"question": "1+2", "answer": 3}], KEY,
                                     sampling=None, repeat=1)  # fmt: skip
-    assert rewards[0] == 0 and stats["episodes_truncated"] == 1 and ro.finish_reason[0] == LENGTH
+    # Out of turns: counted as such, not as out of tokens (one key per cause).
+    assert rewards[0] == 0 and ro.finish_reason[0] == LENGTH
+    assert stats["episodes_out_of_turns"] == 1 and stats["episodes_truncated"] == 0
     # A budget of 6 tokens: the prompt (4) and turn 1 (2) fill it; no observation follows.
     runner, _, generate = _runner(retry_env, ["9", "3"], "task.max_episode_tokens=6")
     ro, _, stats = runner.run(None, [{"question": "1+2", "answer": 3}], KEY,
                               sampling=None, repeat=1)  # fmt: skip
     assert stats["episodes_truncated"] == 1 and ro.lengths[0] == 2 and generate.calls == 1
+    assert stats["episodes_out_of_turns"] == 0
 
 
 @pytest.mark.parametrize("fail_on", ["reset", "step", "hang"])
@@ -239,7 +242,7 @@ def test_episodes_on_the_slot_engine_equal_the_turn_by_turn_waves(
         np.testing.assert_array_equal(getattr(ro, name), getattr(want, name), err_msg=name)
     np.testing.assert_allclose(ro.behavior_logp, want.behavior_logp, atol=1e-5)
     np.testing.assert_array_equal(rewards, want_rewards)
-    for name in ("turns_mean", "env_errors", "episodes_truncated"):
+    for name in ("turns_mean", "env_errors", "episodes_truncated", "episodes_out_of_turns"):
         assert stats[name] == want_stats[name], name
     # The batch has what makes the comparison bite: observations between turns, and rows
     # that end at different turns.

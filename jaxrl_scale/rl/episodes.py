@@ -62,7 +62,8 @@ class Episode:
     reward: float = 0.0
     turns: int = 0
     done: bool = False
-    truncated: bool = False
+    truncated: bool = False  # it ended unfinished (its finish reason: length)
+    out_of_turns: bool = False  # ... because task.max_turns ran out (else its tokens did)
     error: str | None = None
     request: int = -1  # its row's id in a slot engine (EngineEpisodes)
     ended_with: int | None = None  # the end-of-turn token its last turn sampled, if any
@@ -203,8 +204,9 @@ class EpisodeRunner:
         obs, reward, done = result
         ep.reward += reward
         if done or obs is None or ep.truncated or ep.turns >= t.max_turns:
-            ep.done = True  # (out of turns: truncated)
-            ep.truncated |= not (done or obs is None)
+            ep.done = True
+            if not (done or obs is None or ep.truncated):  # the environment would go on
+                ep.truncated = ep.out_of_turns = True
             return None
         room = max(ep.room(t.max_episode_tokens), 0)
         obs, cut = _bounded(obs, room * MAX_CHARS_PER_TOKEN)
@@ -229,7 +231,12 @@ class EpisodeRunner:
             "env_seconds": env_seconds,
             "env_errors": sum(ep.dropped == "env_errors" for ep in episodes),
             "episodes_lost": sum(ep.dropped == "episodes_lost" for ep in episodes),
-            "episodes_truncated": sum(ep.truncated and ep.error is None for ep in episodes),
+            # Unfinished episodes, one key per cause: the token budget, the turns.
+            "episodes_truncated": sum(
+                ep.truncated and not ep.out_of_turns and ep.error is None and ep.dropped is None
+                for ep in episodes
+            ),
+            "episodes_out_of_turns": sum(ep.out_of_turns and ep.error is None for ep in episodes),
             "episodes_prompt_too_long": sum(
                 ep.dropped == "episodes_prompt_too_long" for ep in episodes
             ),

@@ -347,7 +347,8 @@ def held_out_scores(
     if episodes is not None:  # whole episodes; the pass rate is the mean episode return
         _, returns, stats = episodes.run(params_for_chunk, examples, key, sampling=sampling,
                                          repeat=k, training=False)  # fmt: skip
-        keep = ("turns_mean", "env_errors", "episodes_truncated", "tool_errors")
+        keep = ("turns_mean", "env_errors", "episodes_truncated", "episodes_out_of_turns",
+                "tool_errors")  # fmt: skip
         return returns.reshape(len(examples), k), {name: stats[name] for name in keep}
     tok = scorer.task.tokenizer
     ro = generate(
