@@ -7,7 +7,7 @@ import pytest
 from conftest import HF_FIXTURES
 from flax import nnx
 
-from jaxrl_scale.generation.engine import SlotEngine
+from jaxrl_scale.generation.engine import RowSampling, SlotEngine
 from jaxrl_scale.generation.sampler import Sampling, generate
 from jaxrl_scale.models.hf import load_pretrained
 from jaxrl_scale.models.policy import token_logprobs
@@ -145,8 +145,8 @@ def test_bad_requests_are_refused(qwen2):
         engine.submit(1, list(range(1, 20)))
     with pytest.raises(ValueError, match="request 1: the prompt is empty"):
         engine.submit(1, [])
-    with pytest.raises(ValueError, match="given tokens after a prompt are for an engine of ep"):
-        engine.submit(1, [1, 2], given=[3])
+    with pytest.raises(ValueError, match="needs an engine with per_row_sampling"):
+        engine.submit(1, [1, 2], sampling=RowSampling(0.5))
     assert engine.pending == 1  # none of the refused requests was queued
     with pytest.raises(ValueError, match="at least one group"):
         _engine(qwen2, slots=1, repeat=2)
@@ -477,3 +477,94 @@ def test_an_episode_goes_on_in_its_slot_as_a_static_prefill_of_its_context_would
     with pytest.raises(ValueError, match="3 given tokens leave none of max_new = 3"):
         engine.submit(8, PROMPTS[0], max_new=3, given=[5, 6, 7])
     assert engine.pending == 0 and not engine.prompts
+
+
+# --------------------------------------------------------------------------- a server's engine
+
+
+def _server_engine(model, *, slots=4, prompt_len=16, top_logprobs=3):
+    graphdef, _ = nnx.split(model)
+    return SlotEngine(graphdef, slots=slots, prompt_len=prompt_len, n_new=N_NEW, repeat=1,
+                      sampling=Sampling(1.0), eos_ids=(), pad_id=0, model_cfg=model.cfg,
+                      per_row_sampling=True, top_logprobs=top_logprobs)  # fmt: skip
+
+
+def _tokens(engine, params, requests, steps=3):
+    """{request: Finished} of `requests` [(id, prompt, RowSampling)], submitted at once."""
+    for i, prompt, rs in requests:
+        engine.submit(i, prompt, sampling=rs)
+    return {f.request: f for f in _drain(engine, params, steps=steps)}
+
+
+def test_each_row_samples_with_its_own_settings_and_seed(qwen2):
+    params = nnx.state(qwen2)
+    hot = RowSampling(temperature=1.5, top_p=0.9, seed=(7, 0))
+    # A seeded row's tokens are its seed's alone: decoded alone, beside other rows (greedy
+    # and sampled, admitted before and after it), or admitted later, they are the same.
+    alone = _tokens(_server_engine(qwen2), params, [(0, PROMPTS[0], hot)])[0]
+    mixed = _tokens(
+        _server_engine(qwen2, slots=2),
+        params,
+        [(5, PROMPTS[3], RowSampling(0.7, seed=(1, 1))), (6, PROMPTS[1], RowSampling(0.0)),
+         (7, PROMPTS[2], RowSampling(1.0, seed=(2, 2))), (0, PROMPTS[0], hot)],
+        steps=2,
+    )  # fmt: skip
+    np.testing.assert_array_equal(alone.tokens, mixed[0].tokens)
+    np.testing.assert_allclose(alone.logp, mixed[0].logp, atol=1e-6)
+    other = _tokens(_server_engine(qwen2), params,
+                    [(0, PROMPTS[0], RowSampling(1.5, 0.9, seed=(8, 0)))])[0]  # fmt: skip
+    assert not np.array_equal(alone.tokens, other.tokens)  # another seed, other tokens
+    # Temperature 0 is greedy: the static sampler's tokens, beside sampled rows.
+    static = generate(qwen2, [PROMPTS[1]], max_new_tokens=N_NEW, temperature=0.0)
+    np.testing.assert_array_equal(mixed[6].tokens, np.asarray(static.completion_tokens[0]))
+
+
+def test_log_probs_and_top_alternatives_are_the_sampled_distributions(qwen2):
+    params = nnx.state(qwen2)
+    requests = [(0, PROMPTS[3], RowSampling(0.0)), (1, PROMPTS[4], RowSampling(0.6, seed=(3, 4)))]
+    done = _tokens(_server_engine(qwen2), params, requests)
+    for request, temperature in ((0, 1.0), (1, 0.6)):  # greedy reports temperature-1 log-probs
+        f = done[request]
+        sequence = jnp.asarray([list(PROMPTS[request + 3]) + f.tokens.tolist()])
+        logits = qwen2(sequence)[0, len(PROMPTS[request + 3]) - 1 : -1] / temperature
+        want = jax.nn.log_softmax(logits, axis=-1)  # the reference: the full forward
+        np.testing.assert_allclose(
+            f.logp, np.take_along_axis(np.asarray(want), f.tokens[:, None], 1)[:, 0], atol=2e-4
+        )
+        best = np.argsort(-np.asarray(want), axis=-1)[:, :3]
+        np.testing.assert_array_equal(f.top_ids, best)
+        np.testing.assert_allclose(f.top_logp, np.take_along_axis(np.asarray(want), best, 1),
+                                   atol=2e-4)  # fmt: skip
+    np.testing.assert_array_equal(done[0].top_ids[:, 0], done[0].tokens)  # greedy: the best
+
+
+def test_a_cancelled_request_frees_its_slots_at_once_and_is_never_handed_back(qwen2):
+    params = nnx.state(qwen2)
+    engine = _server_engine(qwen2, slots=2)
+    rs = [RowSampling(1.0, seed=(i, 0)) for i in range(3)]
+    for i in range(3):
+        engine.submit(i, PROMPTS[i], sampling=rs[i])
+    assert engine.run(params, 0, 2) == [] and engine.busy == 2 and engine.pending == 1
+    partial = {r: t for r, _, t, *_ in engine.peek()}
+    assert sorted(partial) == [0, 1] and all(len(t) == 2 for t in partial.values())
+    engine.cancel(0)  # decoding: its slot frees now
+    engine.cancel(2)  # waiting: out of the queue
+    assert engine.busy == 1 and engine.pending == 0
+    done = _drain(engine, params)
+    assert [f.request for f in done] == [1]
+    np.testing.assert_array_equal(done[0].tokens[:2], partial[1])  # peek saw its prefix
+    # The row left alone decoded as it would have without the cancelled ones beside it.
+    again = _tokens(_server_engine(qwen2), params, [(1, PROMPTS[1], rs[1])])[1]
+    np.testing.assert_array_equal(done[0].tokens, again.tokens)
+
+
+def test_a_prompt_longer_than_the_prompt_columns_goes_on_as_given_tokens(qwen2):
+    params = nnx.state(qwen2)
+    prompt = PROMPTS[1]  # 10 tokens: 4 in the prompt columns, 6 given
+    wide = _tokens(_server_engine(qwen2), params, [(0, prompt, RowSampling(0.0))])[0]
+    narrow = _server_engine(qwen2, prompt_len=4)
+    narrow.submit(0, prompt[:4], given=prompt[4:], sampling=RowSampling(0.0))
+    [f] = _drain(narrow, params)
+    assert f.mask[:6].sum() == 0 and f.mask[6:].all()  # given, then sampled
+    np.testing.assert_array_equal(f.tokens[:6], prompt[4:])
+    np.testing.assert_array_equal(f.tokens[6:], wide.tokens[: N_NEW - 6])

@@ -80,6 +80,8 @@ class Finished:
     finish_reason: int  # index into sampler.FINISH_REASONS
     length: int  # completion tokens emitted (interruption text included)
     routes: np.ndarray | None = None  # [L + N, routed layers, K]: router replay's experts
+    top_ids: np.ndarray | None = None  # [N, K] the K most probable tokens per column
+    top_logp: np.ndarray | None = None  # [N, K] their log-probs
 
 
 def check_slots(slots: int, repeat: int, mesh) -> None:
@@ -124,9 +126,28 @@ def _bucket(n: int, cap: int) -> int:
     return min(1 << max(n - 1, 0).bit_length(), cap)
 
 
-def _empty_state(model_cfg, b: int, prompt_len: int, n_new: int, pad_id: int, key) -> DecodeState:
+@dataclasses.dataclass(frozen=True)
+class RowSampling:
+    """A row's own sampling, on an engine made with `per_row_sampling`: temperature (0:
+    greedy), top-p, and a seed (two uint32 words): the row's token at completion column c is
+    drawn with fold_in(seed, c), whatever else decodes beside it."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    seed: tuple[int, int] = (0, 0)
+
+
+def _empty_state(model_cfg, b: int, prompt_len: int, n_new: int, pad_id: int, key, *,
+                 per_row: bool = False, top_logprobs: int = 0) -> DecodeState:  # fmt: skip
     """B free slots: every row finished and owned by nobody, its cache empty."""
+    rows = lambda value, dtype: jnp.full((b,), value, dtype) if per_row else None  # noqa: E731
+    top = (b, n_new, top_logprobs)
     return DecodeState(
+        row_temperature=rows(1.0, jnp.float32),
+        row_top_p=rows(1.0, jnp.float32),
+        row_seed=jnp.zeros((b, 2), jnp.uint32) if per_row else None,
+        top_ids=jnp.zeros(top, jnp.int32) if top_logprobs else None,
+        top_logp=jnp.zeros(top, jnp.float32) if top_logprobs else None,
         cache=KVCache.empty(model_cfg, b, prompt_len + n_new),
         h_bd=jnp.zeros((b, model_cfg.hidden_size), jnp.dtype(model_cfg.lm_head_dtype)),
         tokens=jnp.full((b, n_new), pad_id, jnp.int32),
@@ -336,7 +357,46 @@ def _take_rows(state: DecodeState, idx):
         state.finish[idx],
         jnp.sum(state.counts[idx], axis=1),
         None if state.routes is None else state.routes[idx],
+        None if state.top_ids is None else state.top_ids[idx],
+        None if state.top_logp is None else state.top_logp[idx],
     )
+
+
+@jax.jit
+def _peek_rows(state: DecodeState, idx):
+    """What rows `idx` have so far (a server's streaming): tokens, log-probs, the next
+    column, and the top alternatives when recorded."""
+    return (
+        state.tokens[idx],
+        state.logp[idx],
+        state.col[idx],
+        None if state.top_ids is None else state.top_ids[idx],
+        None if state.top_logp is None else state.top_logp[idx],
+    )
+
+
+@functools.partial(jax.jit, static_argnames=("mesh",), donate_argnames=("state",))
+def _configure_rows(state: DecodeState, idx, temperature, top_p, seed, *, mesh):
+    """Rows `idx` [m] (past the last slot: nobody) take their own sampling settings."""
+    put = lambda x, v: x.at[idx].set(v, mode="drop")  # noqa: E731
+    out = dataclasses.replace(
+        state,
+        row_temperature=put(state.row_temperature, temperature),
+        row_top_p=put(state.row_top_p, top_p),
+        row_seed=put(state.row_seed, seed),
+    )
+    if mesh is None:
+        return out
+    return jax.lax.with_sharding_constraint(out, _slot_shardings(out, mesh))
+
+
+@functools.partial(jax.jit, static_argnames=("mesh",), donate_argnames=("state",))
+def _stop_rows(state: DecodeState, idx, *, mesh):
+    """Rows `idx` [m] (past the last slot: nobody) stop decoding (their request cancelled)."""
+    out = dataclasses.replace(state, done=state.done.at[idx].set(True, mode="drop"))
+    if mesh is None:
+        return out
+    return jax.lax.with_sharding_constraint(out, _slot_shardings(out, mesh))
 
 
 class SlotEngine:
@@ -362,6 +422,8 @@ class SlotEngine:
         mesh: jax.sharding.Mesh | None = None,
         episodes: bool = False,
         parked_rows: int = 0,
+        per_row_sampling: bool = False,
+        top_logprobs: int = 0,
     ):
         check_slots(slots, repeat, mesh)
         if episodes and interruption is not None:
@@ -389,6 +451,9 @@ class SlotEngine:
         self.ways = batch_ways(mesh)  # batch shards: each admits into its own slots
         self.graphdef, self.slots, self.repeat, self.mesh = graphdef, slots, repeat, mesh
         self.prompt_len, self.n_new, self.pad_id = prompt_len, n_new, pad_id
+        # A server's engine: each request's rows sample with their own settings (`submit`'s
+        # `sampling`), and the top `top_logprobs` alternatives of every token are recorded.
+        self.per_row, self.top_logprobs = per_row_sampling, top_logprobs
         # Admissions draw from one stream, decode steps from another (the state's, donated).
         self.key, decode_key = jax.random.split(jax.random.key(0) if key is None else key)
         self.static = dict(
@@ -409,7 +474,10 @@ class SlotEngine:
         self.admissions = 0
 
         def make(rows):
-            empty = functools.partial(_empty_state, model_cfg, rows, prompt_len, n_new, pad_id)
+            empty = functools.partial(
+                _empty_state, model_cfg, rows, prompt_len, n_new, pad_id,
+                per_row=per_row_sampling, top_logprobs=top_logprobs,
+            )  # fmt: skip
             if mesh is None:
                 return empty(decode_key)
             # The rows split over the mesh's batch axes, like a batch's rows; made in place.
@@ -428,6 +496,7 @@ class SlotEngine:
         max_new: int | None = None,
         not_before: int | None = None,
         given: Sequence[int] = (),
+        sampling: RowSampling | None = None,
     ) -> None:
         """Queue a prompt; its `repeat` rows are admitted together once that many slots are
         free. `request` is the caller's id, returned with each finished row; `max_new` caps
@@ -436,7 +505,8 @@ class SlotEngine:
         so none of its tokens is older (the staleness bound of the step that trains it).
         `given` (episodes: the rest of a prompt longer than prompt_len) are the first tokens
         of its completion columns, fed into the cache as given (mask 0, version -1) before
-        anything is sampled; they count in `max_new`."""
+        anything is sampled; they count in `max_new`. `sampling`: the rows' own settings, on an
+        engine made with `per_row_sampling` (default: temperature 1, top-p 1, seed 0)."""
         if request in self.prompts:
             raise ValueError(f"request {request} was already submitted")
         max_new = self.n_new if max_new is None else int(max_new)
@@ -447,8 +517,8 @@ class SlotEngine:
         if len(prompt) > self.prompt_len:
             raise ValueError(f"prompt of {len(prompt)} tokens exceeds prompt_len {self.prompt_len}")
         given = np.asarray(given, np.int32)
-        if len(given) and not self.episodes:
-            raise ValueError("given tokens after a prompt are for an engine of episodes")
+        if sampling is not None and not self.per_row:
+            raise ValueError("a request's own sampling needs an engine with per_row_sampling")
         if len(given) >= max_new:
             raise ValueError(f"{len(given)} given tokens leave none of max_new = {max_new}")
         tokens = np.full(self.prompt_len, self.pad_id, np.int32)
@@ -456,7 +526,48 @@ class SlotEngine:
         start = self.prompt_len - len(prompt)  # left-padded, as every prompt of the sampler
         tokens[start:], mask[start:] = prompt, True
         self.prompts[request] = [tokens, mask, self.repeat]  # rows not yet handed back
-        self.waiting.append((request, tokens, mask, max_new, not_before, given))
+        row_sampling = (sampling or RowSampling()) if self.per_row else None
+        self.waiting.append((request, tokens, mask, max_new, not_before, given, row_sampling))
+
+    def cancel(self, request: int) -> None:
+        """Forget `request`: out of the queue if it waits, its rows stopped and their slots
+        free at once if it decodes; its rows are never handed back. Not for episodes."""
+        if self.episodes:
+            raise ValueError("an engine of episodes releases rows (`release`), not requests")
+        if request not in self.prompts:
+            return
+        del self.prompts[request]
+        self.waiting = collections.deque(w for w in self.waiting if w[0] != request)
+        slots = [i for i, o in enumerate(self.occupant) if o is not None and o[0] == request]
+        for i in slots:
+            self.occupant[i] = None
+        if slots:
+            idx = np.full(_bucket(len(slots), self.slots), self.slots, np.int32)
+            idx[: len(slots)] = slots
+            self.state = _stop_rows(self.state, self._put(idx), mesh=self.mesh)
+
+    def peek(self) -> list[tuple[int, int, np.ndarray, np.ndarray, np.ndarray | None,
+                                 np.ndarray | None]]:  # fmt: skip
+        """The rows decoding now and what they have so far, as of the last run's steps (it
+        waits for them): (request, row, tokens, log-probs, top ids, top log-probs), each up
+        to the row's next column (given tokens included). A server streams from it."""
+        slots = [i for i, o in enumerate(self.occupant) if o is not None]
+        if not slots:
+            return []
+        idx = np.asarray(slots + [slots[0]] * (_bucket(len(slots), self.slots) - len(slots)),
+                         np.int32)  # fmt: skip
+        tokens, logp, col, top_ids, top_logp = (
+            None if x is None else distributed.to_host(x)
+            for x in _peek_rows(self.state, self._put(idx))
+        )
+        out = []
+        for j, slot in enumerate(slots):
+            request, row = self.occupant[slot]
+            n = min(int(col[j]), self.n_new)
+            out.append((request, row, tokens[j, :n], logp[j, :n],
+                        None if top_ids is None else top_ids[j, :n],
+                        None if top_logp is None else top_logp[j, :n]))  # fmt: skip
+        return out
 
     @property
     def busy(self) -> int:
@@ -647,11 +758,14 @@ class SlotEngine:
         source = np.full(self.slots, -1, np.int32)
         budget = np.full(self.slots, self.n_new, np.int32)
         given = []  # (slot, tokens, limit) of prompts with given tokens after them
-        for g, (request, _, _, max_new, _, after) in enumerate(groups):
+        configured = []  # (slot, RowSampling) on a per-row engine
+        for g, (request, _, _, max_new, _, after, row_sampling) in enumerate(groups):
             for r in range(self.repeat):
                 slot = free[g * self.repeat + r]
                 if len(after):
                     given.append((slot, after, max_new))
+                if row_sampling is not None:
+                    configured.append((slot, row_sampling))
                 shard = needed[slot // per_shard]
                 if not shard or shard[-1] != g:
                     shard.append(g)
@@ -679,7 +793,21 @@ class SlotEngine:
             interruption=self.interruption,
             mesh=self.mesh,
         )
+        self._configure(configured)
         self._feed(given)  # before any decode step samples in their rows
+
+    def _configure(self, configured: list[tuple[int, RowSampling]]) -> None:
+        if not configured:
+            return
+        m = _bucket(len(configured), self.slots)
+        idx = np.full(m, self.slots, np.int32)
+        temperature, top_p = np.ones(m, np.float32), np.ones(m, np.float32)
+        seed = np.zeros((m, 2), np.uint32)
+        for j, (slot, rs) in enumerate(configured):
+            idx[j], temperature[j], top_p[j], seed[j] = slot, rs.temperature, rs.top_p, rs.seed
+        self.state = _configure_rows(self.state, *(self._put(x) for x in (idx, temperature,
+                                                                           top_p, seed)),
+                                     mesh=self.mesh)  # fmt: skip
 
     def _collect(self):
         """Free the slots whose rows have finished and start gathering those rows on the
@@ -709,7 +837,7 @@ class SlotEngine:
         if collected is None:
             return []
         owners, rows = collected
-        tokens, mask, logp, versions, finish, lengths, routes = (
+        tokens, mask, logp, versions, finish, lengths, routes, top_ids, top_logp = (
             None if x is None else distributed.to_host(x) for x in rows
         )
         out = []
@@ -720,7 +848,9 @@ class SlotEngine:
             entry = self.prompts[request]
             out.append(
                 Finished(request, row, entry[0], entry[1], t, mask[j], logp[j], versions[j],
-                         int(finish[j]), n, None if routes is None else routes[j])
+                         int(finish[j]), n, None if routes is None else routes[j],
+                         None if top_ids is None else top_ids[j],
+                         None if top_logp is None else top_logp[j])
             )  # fmt: skip
             if self.episodes:  # handed back at every turn's end; forgotten at `release`
                 continue

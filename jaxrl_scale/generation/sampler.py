@@ -155,6 +155,17 @@ class DecodeState:
     # their completion columns by the host): a row feeds its own tokens, not sampled ones,
     # while its column is below this (mask 0, no log-prob, version -1). None: never.
     forced_until: jax.Array | None = None
+    # Each row its own sampling (a server's requests; `RowSampling`), else None: the static
+    # `Sampling` for every row. [B] temperature (0: greedy), [B] top-p, [B, 2] uint32 seed: a
+    # row's token at column c is drawn with fold_in(its seed, c), so its tokens depend on its
+    # seed alone, not on which rows decode beside it or when it was admitted.
+    row_temperature: jax.Array | None = None
+    row_top_p: jax.Array | None = None
+    row_seed: jax.Array | None = None
+    # [B, N, K] the K most probable tokens at each column and their log-probs (of the
+    # distribution sampled from), or None: not recorded.
+    top_ids: jax.Array | None = None
+    top_logp: jax.Array | None = None
 
 
 # --------------------------------------------------------------------------- sampling
@@ -185,6 +196,30 @@ def sample_token(logits_bv, key, sampling: Sampling):
         token_b = jax.random.categorical(key, logits_bv, axis=-1)
     logp_b = jnp.take_along_axis(logp_bv, token_b[:, None], axis=-1)[:, 0]
     return token_b.astype(jnp.int32), logp_b
+
+
+def sample_rows(logits_bv, seed_b2, col_b, temperature_b, top_p_b):
+    """(token [B], log-prob [B], log-probs [B, V]) with each row's own temperature (0:
+    greedy, the temperature-1 log-prob reported, as `sample_token`), top-p and seed: row b's
+    draw is keyed by fold_in(seed_b, col_b) alone. The log-probs are of the distribution each
+    row samples from (renormalised after truncation)."""
+    greedy_b = temperature_b <= 0
+    scaled_bv = logits_bv / jnp.where(greedy_b, 1.0, temperature_b)[:, None]
+    sorted_bv = -jnp.sort(-scaled_bv, axis=-1)
+    probs_bv = jax.nn.softmax(sorted_bv, axis=-1)
+    before_bv = jnp.cumsum(probs_bv, axis=-1) - probs_bv  # mass strictly above
+    kept_bv = jnp.where(before_bv < top_p_b[:, None], sorted_bv, jnp.inf)
+    cutoff_b1 = jnp.min(kept_bv, axis=-1, keepdims=True)
+    truncate_b1 = ((top_p_b < 1) & ~greedy_b)[:, None]
+    scaled_bv = jnp.where(truncate_b1 & (scaled_bv < cutoff_b1), -jnp.inf, scaled_bv)
+    logp_bv = jax.nn.log_softmax(scaled_bv, axis=-1)
+    keys_b = jax.vmap(lambda s, c: jax.random.fold_in(jax.random.wrap_key_data(s), c))(
+        seed_b2, col_b
+    )
+    drawn_b = jax.vmap(jax.random.categorical)(keys_b, scaled_bv)
+    token_b = jnp.where(greedy_b, jnp.argmax(logits_bv, axis=-1), drawn_b).astype(jnp.int32)
+    logp_b = jnp.take_along_axis(logp_bv, token_b[:, None], axis=-1)[:, 0]
+    return token_b, logp_b, logp_bv
 
 
 # --------------------------------------------------------------------------- prefill / decode
@@ -290,7 +325,14 @@ def _decode_step(
 ):
     n_new = s.tokens.shape[1]
     logits_bv = model.logits(s.h_bd)
-    sampled_b, logp_b = sample_token(logits_bv, jax.random.fold_in(s.key, s.step), sampling)
+    logp_bv = None
+    if s.row_temperature is not None:  # each row its own sampling and seed
+        col_b = jnp.broadcast_to(s.col, s.done.shape)
+        sampled_b, logp_b, logp_bv = sample_rows(
+            logits_bv, s.row_seed, col_b, s.row_temperature, s.row_top_p
+        )
+    else:
+        sampled_b, logp_b = sample_token(logits_bv, jax.random.fold_in(s.key, s.step), sampling)
     active = ~s.done
     forcing = active & (s.phase == FORCING)
     if interruption is not None:
@@ -316,6 +358,13 @@ def _decode_step(
     logp = put(s.logp, jnp.where(sampled, logp_b, 0.0))
     mask = put(s.mask, sampled.astype(jnp.float32))
     versions = put(s.versions, jnp.where(sampled, version, -1))
+    top_ids, top_logp = s.top_ids, s.top_logp
+    if top_ids is not None:  # the K most probable tokens of what was sampled from
+        if logp_bv is None:
+            logp_bv = jax.nn.log_softmax(logits_bv, axis=-1)
+        best_bk, ids_bk = jax.lax.top_k(logp_bv, top_ids.shape[2])
+        top_ids = put(top_ids, ids_bk.astype(top_ids.dtype))
+        top_logp = put(top_logp, best_bk)
 
     counts = s.counts + (active[:, None] & (s.phase[:, None] == jnp.arange(4))).astype(jnp.int32)
     is_eos = sampled & jnp.isin(token_b, jnp.asarray(eos_ids, jnp.int32))
@@ -381,6 +430,11 @@ def _decode_step(
         key=s.key,
         routes=routes,
         forced_until=s.forced_until,
+        row_temperature=s.row_temperature,
+        row_top_p=s.row_top_p,
+        row_seed=s.row_seed,
+        top_ids=top_ids,
+        top_logp=top_logp,
     )
 
 
