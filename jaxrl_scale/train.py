@@ -386,18 +386,11 @@ def train_run(run: Run) -> list[dict[str, Any]]:
 
 def export_run(run_dir: str | Path, out: str | Path, *, peft_out=None) -> list[Path]:
     """A run's newest checkpoint as a Hugging Face folder at `out` (a LoRA policy merged:
-    W + s A B), and with `peft_out` a LoRA run's adapters as a PEFT folder. Reads the run's
-    config.yaml (the model), tokenizer/ and the checkpoint's parameters only: no task, no
-    curriculum, no sandbox, so it works whatever task trained the run; a LoRA run also reads
-    its base (model.init_from, else the seed's). Writes nothing into the run directory, and
-    builds on the CPU device (host memory), so a run exports on a machine without its
-    accelerators."""
-    from flax import nnx
-
-    from jaxrl_scale.config import MeshConfig, load_config
+    W + s A B), and with `peft_out` a LoRA run's adapters as a PEFT folder. Reads what
+    `load_run_policy` reads, so it works whatever task trained the run; writes nothing into
+    the run directory."""
     from jaxrl_scale.models.hf import save_pretrained
     from jaxrl_scale.models.peft import save_adapter
-    from jaxrl_scale.rl.checkpoint import restore_params
 
     run_dir, out = Path(run_dir).absolute(), Path(out).absolute()
     for target in (out, None if peft_out is None else Path(peft_out).absolute()):
@@ -406,14 +399,47 @@ def export_run(run_dir: str | Path, out: str | Path, *, peft_out=None) -> list[P
                 f"export --out / --peft: {target} is inside the run directory {run_dir}; "
                 "export writes elsewhere and leaves the run as it is"
             )
+    policy = load_run_policy(run_dir)
+    m = policy.cfg.model
+    if peft_out is not None and not m.lora.enabled:
+        raise ConfigError(f"--peft: {run_dir} is not a LoRA run (model.lora.rank = 0)")
+    written = [save_pretrained(policy.model, policy.tokenizer, out)]
+    if peft_out is not None:
+        written.append(save_adapter(policy.params, m, peft_out, base=m.init_from))
+    return written
+
+
+@dataclasses.dataclass(frozen=True)
+class RunPolicy:
+    """A run's newest checkpoint as a policy: the module (a LoRA policy's adapters on its
+    base), the tokenizer it trained with, the run's config, the step, the trainable params."""
+
+    model: Any
+    tokenizer: Any
+    cfg: ExperimentConfig
+    step: int
+    params: Any
+
+
+def load_run_policy(run_dir: str | Path, *, devices=None) -> RunPolicy:
+    """The policy of a run's newest readable checkpoint, read from the run's config.yaml (the
+    model), tokenizer/ and the checkpoint's parameters only: no task, no curriculum, no
+    sandbox; a LoRA run also reads its base (model.init_from, else the seed's). Nothing is
+    written into the run directory. `devices`: where the model is built (default: the first
+    CPU device, host memory, so a run loads on a machine without its accelerators)."""
+    from flax import nnx
+
+    from jaxrl_scale.config import MeshConfig, load_config
+    from jaxrl_scale.rl.checkpoint import restore_params
+
+    run_dir = Path(run_dir).absolute()
     if not (run_dir / "config.yaml").exists():
         raise FileNotFoundError(f"{run_dir}: no config.yaml (not a run directory)")
     cfg = load_config(run_dir / "config.yaml")
     m = cfg.model
-    if peft_out is not None and not m.lora.enabled:
-        raise ConfigError(f"--peft: {run_dir} is not a LoRA run (model.lora.rank = 0)")
     tokenizer = _run_tokenizer(run_dir, cfg)
-    mesh = sharding.make_mesh(MeshConfig(data=1), devices=jax.local_devices(backend="cpu")[:1])
+    devices = list(devices) if devices is not None else jax.local_devices(backend="cpu")[:1]
+    mesh = sharding.make_mesh(MeshConfig(data=len(devices)), devices=devices)
     if m.lora.enabled:  # the base's weights are the config's, not the checkpoint's
         if m.init_from:
             m_base = dataclasses.replace(m, lora=dataclasses.replace(m.lora, init_from=None))
@@ -433,10 +459,7 @@ def export_run(run_dir: str | Path, out: str | Path, *, peft_out=None) -> list[P
         base = None
     step, params = restore_params(run_dir, abstract, base=base)
     model = lora.merge_policy(graphdef, params, frozen)
-    written = [save_pretrained(model, tokenizer, out)]
-    if peft_out is not None:
-        written.append(save_adapter(params, m, peft_out, base=m.init_from))
-    return written
+    return RunPolicy(model, tokenizer, cfg, step, params)
 
 
 def _run_tokenizer(run_dir: Path, cfg: ExperimentConfig):

@@ -1,0 +1,97 @@
+"""What the HTTP server asks of the engine: a `Request` in token ids, a `Generation` of
+per-choice `Delta`s back. `EngineBackend` (engine.py) runs the slot engine on its own thread;
+the server's event loop never waits on it: a request goes in through a queue, and deltas come
+back through the loop's `call_soon_threadsafe`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+from collections.abc import AsyncIterator
+from typing import Protocol
+
+MAX_TOP_LOGPROBS = 20  # OpenAI's limit on top_logprobs
+
+
+class QueueFull(Exception):
+    """More requests wait than the server holds (HTTP 429)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Request:
+    """One completion request, in token ids: `n` choices of up to `max_new` tokens each after
+    `prompt_ids`, drawn at `temperature` (0: greedy) with nucleus `top_p`, from `seed` (the
+    same request and seed give the same tokens, streamed or not, whatever else is decoding;
+    None: a fresh seed), each token with its log-prob and `top_logprobs` alternatives."""
+
+    prompt_ids: tuple[int, ...]
+    max_new: int
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    seed: int | None = None
+    top_logprobs: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class Delta:
+    """What choice `index` got since its last delta: sampled ids with their log-probs (of the
+    distribution sampled from) and, when asked, the top alternatives [(id, log-prob)] per
+    token; `finish` is "stop" (an end-of-turn token, included in `token_ids`), "length" or
+    None while it runs."""
+
+    index: int
+    token_ids: tuple[int, ...]
+    logprobs: tuple[float, ...]
+    top: tuple[tuple[tuple[int, float], ...], ...] | None = None
+    finish: str | None = None
+
+
+class Generation:
+    """A submitted request's deltas, read on the server's event loop (`deltas()`); the
+    backend's thread pushes them (`push`, thread-safe). `cancel` stops choices early (a
+    client gone, a stop string seen): their slots are freed at the engine's next step."""
+
+    def __init__(self, request: Request, loop: asyncio.AbstractEventLoop, backend: Backend):
+        self.request, self._loop, self._backend = request, loop, backend
+        self._queue: asyncio.Queue[Delta | BaseException] = asyncio.Queue()
+        self.open = set(range(request.n))  # choices not finished (event loop's view)
+
+    def push(self, item: Delta | BaseException) -> None:
+        """From the backend's thread: a delta, or the exception that ended the request."""
+        self._loop.call_soon_threadsafe(self._queue.put_nowait, item)
+
+    async def deltas(self) -> AsyncIterator[Delta]:
+        while self.open:
+            item = await self._queue.get()
+            if isinstance(item, BaseException):
+                raise item
+            if item.finish is not None:
+                self.open.discard(item.index)
+            yield item
+
+    def cancel(self, index: int | None = None) -> None:
+        """Stop choice `index` (None: every open one); its slot is freed. Event loop only."""
+        gone = set(self.open) if index is None else {index} & self.open
+        self.open -= gone
+        if gone:
+            self._backend.cancel(self, sorted(gone))
+
+
+class Backend(Protocol):
+    context: int  # the most prompt + generated tokens a request may have
+    model_name: str
+
+    def submit(self, request: Request, loop: asyncio.AbstractEventLoop) -> Generation:
+        """Queue `request` (QueueFull past the queue's size; ValueError for one it cannot
+        serve, naming why)."""
+        ...
+
+    def cancel(self, generation: Generation, choices: list[int]) -> None: ...
+
+    def stats(self) -> dict[str, float]:
+        """queue_length, slots, slots_busy (for /metrics)."""
+        ...
+
+    def close(self) -> None: ...
