@@ -7,6 +7,7 @@ back through the loop's `call_soon_threadsafe`.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 from collections.abc import AsyncIterator
 from typing import Protocol
@@ -59,8 +60,10 @@ class Generation:
         self.open = set(range(request.n))  # choices not finished (event loop's view)
 
     def push(self, item: Delta | BaseException) -> None:
-        """From the backend's thread: a delta, or the exception that ended the request."""
-        self._loop.call_soon_threadsafe(self._queue.put_nowait, item)
+        """From the backend's thread: a delta, or the exception that ended the request. A
+        loop that has closed (its client gone) takes nothing, and that is no error."""
+        with contextlib.suppress(RuntimeError):
+            self._loop.call_soon_threadsafe(self._queue.put_nowait, item)
 
     async def deltas(self) -> AsyncIterator[Delta]:
         while self.open:

@@ -1,0 +1,200 @@
+"""`EngineBackend`: the slot engine (generation/engine.py) serving requests on a thread of its
+own. The server's event loop submits a `Request` (one engine request per choice) and reads
+`Delta`s; the engine thread admits, decodes a few steps at a time, and pushes each choice's
+new tokens back (streamed from `SlotEngine.peek`, ended by the finished row).
+
+Threads: the engine thread owns the `SlotEngine` (every call on it). What the event loop
+hands over (submissions, cancellations) goes through `_inbox`, under `_lock`; the counters
+`stats()` reads are written under the same lock.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import itertools
+import logging
+import os
+import threading
+
+from flax import nnx
+
+from jaxrl_scale.generation.engine import RowSampling, SlotEngine
+from jaxrl_scale.generation.sampler import EOS, Sampling
+from jaxrl_scale.serve.backend import MAX_TOP_LOGPROBS, Delta, Generation, QueueFull, Request
+
+log = logging.getLogger("jaxrl_scale.serve")
+
+
+@dataclasses.dataclass
+class _Choice:
+    """One choice of a request, as the engine thread tracks it."""
+
+    generation: Generation
+    index: int
+    given: int  # prompt tokens fed in its completion columns (not sent back)
+    sent: int = 0  # completion columns already pushed (given ones included)
+
+
+class EngineBackend:
+    """`slots` rows decoding at once, each up to `context` tokens (prompt and generated); a
+    prompt's first `prompt_len` tokens are prefilled, any beyond are fed one decode step each
+    (default prompt_len: half the context). `max_queue`: requests waiting for slots before
+    `submit` raises QueueFull. `steps`: decode steps between two looks at the slots (the
+    streaming granularity)."""
+
+    def __init__(self, model, tokenizer, *, slots: int = 16, context: int = 2048,
+                 prompt_len: int | None = None, max_queue: int = 64, steps: int = 8,
+                 mesh=None, model_name: str = "jaxrl-scale"):  # fmt: skip
+        prompt_len = prompt_len or context // 2
+        if not 1 <= prompt_len < context:
+            raise ValueError(f"prompt_len must be in [1, context = {context}), got {prompt_len}")
+        self.context, self.prompt_len, self.model_name = context, prompt_len, model_name
+        self.max_queue, self.steps, self.tokenizer = max_queue, steps, tokenizer
+        graphdef, self.params = nnx.split(model)
+        self.engine = SlotEngine(
+            graphdef, slots=slots, prompt_len=prompt_len, n_new=context - prompt_len, repeat=1,
+            sampling=Sampling(1.0), eos_ids=tokenizer.eos_ids, pad_id=tokenizer.pad_id,
+            model_cfg=model.cfg, mesh=mesh, per_row_sampling=True,
+            top_logprobs=MAX_TOP_LOGPROBS,
+        )  # fmt: skip
+        self.slots = slots
+        self._lock = threading.Lock()
+        self._wake = threading.Condition(self._lock)
+        self._inbox: list[tuple[str, object]] = []  # ("submit", Generation) / ("cancel", ...)
+        self._waiting = 0  # requests submitted and not all of whose choices hold a slot
+        self._busy = 0
+        self._closed = False
+        self._ids = itertools.count()
+        self._choices: dict[int, _Choice] = {}  # engine request id -> choice (engine thread)
+        self._thread = threading.Thread(target=self._loop, name="jaxrl-serve-engine", daemon=True)
+        self._thread.start()
+
+    # ------------------------------------------------------------------ event loop side
+
+    def submit(self, request: Request, loop: asyncio.AbstractEventLoop) -> Generation:
+        total = len(request.prompt_ids) + request.max_new
+        if not request.prompt_ids:
+            raise ValueError("the prompt has no tokens")
+        if request.max_new < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {request.max_new}")
+        if total > self.context:
+            raise ValueError(
+                f"the prompt's {len(request.prompt_ids)} tokens and max_tokens "
+                f"{request.max_new} make {total}, over the context of {self.context} tokens"
+            )
+        if not 0 <= request.top_logprobs <= MAX_TOP_LOGPROBS:
+            raise ValueError(f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}]")
+        generation = Generation(request, loop, self)
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("the server is shutting down")
+            if self._waiting >= self.max_queue:
+                raise QueueFull(f"{self._waiting} requests are waiting for a slot")
+            self._waiting += 1
+            self._inbox.append(("submit", generation))
+            self._wake.notify()
+        return generation
+
+    def cancel(self, generation: Generation, choices: list[int]) -> None:
+        with self._lock:
+            self._inbox.append(("cancel", (generation, list(choices))))
+            self._wake.notify()
+
+    def stats(self) -> dict[str, float]:
+        with self._lock:
+            return {"queue_length": self._waiting, "slots": self.slots, "slots_busy": self._busy}
+
+    def close(self, timeout: float = 10.0) -> None:
+        with self._lock:
+            self._closed = True
+            self._wake.notify()
+        self._thread.join(timeout)
+
+    # ------------------------------------------------------------------ engine thread
+
+    def _loop(self) -> None:
+        engine = self.engine
+        while True:
+            with self._lock:
+                while not (self._inbox or self._closed or engine.busy or engine.pending):
+                    self._wake.wait()
+                inbox, self._inbox = self._inbox, []
+                closed = self._closed
+            if closed:
+                self._fail_all(RuntimeError("the server shut down"))
+                return
+            try:
+                for kind, item in inbox:
+                    self._submit(item) if kind == "submit" else self._cancel(*item)
+                finished = engine.run(self.params, 0, self.steps)
+                for f in finished:
+                    self._finish(f)
+                self._stream()
+            except Exception as e:  # noqa: BLE001 - the engine broke: every request learns it
+                log.exception("the engine failed")
+                self._fail_all(e)
+            self._count()
+
+    def _submit(self, generation: Generation) -> None:
+        r = generation.request
+        seed = r.seed if r.seed is not None else int.from_bytes(os.urandom(8), "little")
+        prompt = list(r.prompt_ids)
+        head, given = prompt[: self.prompt_len], prompt[self.prompt_len :]
+        for index in range(r.n):
+            rid = next(self._ids)
+            words = (seed & 0xFFFFFFFF, ((seed >> 32) + 0x9E3779B9 * index) & 0xFFFFFFFF)
+            sampling = RowSampling(r.temperature, r.top_p, words)
+            self.engine.submit(rid, head, max_new=len(given) + r.max_new, given=given,
+                               sampling=sampling)  # fmt: skip
+            self._choices[rid] = _Choice(generation, index, len(given))
+
+    def _cancel(self, generation: Generation, indices: list[int]) -> None:
+        for rid, c in list(self._choices.items()):
+            if c.generation is generation and c.index in indices:
+                self.engine.cancel(rid)
+                del self._choices[rid]
+
+    def _delta(self, c: _Choice, tokens, logp, top_ids, top_logp, finish=None) -> Delta:
+        start = max(c.sent, c.given)
+        k = c.generation.request.top_logprobs
+        top = None
+        if k:
+            top = tuple(
+                tuple((int(i), float(v)) for i, v in zip(ids[:k], vals[:k], strict=True))
+                for ids, vals in zip(top_ids[start:], top_logp[start:], strict=True)
+            )
+        c.sent = len(tokens)
+        return Delta(c.index, tuple(int(t) for t in tokens[start:]),
+                     tuple(float(v) for v in logp[start:]), top, finish)  # fmt: skip
+
+    def _finish(self, f) -> None:
+        c = self._choices.pop(f.request, None)
+        if c is None:  # cancelled meanwhile
+            return
+        n = f.length
+        finish = "stop" if f.finish_reason == EOS else "length"
+        cut = lambda x: None if x is None else x[:n]  # noqa: E731
+        c.generation.push(self._delta(c, f.tokens[:n], f.logp[:n], cut(f.top_ids),
+                                      cut(f.top_logp), finish))  # fmt: skip
+
+    def _stream(self) -> None:
+        for rid, _, tokens, logp, top_ids, top_logp in self.engine.peek():
+            c = self._choices.get(rid)
+            if c is not None and len(tokens) > max(c.sent, c.given):
+                c.generation.push(self._delta(c, tokens, logp, top_ids, top_logp))
+
+    def _fail_all(self, error: BaseException) -> None:
+        for rid, c in list(self._choices.items()):
+            with contextlib.suppress(Exception):  # failing every request is all that is left
+                self.engine.cancel(rid)
+            c.generation.push(error)
+        self._choices.clear()
+
+    def _count(self) -> None:
+        queued = {w[0] for w in self.engine.waiting}  # requests with a choice not on a slot
+        waiting = {id(c.generation) for rid, c in self._choices.items() if rid in queued}
+        with self._lock:
+            self._busy = self.engine.busy
+            self._waiting = len(waiting) + sum(k == "submit" for k, _ in self._inbox)

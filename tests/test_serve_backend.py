@@ -1,0 +1,96 @@
+"""The engine side of the server (serve/engine.py): requests in token ids on the slot engine's
+own thread, deltas back on an event loop."""
+
+import asyncio
+import threading
+import time
+
+import numpy as np
+import pytest
+from conftest import HF_FIXTURES
+
+from jaxrl_scale.generation.sampler import generate
+from jaxrl_scale.models.hf import load_pretrained
+from jaxrl_scale.serve.backend import QueueFull, Request
+from jaxrl_scale.serve.engine import EngineBackend
+
+PROMPT = (5, 6, 7, 8)
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    model, tok = load_pretrained(HF_FIXTURES / "qwen2")
+    backend = EngineBackend(model, tok, slots=4, context=32, prompt_len=8, max_queue=3, steps=2)
+    yield model, tok, backend
+    backend.close()
+
+
+def _collect(backend, requests, *, cancel_after=None):
+    """Every request's deltas, per choice: (tokens, logprobs, top, finish, deltas seen)."""
+
+    async def one(request):
+        generation = backend.submit(request, asyncio.get_running_loop())
+        out = {i: [[], [], [], None, 0] for i in range(request.n)}
+        async for d in generation.deltas():
+            c = out[d.index]
+            c[0] += d.token_ids
+            c[1] += d.logprobs
+            c[2] += d.top or []
+            c[3] = d.finish
+            c[4] += 1
+            if cancel_after is not None and len(c[0]) >= cancel_after:
+                generation.cancel()
+        return out
+
+    async def every():
+        return await asyncio.wait_for(asyncio.gather(*map(one, requests)), timeout=120)
+
+    return asyncio.run(every())
+
+
+def test_greedy_requests_equal_the_sampler_and_stream_in_pieces(tiny):
+    model, tok, backend = tiny
+    want = generate(model, [list(PROMPT)], max_new_tokens=10, temperature=0.0,
+                    eos_ids=tok.eos_ids)  # fmt: skip
+    n = int(want.lengths[0])
+    [got] = _collect(backend, [Request(PROMPT, max_new=10, temperature=0.0, top_logprobs=2)])
+    tokens, logprobs, top, finish, deltas = got[0]
+    assert tokens == np.asarray(want.completion_tokens[0, :n]).tolist()
+    assert finish == ("stop" if tokens[-1] in tok.eos_ids else "length")
+    assert deltas > 1  # streamed: more than the final delta (2 steps at a time)
+    np.testing.assert_allclose(logprobs, np.asarray(want.behavior_logp[0, :n]), atol=1e-5)
+    assert [t[0][0] for t in top] == tokens and all(len(t) == 2 for t in top)
+
+
+def test_seeded_choices_repeat_and_differ_from_each_other(tiny):
+    _, _, backend = tiny
+    request = Request(PROMPT, max_new=12, n=2, temperature=1.0, seed=123)
+    first, second = _collect(backend, [request, request])
+    assert first[0][0] == second[0][0] and first[1][0] == second[1][0]
+    assert first[0][0] != first[1][0]  # the choices of one request draw apart
+
+
+def test_long_prompts_cancels_and_a_full_queue(tiny):
+    _, _, backend = tiny
+    # A 12-token prompt over 8 prompt columns: the rest is fed, never sent back.
+    [long] = _collect(backend, [Request(tuple(range(3, 15)), max_new=5, temperature=0.0)])
+    assert len(long[0][0]) <= 5 and long[0][3] in ("stop", "length")
+    with pytest.raises(ValueError, match="over the context of 32 tokens"):
+        backend.submit(Request(PROMPT, max_new=29), asyncio.new_event_loop())
+    # Cancelled after 2 tokens: its slots come free, nothing stays busy.
+    threads = threading.active_count()
+    got = _collect(backend, [Request(PROMPT, max_new=20, n=2, temperature=1.0)] * 3,
+                   cancel_after=2)  # fmt: skip
+    assert all(len(c[0]) < 20 for r in got for c in r.values())
+    deadline = time.monotonic() + 30  # the engine thread takes the cancellations next
+    while backend.stats()["slots_busy"] and time.monotonic() < deadline:
+        time.sleep(0.05)
+    stats = backend.stats()
+    assert stats["slots_busy"] == 0 and stats["queue_length"] == 0
+    assert threading.active_count() == threads
+    # More waiting requests than max_queue (3): refused, the rest served.
+    loop = asyncio.new_event_loop()
+    with pytest.raises(QueueFull):
+        for _ in range(20):
+            backend.submit(Request(PROMPT, max_new=20, n=4), loop)
+    loop.close()
