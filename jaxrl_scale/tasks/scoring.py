@@ -52,9 +52,8 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 
 from jaxrl_scale.configbase import ConfigError
+from jaxrl_scale.models.parsers import THINK_CLOSE, split_reasoning
 from jaxrl_scale.tasks.workers import PoolBroken, WorkerProcesses, gather
-
-THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 
 
 class ScorerBroken(RuntimeError):
@@ -67,11 +66,14 @@ FATAL = (ScorerBroken, ConfigError)
 
 def strip_think(text: str) -> str | None:
     """The answer after the model's thinking: the text after the last `</think>`; None when a
-    `<think>` opens and never closes; the text itself when it has neither tag."""
-    close = text.rfind(THINK_CLOSE)
-    if close >= 0:
-        return text[close + len(THINK_CLOSE) :]
-    return None if THINK_OPEN in text else text
+    `<think>` opens and never closes; the text itself when it has neither tag. The think block
+    is models/parsers.py's `split_reasoning`; a later `</think>` in its content cuts again."""
+    reasoning, content = split_reasoning(text)
+    if reasoning is None:
+        return text
+    if THINK_CLOSE not in text:
+        return None
+    return content.rpartition(THINK_CLOSE)[2]
 
 
 @dataclasses.dataclass(frozen=True)

@@ -10,8 +10,10 @@
 
 A task that gives `tools` and no `make_env` gets a `ToolEnv` per episode: the prompt (the
 example's chat messages as given, or its string as a user message) goes out with the tools'
-JSON schemas in the chat template's `tools`; each model turn is searched for
-calls in the Qwen/Hermes format `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`;
+JSON schemas in the chat template's `tools`; each model turn's content (its thinking cut
+off) is searched for calls in its model family's format (models/parsers.py): Qwen/Hermes
+`<tool_call>{"name": ..., "arguments": {...}}</tool_call>` blocks, or Llama-3 JSON
+`{"name": ..., "parameters": {...}}` turns (`family`, `tool_family(tokenizer)` picks it);
 calls are answered as tool messages and the model takes another turn; a turn without a call
 is the final answer, scored by the task's `score` (its thinking cut off), which ends the
 episode: a number, or named parts summed with the task's `reward_weights` (1 each
@@ -23,17 +25,15 @@ code in the code task's sandbox.
 
 from __future__ import annotations
 
-import contextlib
 import inspect
 import json
-import re
 import typing
 from collections.abc import Callable, Mapping, Sequence
 
+from jaxrl_scale.models.parsers import MalformedCall, check_family, parse
 from jaxrl_scale.tasks.scoring import strip_think
 from jaxrl_scale.tasks.workers import WorkerPool
 
-CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
 _JSON_TYPES = {int: "integer", float: "number", str: "string", bool: "boolean", list: "array",
                dict: "object"}  # fmt: skip
 
@@ -59,28 +59,12 @@ def schema(fn: Callable) -> dict:
     }
 
 
-def parse_calls(text: str) -> list[dict | str]:
-    """The calls in a model turn, in order: {"name", "arguments"} each, or the text of why a
-    call could not be read."""
-    out: list[dict | str] = []
-    for body in CALL.findall(text):
-        try:
-            call = json.loads(body)
-        except json.JSONDecodeError as e:
-            out.append(f"the tool call is not JSON ({e.msg})")
-            continue
-        if not isinstance(call, dict) or not isinstance(call.get("name"), str):
-            out.append('a tool call needs {"name": ..., "arguments": {...}}')
-            continue
-        arguments = call.get("arguments", {})
-        if isinstance(arguments, str):  # some models send the arguments as a JSON string
-            with contextlib.suppress(json.JSONDecodeError):
-                arguments = json.loads(arguments)
-        if not isinstance(arguments, dict):
-            out.append(f"{call['name']}: the arguments must be a JSON object")
-            continue
-        out.append({"name": call["name"], "arguments": arguments})
-    return out
+def parse_calls(text: str, family: str = "hermes") -> list[dict | str]:
+    """The calls in a model turn's content, in order, as the tools take them: {"name",
+    "arguments"} each (arguments a dict), or the text of why a call could not be read."""
+    return [call.error if isinstance(call, MalformedCall)
+            else {"name": call.name, "arguments": json.loads(call.arguments)}
+            for call in parse(text, family).calls]  # fmt: skip
 
 
 class ToolEnv:
@@ -88,8 +72,10 @@ class ToolEnv:
     wrong with the model's calls; the episode runner reads it at the end."""
 
     def __init__(self, example: dict, tools: Sequence[Callable], score, *, pool: WorkerPool,
-                 timeout: float = 10.0, weights: Mapping[str, float] | None = None):  # fmt: skip
+                 timeout: float = 10.0, weights: Mapping[str, float] | None = None,
+                 family: str = "hermes"):  # fmt: skip
         self.example, self.score, self.pool, self.timeout = example, score, pool, timeout
+        self.family = check_family(family)  # the tool call format (models/parsers.py)
         self.weights = dict(weights or {})
         self.functions = {fn.__name__: fn for fn in tools}
         self.tools = [schema(fn) for fn in tools]
@@ -102,7 +88,7 @@ class ToolEnv:
         return [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
 
     def step(self, action: str):
-        calls = parse_calls(action)
+        calls = parse_calls(action, self.family)
         if not calls:  # the final answer
             answer = strip_think(action)
             return None, self._reward(self.score(answer, self.example)) if answer else 0.0, True
