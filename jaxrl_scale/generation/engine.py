@@ -666,7 +666,8 @@ class SlotEngine:
         if self.parking is None:
             return
         wanted = sum(key in self.stored for key, _, _ in self.resumes)
-        for *_, not_before, _ in self.waiting:  # the prompts a run could admit, in order
+        for entry in self.waiting:  # the prompts a run could admit, in order
+            not_before = entry[4]
             if not_before is not None and version < not_before:
                 break
             wanted += self.repeat

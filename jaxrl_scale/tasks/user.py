@@ -30,6 +30,7 @@ from typing import Any, Protocol, runtime_checkable
 import numpy as np
 
 from jaxrl_scale.configbase import ConfigError
+from jaxrl_scale.models.parsers import tool_family
 from jaxrl_scale.tasks.tools import ToolEnv
 from jaxrl_scale.tasks.workers import WorkerPool
 
@@ -195,7 +196,8 @@ class UserTask:
             if pool is None:
                 pool = self._tool_pools[os.getpid()] = WorkerPool(8, name="jaxrl-tool")
         return ToolEnv(example, self.tools, self.obj.score, pool=pool,
-                       timeout=self.tool_timeout, weights=self.reward_weights)  # fmt: skip
+                       timeout=self.tool_timeout, weights=self.reward_weights,
+                       family=tool_family(self.tokenizer))  # fmt: skip
 
     def score(self, completion: str, example: dict):
         return self.obj.score(completion, example)
