@@ -120,6 +120,54 @@ def _parser() -> argparse.ArgumentParser:
     )
     memory.add_argument("--json", action="store_true", help="print one JSON object")
 
+    serve = sub.add_parser(
+        "serve", help="serve a checkpoint with the OpenAI HTTP API (docs/serving.md)"
+    )
+    source = serve.add_mutually_exclusive_group(required=True)
+    source.add_argument(
+        "--init-from", default=None, metavar="HF_DIR", help="a Hugging Face folder (or asset:NAME)"
+    )
+    source.add_argument(
+        "--run",
+        type=Path,
+        default=None,
+        metavar="RUN_DIR",
+        help="a run directory: its newest checkpoint, LoRA merged",
+    )
+    source.add_argument("--config", default=None, help="a config whose model.init_from to serve")
+    serve.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", dest="overrides")
+    serve.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
+    serve.add_argument("--port", type=int, default=8000, help="0: any free port (logged)")
+    serve.add_argument(
+        "--api-key",
+        default=None,
+        help="require Authorization: Bearer KEY on /v1 (default: JAXRL_API_KEY)",
+    )
+    serve.add_argument(
+        "--allow-remote-without-key",
+        action="store_true",
+        help="bind a non-loopback --host without an API key",
+    )
+    serve.add_argument("--slots", type=_positive_int, default=16, help="rows decoding at once")
+    serve.add_argument(
+        "--context",
+        type=_positive_int,
+        default=4096,
+        help="most prompt + generated tokens of a request (default 4096)",
+    )
+    serve.add_argument(
+        "--max-queue",
+        type=_positive_int,
+        default=64,
+        help="requests waiting for slots before 429 (default 64)",
+    )
+    serve.add_argument(
+        "--served-model-name",
+        default=None,
+        metavar="NAME",
+        help="the model id clients send (default: the folder's name)",
+    )
+
     fit = sub.add_parser("fit", help="fit scaling curves to CSV / JSONL files or run directories")
     fit.add_argument("files", nargs="+", type=Path, metavar="FILE")
     fit.add_argument("--x", default="compute_flops", help="compute column (default compute_flops)")
@@ -226,6 +274,35 @@ def _memory(args) -> int:
     return 0 if report.get("fits", True) else 1
 
 
+def _serve(args) -> int:
+    import logging
+
+    from jaxrl_scale.serve.app import make_app
+    from jaxrl_scale.serve.engine import EngineBackend
+    from jaxrl_scale.serve.server import check_exposure, load_policy, run_server
+
+    api_key = args.api_key or os.environ.get("JAXRL_API_KEY") or None
+    check_exposure(args.host, api_key, args.allow_remote_without_key)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    model, tokenizer, name = load_policy(
+        init_from=args.init_from, run=args.run, config=args.config, overrides=args.overrides
+    )
+    name = args.served_model_name or name
+    backend = EngineBackend(
+        model,
+        tokenizer,
+        slots=args.slots,
+        context=args.context,
+        max_queue=args.max_queue,
+        model_name=name,
+    )
+    try:
+        run_server(make_app(backend, tokenizer, api_key=api_key), args.host, args.port)
+    finally:
+        backend.close()
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
@@ -276,6 +353,8 @@ def main(argv: list[str] | None = None) -> int:
             _fit(args)
         elif args.command == "memory":
             return _memory(args)
+        elif args.command == "serve":
+            return _serve(args)
         elif args.command == "export":
             from jaxrl_scale.train import export_run
 

@@ -1,0 +1,12 @@
+"""The OpenAI HTTP API in front of the slot engine (`jaxrl-scale serve`, docs/serving.md).
+
+backend.py: what the server asks of an engine (`Request` in, `Delta`s out, `Backend`);
+engine.py: `EngineBackend`, the slot engine on its own thread; protocol.py: the OpenAI schema;
+text.py: a choice's text as tokens arrive; app.py: `make_app`, the FastAPI app; server.py:
+loading a policy and running uvicorn.
+"""
+
+from jaxrl_scale.serve.app import make_app
+from jaxrl_scale.serve.backend import Backend, Delta, Generation, QueueFull, Request
+
+__all__ = ["Backend", "Delta", "Generation", "QueueFull", "Request", "make_app"]
