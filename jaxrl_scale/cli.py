@@ -134,7 +134,12 @@ def _parser() -> argparse.ArgumentParser:
         metavar="RUN_DIR",
         help="a run directory: its newest checkpoint, LoRA merged",
     )
-    source.add_argument("--config", default=None, help="a config whose model.init_from to serve")
+    source.add_argument(
+        "--config",
+        default=None,
+        dest="serve_config",  # optional here: other commands' args.config is a required file
+        help="a config whose model.init_from to serve",
+    )
     serve.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", dest="overrides")
     serve.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
     serve.add_argument("--port", type=int, default=8000, help="0: any free port (logged)")
@@ -285,7 +290,7 @@ def _serve(args) -> int:
     check_exposure(args.host, api_key, args.allow_remote_without_key)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     model, tokenizer, name = load_policy(
-        init_from=args.init_from, run=args.run, config=args.config, overrides=args.overrides
+        init_from=args.init_from, run=args.run, config=args.serve_config, overrides=args.overrides
     )
     name = args.served_model_name or name
     backend = EngineBackend(

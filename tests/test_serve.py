@@ -173,10 +173,13 @@ class Scripted:
 
 
 class Server:
-    """uvicorn serving `app` on 127.0.0.1 (a free port) in a thread of this process."""
+    """uvicorn serving `app` (in front of `backend`) on 127.0.0.1 (a free port) in a thread
+    of this process."""
 
-    def __init__(self, app):
+    def __init__(self, app, backend):
         import uvicorn
+
+        self.backend = backend
 
         sock = socket.create_server(("127.0.0.1", 0))
         self.port = sock.getsockname()[1]
@@ -215,8 +218,7 @@ def scripted(tokenizer):
     from jaxrl_scale.serve.app import make_app
 
     backend = Scripted(tokenizer)
-    server = Server(make_app(backend, tokenizer, api_key=KEY, max_body_bytes=64_000))
-    server.backend = backend
+    server = Server(make_app(backend, tokenizer, api_key=KEY, max_body_bytes=64_000), backend)
     yield server
     server.close()
     backend.close()
@@ -251,8 +253,8 @@ def engine(checkpoint):
 
     model, tok = load_pretrained(checkpoint)
     backend = EngineBackend(model, tok, slots=4, context=1024, max_queue=64, model_name="tiny")
-    server = Server(make_app(backend, tok, api_key=KEY))
-    server.backend, server.tokenizer = backend, tok
+    server = Server(make_app(backend, tok, api_key=KEY), backend)
+    server.tokenizer = tok
     yield server
     server.close()
     backend.close()
@@ -613,6 +615,26 @@ def test_a_client_gone_mid_stream_frees_its_slots(scripted):
         assert wait_idle(backend, timeout=10)["slots_busy"] == 0
         assert time.monotonic() - started < 2  # 2,000 tokens would take 4 s at the least
     assert len(backend.cancelled) == before + 4
+
+
+def test_a_checkpoint_without_a_chat_template_serves_text_completions():
+    from jaxrl_scale.models.tokenizer import CharTokenizer
+    from jaxrl_scale.serve.app import make_app
+
+    char = CharTokenizer("abcdefghijklmnopqrstuvwxyzLONG ")
+    backend = Scripted(char)
+    server = Server(make_app(backend, char), backend)
+    try:
+        client = server.client()
+        with pytest.raises(openai.BadRequestError, match="no chat template"):
+            chat(server, "hi")
+        with pytest.raises(openai.BadRequestError, match="alphabet"):
+            client.completions.create(model="scripted", prompt="LONG 1+1")
+        r = client.completions.create(model="scripted", prompt="LONG", max_tokens=3)
+        assert r.choices[0].text == "abc"
+    finally:
+        server.close()
+        backend.close()
 
 
 # --------------------------------------------------------------------------- telemetry

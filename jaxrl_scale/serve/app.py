@@ -440,9 +440,9 @@ async def _chat(served: _Served, http: HTTPRequest) -> Response:
         text = served.tokenizer.apply_chat_template(
             messages, tools=tools, add_generation_prompt=True, **(req.chat_template_kwargs or {})
         )
+        prompt = served.tokenizer.encode(text)
     except (ValueError, TypeError) as e:
         raise APIError(400, f"messages: {e}", param="messages") from None
-    prompt = served.tokenizer.encode(text)
     turn = _Turn(
         served.family,
         req.use_tools,
@@ -458,7 +458,10 @@ async def _complete(served: _Served, http: HTTPRequest) -> Response:
     req: protocol.CompletionRequest = await _parse(served, http, protocol.CompletionRequest)
     _check_model(served, req.model)
     if isinstance(req.prompt, str):
-        prompt = served.tokenizer.encode(req.prompt)
+        try:
+            prompt = served.tokenizer.encode(req.prompt)
+        except ValueError as e:  # a character tokenizer's alphabet lacks a character
+            raise APIError(400, f"prompt: {e}", param="prompt") from None
     else:
         prompt, vocab = list(req.prompt), served.tokenizer.vocab_size
         bad = [i for i in prompt if i >= vocab]
