@@ -401,6 +401,10 @@ def test_tool_calls_parsed_and_tools_rendered(scripted, tokenizer):
     assert plain.choices[0].message.tool_calls is None
     assert plain.choices[0].message.content.startswith("<tool_call>")
     assert plain.choices[0].finish_reason == "stop"
+    streamed = "".join(
+        c.choices[0].delta.content or "" for c in chat(scripted, "TOOL", stream=True)
+    )
+    assert streamed == plain.choices[0].message.content
 
 
 def test_reasoning_content(scripted):
@@ -551,6 +555,7 @@ def test_malformed_and_oversize_bodies(scripted):
         (b'{"model": "scripted", "messages": [', 400, None),
         (b"\xff\xfe not utf-8", 400, None),
         (b"[1, 2, 3]", 400, None),
+        (b"[" * 5000 + b"]" * 5000, 400, None),
         (b'{"messages": [{"role": "user", "content": "hi"}]}', 400, "model"),
         (b'{"model": "scripted", "messages": [{"role": "user"}]}', 400, "messages.0.content"),
         (b'{"model": "scripted", "messages": "hi"}', 400, "messages"),
@@ -572,6 +577,8 @@ def test_malformed_and_oversize_bodies(scripted):
         assert got == status, (body[:60], got, error)
         assert set(error["error"]) == {"message", "type", "param", "code"}
         assert error["error"]["param"] == param, (body[:60], error)
+    lone_surrogate = b'{"model": "scripted", "prompt": "\\ud800"}'
+    assert raw(scripted, lone_surrogate, "/v1/completions")[0] == 400
     status, error, _ = raw(scripted, b"", "/v1/nowhere", method="GET")
     assert status == 404 and error["error"]["type"] == "not_found_error"
     status, error, _ = raw(scripted, b"", "/v1/chat/completions", method="GET")

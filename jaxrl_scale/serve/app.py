@@ -342,7 +342,7 @@ async def _parse(served: _Served, request: HTTPRequest, model: type[BaseModel]) 
         chunks.append(chunk)
     try:
         data = json.loads(b"".join(chunks))
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
         raise APIError(400, f"the body is not JSON: {e}", code="invalid_json") from None
     if not isinstance(data, dict):
         raise APIError(400, "the body must be a JSON object", code="invalid_json")
@@ -460,7 +460,7 @@ async def _complete(served: _Served, http: HTTPRequest) -> Response:
     if isinstance(req.prompt, str):
         try:
             prompt = served.tokenizer.encode(req.prompt)
-        except ValueError as e:  # a character tokenizer's alphabet lacks a character
+        except (ValueError, TypeError) as e:  # a lone surrogate; a character not in an alphabet
             raise APIError(400, f"prompt: {e}", param="prompt") from None
     else:
         prompt, vocab = list(req.prompt), served.tokenizer.vocab_size
@@ -610,8 +610,8 @@ async def _stream(
 
     try:
         first = {"prompt_token_ids": prompt} if req.return_token_ids and fmt.chat else {}
-        if fmt.chat:
-            yield chunk([fmt.opening(i) for i in range(req.n)], **first)
+        for i in range(req.n) if fmt.chat else ():  # one chunk per choice, as OpenAI's
+            yield chunk([fmt.opening(i)], **(first if i == 0 else {}))
         async for i in _deltas(generation, choices, record):
             yield chunk([fmt.piece(i, choices[i])])
         if req.include_usage:
