@@ -664,7 +664,9 @@ class _Turn:
                     )
             elif isinstance(call, parsers.MalformedCall):
                 content += call.text
-            else:  # tools not offered: the model's call is text (hermes' shape)
+            else:  # tools not offered: the call is text. Streamed, StreamParser has parsed
+                # it (it always does), so it is written back in hermes' shape; the whole
+                # response (`split`) keeps the text as generated.
                 body = {"name": call.name, "arguments": json.loads(call.arguments)}
                 content += f"{parsers.TOOL_OPEN}\n{json.dumps(body)}\n{parsers.TOOL_CLOSE}"
         return out, content
