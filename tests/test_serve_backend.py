@@ -88,9 +88,47 @@ def test_long_prompts_cancels_and_a_full_queue(tiny):
     stats = backend.stats()
     assert stats["slots_busy"] == 0 and stats["queue_length"] == 0
     assert threading.active_count() == threads
-    # More waiting requests than max_queue (3): refused, the rest served.
+
+
+def test_more_waiting_requests_than_the_queue_holds_are_refused(tiny):
+    model, tok, _ = tiny
+    backend = EngineBackend(model, tok, slots=4, context=32, prompt_len=8, max_queue=3, steps=2)
     loop = asyncio.new_event_loop()
-    with pytest.raises(QueueFull):
-        for _ in range(20):
-            backend.submit(Request(PROMPT, max_new=20, n=4), loop)
-    loop.close()
+    try:
+        submitted = 0
+        with pytest.raises(QueueFull, match="requests are waiting for a slot"):
+            for _ in range(20):
+                backend.submit(Request(PROMPT, max_new=20, n=4), loop)
+                submitted += 1
+        assert 3 <= submitted < 20  # max_queue 3 waiting, beside what the slots took
+    finally:
+        backend.close()
+        loop.close()
+
+
+def test_any_max_tokens_that_fits_the_context_is_served(tiny):
+    _, _, backend = tiny
+    # 4 prompt tokens and 28 new: the whole context of 32, past its prompt_len of 8.
+    [got] = _collect(backend, [Request(PROMPT, max_new=28, temperature=1.0, seed=5)])
+    tokens, _, _, finish, _ = got[0]
+    assert finish == "stop" or len(tokens) == 28
+
+
+def test_a_cancel_wakes_a_reader_waiting_for_deltas(tiny):
+    _, _, backend = tiny
+
+    async def scenario():
+        generation = backend.submit(Request(PROMPT, max_new=28, n=2), asyncio.get_running_loop())
+        seen = []
+
+        async def read():
+            async for d in generation.deltas():
+                seen.append(d)
+
+        reader = asyncio.create_task(read())
+        await asyncio.sleep(0)  # the reader waits on its first delta
+        generation.cancel()  # from elsewhere on the loop (a client gone)
+        await asyncio.wait_for(reader, timeout=10)
+        return seen
+
+    asyncio.run(scenario())  # ends: the reader did not wait forever

@@ -49,6 +49,9 @@ class Delta:
     finish: str | None = None
 
 
+_WAKE = Delta(-1, (), ())  # put by `cancel` to wake a reader of `deltas()`
+
+
 class Generation:
     """A submitted request's deltas, read on the server's event loop (`deltas()`); the
     backend's thread pushes them (`push`, thread-safe). `cancel` stops choices early (a
@@ -68,6 +71,8 @@ class Generation:
     async def deltas(self) -> AsyncIterator[Delta]:
         while self.open:
             item = await self._queue.get()
+            if item is _WAKE:  # a cancel: the loop's condition decides
+                continue
             if isinstance(item, BaseException):
                 raise item
             if item.finish is not None:
@@ -75,11 +80,13 @@ class Generation:
             yield item
 
     def cancel(self, index: int | None = None) -> None:
-        """Stop choice `index` (None: every open one); its slot is freed. Event loop only."""
+        """Stop choice `index` (None: every open one); its slot is freed. Event loop only. A
+        reader waiting in `deltas()` wakes, and ends when no choice is left open."""
         gone = set(self.open) if index is None else {index} & self.open
         self.open -= gone
         if gone:
             self._backend.cancel(self, sorted(gone))
+            self._queue.put_nowait(_WAKE)
 
 
 class Backend(Protocol):

@@ -40,7 +40,8 @@ class _Choice:
 class EngineBackend:
     """`slots` rows decoding at once, each up to `context` tokens (prompt and generated); a
     prompt's first `prompt_len` tokens are prefilled, any beyond are fed one decode step each
-    (default prompt_len: half the context). `max_queue`: requests waiting for slots before
+    (default prompt_len: half the context). A slot's cache holds prompt_len + context
+    columns. `max_queue`: requests waiting for slots before
     `submit` raises QueueFull. `steps`: decode steps between two looks at the slots (the
     streaming granularity)."""
 
@@ -48,13 +49,15 @@ class EngineBackend:
                  prompt_len: int | None = None, max_queue: int = 64, steps: int = 8,
                  mesh=None, model_name: str = "jaxrl-scale"):  # fmt: skip
         prompt_len = prompt_len or context // 2
-        if not 1 <= prompt_len < context:
-            raise ValueError(f"prompt_len must be in [1, context = {context}), got {prompt_len}")
+        if not 1 <= prompt_len <= context:
+            raise ValueError(f"prompt_len must be in [1, context = {context}], got {prompt_len}")
         self.context, self.prompt_len, self.model_name = context, prompt_len, model_name
         self.max_queue, self.steps, self.tokenizer = max_queue, steps, tokenizer
         graphdef, self.params = nnx.split(model)
         self.engine = SlotEngine(
-            graphdef, slots=slots, prompt_len=prompt_len, n_new=context - prompt_len, repeat=1,
+            # Completion columns for a whole context: a short prompt may take all of it
+            # in new tokens, a long one's rest beyond prompt_len goes there as given tokens.
+            graphdef, slots=slots, prompt_len=prompt_len, n_new=context, repeat=1,
             sampling=Sampling(1.0), eos_ids=tokenizer.eos_ids, pad_id=tokenizer.pad_id,
             model_cfg=model.cfg, mesh=mesh, per_row_sampling=True,
             top_logprobs=MAX_TOP_LOGPROBS,
@@ -127,7 +130,14 @@ class EngineBackend:
                 return
             try:
                 for kind, item in inbox:
-                    self._submit(item) if kind == "submit" else self._cancel(*item)
+                    if kind == "cancel":
+                        self._cancel(*item)
+                        continue
+                    try:
+                        self._submit(item)
+                    except Exception as e:  # noqa: BLE001 - this request's fault: it learns why
+                        self._cancel(item, list(range(item.request.n)))
+                        item.push(e)
                 finished = engine.run(self.params, 0, self.steps)
                 for f in finished:
                     self._finish(f)
