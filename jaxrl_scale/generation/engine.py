@@ -362,17 +362,18 @@ def _take_rows(state: DecodeState, idx):
     )
 
 
-@jax.jit
-def _peek_rows(state: DecodeState, idx):
-    """What rows `idx` have so far (a server's streaming): tokens, log-probs, the next
-    column, and the top alternatives when recorded."""
-    return (
-        state.tokens[idx],
-        state.logp[idx],
-        state.col[idx],
-        None if state.top_ids is None else state.top_ids[idx],
-        None if state.top_logp is None else state.top_logp[idx],
-    )
+@functools.partial(jax.jit, static_argnames=("window", "top"))
+def _peek_rows(state: DecodeState, idx, *, window: int, top: bool):
+    """What rows `idx` have in their last `window` columns before their next one (a server's
+    streaming): tokens, log-probs, the next column, and the top alternatives (with `top`)."""
+    n_new = state.tokens.shape[1]
+    col = state.col[idx]
+    cols = jnp.clip(col[:, None] - window + jnp.arange(window), 0, n_new - 1)  # [m, window]
+    rows = idx[:, None]
+    top_ids = top_logp = None
+    if top and state.top_ids is not None:
+        top_ids, top_logp = state.top_ids[rows, cols], state.top_logp[rows, cols]
+    return state.tokens[rows, cols], state.logp[rows, cols], col, top_ids, top_logp
 
 
 @functools.partial(jax.jit, static_argnames=("mesh",), donate_argnames=("state",))
@@ -546,27 +547,31 @@ class SlotEngine:
             idx[: len(slots)] = slots
             self.state = _stop_rows(self.state, self._put(idx), mesh=self.mesh)
 
-    def peek(self) -> list[tuple[int, int, np.ndarray, np.ndarray, np.ndarray | None,
-                                 np.ndarray | None]]:  # fmt: skip
+    def peek(self, window: int | None = None, top: bool = True) -> list[tuple]:
         """The rows decoding now and what they have so far, as of the last run's steps (it
-        waits for them): (request, row, tokens, log-probs, top ids, top log-probs), each up
-        to the row's next column (given tokens included). A server streams from it."""
+        waits for them): (request, row, first column, tokens, log-probs, top ids, top
+        log-probs), the arrays over the row's columns [first column, next column): its last
+        `window` columns (default: all; a run of k steps adds at most k), given tokens
+        included; the top alternatives only with `top`. A server streams from it."""
         slots = [i for i, o in enumerate(self.occupant) if o is not None]
         if not slots:
             return []
+        window = min(window or self.n_new, self.n_new)
         idx = np.asarray(slots + [slots[0]] * (_bucket(len(slots), self.slots) - len(slots)),
                          np.int32)  # fmt: skip
+        got = _peek_rows(self.state, self._put(idx), window=window, top=top)
         tokens, logp, col, top_ids, top_logp = (
-            None if x is None else distributed.to_host(x)
-            for x in _peek_rows(self.state, self._put(idx))
+            None if x is None else distributed.to_host(x) for x in got
         )
         out = []
         for j, slot in enumerate(slots):
             request, row = self.occupant[slot]
-            n = min(int(col[j]), self.n_new)
-            out.append((request, row, tokens[j, :n], logp[j, :n],
-                        None if top_ids is None else top_ids[j, :n],
-                        None if top_logp is None else top_logp[j, :n]))  # fmt: skip
+            end = min(int(col[j]), self.n_new)
+            first = max(end - window, 0)
+            keep = slice(window - (end - first), window)  # the window's columns from `first`
+            out.append((request, row, first, tokens[j, keep], logp[j, keep],
+                        None if top_ids is None else top_ids[j, keep],
+                        None if top_logp is None else top_logp[j, keep]))  # fmt: skip
         return out
 
     @property

@@ -586,7 +586,9 @@ class _EventStream(StreamingResponse):
 
 
 def _sse(data: Any) -> str:
-    return f"data: {json.dumps(data, ensure_ascii=False)}\n\n"
+    # ASCII JSON: a sampled U+2028 / U+2029 / U+0085 stays escaped, so a client that splits
+    # lines the way Python's str.splitlines does (httpx's aiter_lines) never cuts an event.
+    return f"data: {json.dumps(data, ensure_ascii=True)}\n\n"
 
 
 async def _stream(

@@ -68,6 +68,17 @@ class Generation:
         with contextlib.suppress(RuntimeError):
             self._loop.call_soon_threadsafe(self._queue.put_nowait, item)
 
+    @staticmethod
+    def push_all(items: list[tuple[Generation, Delta]]) -> None:
+        """From the backend's thread: many generations' deltas, in order, with one wake-up of
+        each event loop they belong to (rather than one per delta)."""
+        loops: dict[asyncio.AbstractEventLoop, list] = {}
+        for generation, delta in items:
+            loops.setdefault(generation._loop, []).append((generation, delta))
+        for loop, mine in loops.items():
+            with contextlib.suppress(RuntimeError):  # a closed loop: its clients are gone
+                loop.call_soon_threadsafe(_deliver, mine)
+
     async def deltas(self) -> AsyncIterator[Delta]:
         while self.open:
             item = await self._queue.get()
@@ -87,6 +98,11 @@ class Generation:
         if gone:
             self._backend.cancel(self, sorted(gone))
             self._queue.put_nowait(_WAKE)
+
+
+def _deliver(items: list[tuple[Generation, Delta]]) -> None:
+    for generation, delta in items:
+        generation._queue.put_nowait(delta)
 
 
 class Backend(Protocol):

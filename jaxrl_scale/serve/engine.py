@@ -118,10 +118,16 @@ class EngineBackend:
     # ------------------------------------------------------------------ engine thread
 
     def _loop(self) -> None:
+        """Each turn: take what the event loop handed over, start the next decode steps
+        (`run`: asynchronous on the device), and while they run, send what the steps before
+        gave (their streamed tokens, then the rows they finished); then read this run's
+        progress (`peek`: waits for the steps). The device never waits for the sending."""
         engine = self.engine
+        progress: list = []  # the last run's peek, sent during the next run
         while True:
             with self._lock:
-                while not (self._inbox or self._closed or engine.busy or engine.pending):
+                while not (self._inbox or self._closed or engine.busy or engine.pending
+                           or progress):  # fmt: skip
                     self._wake.wait()
                 inbox, self._inbox = self._inbox, []
                 closed = self._closed
@@ -138,14 +144,27 @@ class EngineBackend:
                     except Exception as e:  # noqa: BLE001 - this request's fault: it learns why
                         self._cancel(item, list(range(item.request.n)))
                         item.push(e)
-                finished = engine.run(self.params, 0, self.steps)
-                for f in finished:
-                    self._finish(f)
-                self._stream()
+                # While requests are arriving and slots are free, short runs: the next
+                # arrivals are admitted a few steps later rather than a whole run later.
+                arriving = any(kind == "submit" for kind, _ in inbox)
+                steps = self.steps
+                if arriving and engine.busy + engine.pending < self.slots:
+                    steps = max(1, self.steps // 4)
+                finished = engine.run(self.params, 0, steps) if engine.busy or \
+                    engine.pending else []  # fmt: skip
+                out = self._stream(progress)
+                out += [d for f in finished if (d := self._finish(f)) is not None]
+                Generation.push_all(out)
+                progress = engine.peek(window=self.steps, top=self._tops()) if engine.busy else []
             except Exception as e:  # noqa: BLE001 - the engine broke: every request learns it
                 log.exception("the engine failed")
+                progress = []
                 self._fail_all(e)
             self._count()
+
+    def _tops(self) -> bool:
+        """Whether a decoding request asked for top alternatives (else peek leaves them)."""
+        return any(c.generation.request.top_logprobs for c in self._choices.values())
 
     def _submit(self, generation: Generation) -> None:
         r = generation.request
@@ -166,34 +185,43 @@ class EngineBackend:
                 self.engine.cancel(rid)
                 del self._choices[rid]
 
-    def _delta(self, c: _Choice, tokens, logp, top_ids, top_logp, finish=None) -> Delta:
-        start = max(c.sent, c.given)
+    def _delta(self, c: _Choice, first: int, tokens, logp, top_ids, top_logp,
+               finish=None) -> Delta:  # fmt: skip
+        """Choice `c`'s delta from arrays over its columns [first, first + len(tokens)):
+        the columns after those it was sent (and after its given prompt tokens)."""
+        start = max(c.sent, c.given) - first
         k = c.generation.request.top_logprobs
         top = None
-        if k:
+        if k and top_ids is not None:
             top = tuple(
                 tuple((int(i), float(v)) for i, v in zip(ids[:k], vals[:k], strict=True))
                 for ids, vals in zip(top_ids[start:], top_logp[start:], strict=True)
             )
-        c.sent = len(tokens)
+        c.sent = first + len(tokens)
         return Delta(c.index, tuple(int(t) for t in tokens[start:]),
                      tuple(float(v) for v in logp[start:]), top, finish)  # fmt: skip
 
-    def _finish(self, f) -> None:
+    def _finish(self, f) -> tuple[Generation, Delta] | None:
         c = self._choices.pop(f.request, None)
         if c is None:  # cancelled meanwhile
-            return
+            return None
         n = f.length
         finish = "stop" if f.finish_reason == EOS else "length"
         cut = lambda x: None if x is None else x[:n]  # noqa: E731
-        c.generation.push(self._delta(c, f.tokens[:n], f.logp[:n], cut(f.top_ids),
-                                      cut(f.top_logp), finish))  # fmt: skip
+        delta = self._delta(c, 0, f.tokens[:n], f.logp[:n], cut(f.top_ids), cut(f.top_logp),
+                            finish)  # fmt: skip
+        return c.generation, delta
 
-    def _stream(self) -> None:
-        for rid, _, tokens, logp, top_ids, top_logp in self.engine.peek():
+    def _stream(self, progress) -> list[tuple[Generation, Delta]]:
+        out = []
+        for rid, _, first, tokens, logp, top_ids, top_logp in progress:
             c = self._choices.get(rid)
-            if c is not None and len(tokens) > max(c.sent, c.given):
-                c.generation.push(self._delta(c, tokens, logp, top_ids, top_logp))
+            if c is None or first + len(tokens) <= max(c.sent, c.given):
+                continue
+            if first > max(c.sent, c.given):  # (a window that skipped columns: the finished
+                continue  # row sends them all)
+            out.append((c.generation, self._delta(c, first, tokens, logp, top_ids, top_logp)))
+        return out
 
     def _fail_all(self, error: BaseException) -> None:
         for rid, c in list(self._choices.items()):
