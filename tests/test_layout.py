@@ -29,6 +29,7 @@ RANK = {
     "train": 7,
     "sweep": 8,
     "demo": 8,
+    "serve": 8,
     "cli": 9,
 }
 PUBLIC = [
