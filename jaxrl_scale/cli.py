@@ -284,7 +284,7 @@ def _serve(args) -> int:
 
     from jaxrl_scale.serve.app import make_app
     from jaxrl_scale.serve.engine import EngineBackend
-    from jaxrl_scale.serve.server import check_exposure, load_policy, run_server
+    from jaxrl_scale.serve.server import check_exposure, load_policy, run_server, serving_mesh
 
     api_key = args.api_key or os.environ.get("JAXRL_API_KEY") or None
     check_exposure(args.host, api_key, args.allow_remote_without_key)
@@ -293,14 +293,23 @@ def _serve(args) -> int:
         init_from=args.init_from, run=args.run, config=args.serve_config, overrides=args.overrides
     )
     name = args.served_model_name or name
-    backend = EngineBackend(
-        model,
-        tokenizer,
-        slots=args.slots,
-        context=args.context,
-        max_queue=args.max_queue,
-        model_name=name,
-    )
+    mesh = serving_mesh(args.serve_config, args.overrides)
+    if mesh is not None:  # the weights by their logical axes, the slots over the batch axes
+        from jaxrl_scale.parallel.sharding import shard_module
+
+        model = shard_module(model, mesh)
+    try:
+        backend = EngineBackend(
+            model,
+            tokenizer,
+            slots=args.slots,
+            context=args.context,
+            max_queue=args.max_queue,
+            mesh=mesh,
+            model_name=name,
+        )
+    except ValueError as e:  # e.g. slots that do not split over the mesh's batch axes
+        raise ConfigError(f"--slots / --set mesh.*: {e}") from None
     try:
         run_server(make_app(backend, tokenizer, api_key=api_key), args.host, args.port)
     finally:

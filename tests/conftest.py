@@ -73,8 +73,11 @@ HEAVY_FIRST = (
     "test_memory.py",  # ~190
     "test_hosts.py",  # ~165
     "test_train.py",  # ~155
+    "test_docs.py",  # ~150 (2026-11-27: README's examples 76 s of it)
     "test_code_task.py",  # ~85
     "test_notebooks.py",  # ~70
+    "test_serve_backend.py",  # ~40
+    "test_serve.py",  # ~20
     "test_attention.py",
     "test_moe.py",
     "test_fit_comparison.py",

@@ -132,3 +132,29 @@ def test_a_cancel_wakes_a_reader_waiting_for_deltas(tiny):
         return seen
 
     asyncio.run(scenario())  # ends: the reader did not wait forever
+
+
+def test_on_a_mesh_the_slots_split_over_devices_and_decode_the_same(tiny):
+    from jaxrl_scale.config import MeshConfig
+    from jaxrl_scale.parallel.sharding import make_mesh, shard_module
+    from jaxrl_scale.serve.server import serving_mesh
+
+    model, tok, one_device = tiny
+    assert serving_mesh() is None  # a folder or run as it is: one device
+    mesh = serving_mesh(overrides=["mesh.data=4"])
+    assert mesh.devices.size == 4 == make_mesh(MeshConfig(data=4)).devices.size
+    backend = EngineBackend(shard_module(model, mesh), tok, slots=8, context=32, prompt_len=8,
+                            steps=2, mesh=mesh)  # fmt: skip
+    try:
+        requests = [Request(PROMPT, max_new=12, n=3, temperature=1.0, seed=9),
+                    Request((9, 8, 7), max_new=10, temperature=0.0)]  # fmt: skip
+        sharded = _collect(backend, requests)
+        alone = _collect(one_device, requests)
+        for got, want in zip(sharded, alone, strict=True):
+            for i in want:
+                assert got[i][0] == want[i][0] and got[i][3] == want[i][3]
+                np.testing.assert_allclose(got[i][1], want[i][1], atol=1e-5)
+    finally:
+        backend.close()
+    with pytest.raises(ValueError, match="does not split over"):  # 6 slots on 4 shards
+        EngineBackend(shard_module(model, mesh), tok, slots=6, context=32, mesh=mesh)

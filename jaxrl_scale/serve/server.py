@@ -43,8 +43,11 @@ def load_policy(
 ) -> tuple[Any, Any, str]:
     """(model, tokenizer, default served name) from a Hugging Face folder, a run directory
     (its newest checkpoint, LoRA merged) or an experiment config (its model.init_from)."""
-    if overrides and config is None:
-        raise ValueError("--set needs --config (a run or a Hugging Face folder is served as is)")
+    if config is None and any(not o.startswith("mesh.") for o in overrides or []):
+        raise ValueError(
+            "--set: without --config only mesh.* is read (where the policy is served); a run "
+            "or a Hugging Face folder is served as it is"
+        )
     if run is not None:
         from jaxrl_scale.train import load_run_policy
 
@@ -69,6 +72,23 @@ def load_policy(
 
     model, tokenizer = load_pretrained(init_from, **fields)
     return model, tokenizer, Path(str(init_from).removeprefix("asset:")).name
+
+
+def serving_mesh(config: str | None = None, overrides: list[str] | None = None):
+    """The mesh the policy is served on, as training lays out its trainer's devices: the
+    config's `mesh` (with its --set overrides) over this process's devices, when --config or
+    a `--set mesh.*` says one; else None, one device. The engine's slots split over its
+    batch axes (`--slots` a multiple of them), the weights by their logical axes."""
+    if config is None and not overrides:
+        return None
+    import jax
+
+    from jaxrl_scale.config import load_config
+    from jaxrl_scale.parallel import sharding
+
+    cfg = load_config(config, overrides or [])
+    mesh = sharding.make_mesh(cfg.mesh, devices=jax.local_devices())
+    return mesh if mesh.devices.size > 1 else None
 
 
 def _devices():
