@@ -153,7 +153,12 @@ def _parser() -> argparse.ArgumentParser:
         action="store_true",
         help="bind a non-loopback --host without an API key",
     )
-    serve.add_argument("--slots", type=_positive_int, default=16, help="rows decoding at once")
+    serve.add_argument(
+        "--slots",
+        type=_positive_int,
+        default=None,
+        help="rows decoding at once (default: --config's sampler.slots, else 16)",
+    )
     serve.add_argument(
         "--context",
         type=_positive_int,
@@ -294,6 +299,11 @@ def _serve(args) -> int:
     )
     name = args.served_model_name or name
     mesh = serving_mesh(args.serve_config, args.overrides)
+    slots = args.slots
+    if slots is None:  # a config's sampler.slots (with its --set overrides), as in training
+        if args.serve_config is not None:
+            slots = load_config(args.serve_config, args.overrides).sampler.slots
+        slots = slots or 16
     if mesh is not None:  # the weights by their logical axes, the slots over the batch axes
         from jaxrl_scale.parallel.sharding import shard_module
 
@@ -302,7 +312,7 @@ def _serve(args) -> int:
         backend = EngineBackend(
             model,
             tokenizer,
-            slots=args.slots,
+            slots=slots,
             context=args.context,
             max_queue=args.max_queue,
             mesh=mesh,

@@ -346,3 +346,16 @@ def test_a_llama3_tool_episode_reads_its_calls():
     assert env.step("<think>2+3=5</think>5") == (None, 1.0, True)
     with pytest.raises(ValueError, match="unknown tool call family"):
         ToolEnv({"prompt": "x"}, [add], None, pool=pool, family="llama")
+
+
+@pytest.mark.parametrize("family", ["hermes", "llama3"])
+def test_a_stream_without_calls_gives_the_content_as_generated(family):
+    # No tools offered: call-shaped text is content, byte for byte, in any chunking.
+    text = '<think>hm</think>{"name": "Bob",  "age": 3} <tool_call>{"name": "é"}</tool_call>'
+    for cut in range(len(text) + 1):
+        parser = StreamParser(family, calls=False)
+        first, last = parser.feed(text[:cut]), parser.feed(text[cut:])
+        end = parser.finish()
+        assert first.content + last.content + end.content == text[len("<think>hm</think>") :]
+        assert first.reasoning + last.reasoning + end.reasoning == "hm"
+        assert not (first.calls or last.calls or end.calls)

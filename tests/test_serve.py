@@ -923,3 +923,23 @@ def test_cli_serves_a_checkpoint_until_sigterm(checkpoint):
         if proc.poll() is None:
             proc.kill()
             proc.communicate(timeout=WAIT_S)
+
+
+def test_engine_log_probs_outside_the_nucleus_stay_json(engine):
+    """top_p keeps a few tokens: the other alternatives' log-probs are -inf in the engine,
+    which JSON cannot carry; they come back at a floor, whole and streamed."""
+    kw = dict(model="tiny", messages=[{"role": "user", "content": "Hi"}], max_tokens=4,
+              temperature=1.0, top_p=0.01, seed=3, logprobs=True, top_logprobs=20)  # fmt: skip
+    client = engine.client()
+    whole = client.chat.completions.create(**kw)
+    tops = [t.logprob for c in whole.choices[0].logprobs.content for t in c.top_logprobs]
+    assert len(tops) == 20 * len(whole.choices[0].logprobs.content)
+    assert min(tops) == -9999.0 and max(tops) <= 0  # some were outside the nucleus
+    streamed = [
+        t.logprob
+        for chunk in client.chat.completions.create(stream=True, **kw)
+        for choice in chunk.choices
+        for c in (choice.logprobs.content if choice.logprobs else [])
+        for t in c.top_logprobs
+    ]
+    assert streamed == tops

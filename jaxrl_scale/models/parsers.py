@@ -160,8 +160,9 @@ class StreamParser:
     its result: a stream cannot infer it, having sent the start before the text shows it.
     """
 
-    def __init__(self, family: str = "hermes", *, opened: bool = False):
+    def __init__(self, family: str = "hermes", *, opened: bool = False, calls: bool = True):
         self.family = check_family(family)
+        self.calls = calls  # False (no tools offered): after the thinking, all is content
         self._state = "think" if opened else "start"
         self._held = ""  # received, not yet given out
 
@@ -195,6 +196,8 @@ class StreamParser:
                     continue
                 reasoning.append(self._give(THINK_CLOSE, final))
                 break
+            elif state == "content" and not self.calls:
+                self._state = "plain"
             elif state == "content" and self.family == "hermes":
                 before, opened, after = held.partition(TOOL_OPEN)
                 if opened:

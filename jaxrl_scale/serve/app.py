@@ -441,6 +441,8 @@ async def _chat(served: _Served, http: HTTPRequest) -> Response:
             messages, tools=tools, add_generation_prompt=True, **(req.chat_template_kwargs or {})
         )
         prompt = served.tokenizer.encode(text)
+    except RecursionError:  # a body nested deeper than the template walks
+        raise APIError(400, "messages: nested too deeply", param="messages") from None
     except (ValueError, TypeError) as e:
         raise APIError(400, f"messages: {e}", param="messages") from None
     turn = _Turn(
@@ -641,7 +643,8 @@ class _Turn:
     parallel: bool  # false: only the first call is made
 
     def parser(self) -> parsers.StreamParser:
-        return parsers.StreamParser(self.family, opened=self.opened)
+        # Without tools a call-shaped text is content, streamed as generated (as `split`).
+        return parsers.StreamParser(self.family, opened=self.opened, calls=self.tools)
 
     def split(self, text: str) -> tuple[str | None, str, list[parsers.Call]]:
         reasoning, content = parsers.split_reasoning(text, opened=self.opened)
@@ -666,11 +669,7 @@ class _Turn:
                     )
             elif isinstance(call, parsers.MalformedCall):
                 content += call.text
-            else:  # tools not offered: the call is text. Streamed, StreamParser has parsed
-                # it (it always does), so it is written back in hermes' shape; the whole
-                # response (`split`) keeps the text as generated.
-                body = {"name": call.name, "arguments": json.loads(call.arguments)}
-                content += f"{parsers.TOOL_OPEN}\n{json.dumps(body)}\n{parsers.TOOL_CLOSE}"
+            # (tools not offered: neither `split` nor the stream parses calls)
         return out, content
 
 

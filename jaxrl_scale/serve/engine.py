@@ -132,9 +132,14 @@ class EngineBackend:
                 inbox, self._inbox = self._inbox, []
                 closed = self._closed
             if closed:
-                self._fail_all(RuntimeError("the server shut down"))
+                error = RuntimeError("the server shut down")
+                self._fail_all(error)
+                for kind, item in inbox:  # taken, never submitted: they learn it too
+                    if kind == "submit":
+                        item.push(error)
                 return
             try:
+                arriving = any(kind == "submit" for kind, _ in inbox)
                 for kind, item in inbox:
                     if kind == "cancel":
                         self._cancel(*item)
@@ -144,9 +149,9 @@ class EngineBackend:
                     except Exception as e:  # noqa: BLE001 - this request's fault: it learns why
                         self._cancel(item, list(range(item.request.n)))
                         item.push(e)
+                inbox = []
                 # While requests are arriving and slots are free, short runs: the next
                 # arrivals are admitted a few steps later rather than a whole run later.
-                arriving = any(kind == "submit" for kind, _ in inbox)
                 steps = self.steps
                 if arriving and engine.busy + engine.pending < self.slots:
                     steps = max(1, self.steps // 4)
@@ -160,6 +165,9 @@ class EngineBackend:
                 log.exception("the engine failed")
                 progress = []
                 self._fail_all(e)
+                for kind, item in inbox:  # taken but not yet submitted when it broke
+                    if kind == "submit":
+                        item.push(e)
             self._count()
 
     def _tops(self) -> bool:
@@ -194,12 +202,12 @@ class EngineBackend:
         top = None
         if k and top_ids is not None:
             top = tuple(
-                tuple((int(i), float(v)) for i, v in zip(ids[:k], vals[:k], strict=True))
+                tuple((int(i), _finite(v)) for i, v in zip(ids[:k], vals[:k], strict=True))
                 for ids, vals in zip(top_ids[start:], top_logp[start:], strict=True)
             )
         c.sent = first + len(tokens)
         return Delta(c.index, tuple(int(t) for t in tokens[start:]),
-                     tuple(float(v) for v in logp[start:]), top, finish)  # fmt: skip
+                     tuple(_finite(v) for v in logp[start:]), top, finish)  # fmt: skip
 
     def _finish(self, f) -> tuple[Generation, Delta] | None:
         c = self._choices.pop(f.request, None)
@@ -236,3 +244,10 @@ class EngineBackend:
         with self._lock:
             self._busy = self.engine.busy
             self._waiting = len(waiting) + sum(k == "submit" for k, _ in self._inbox)
+
+
+LOGP_FLOOR = -9999.0  # for a token outside top-p's nucleus (-inf): JSON has no infinity
+
+
+def _finite(v) -> float:
+    return max(float(v), LOGP_FLOOR)
