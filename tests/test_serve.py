@@ -943,3 +943,19 @@ def test_engine_log_probs_outside_the_nucleus_stay_json(engine):
         for t in c.top_logprobs
     ]
     assert streamed == tops
+
+
+def test_engine_log_prob_bytes_are_each_tokens_own(engine):
+    """A byte-level token may be part of one UTF-8 character: its text alone is U+FFFD, its
+    `bytes` are its own, and the choice's bytes joined are its text."""
+    r = engine.client().chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "Hi"}], max_tokens=24,
+        temperature=1.0, seed=5, logprobs=True,
+    )  # fmt: skip
+    tokens = r.choices[0].logprobs.content
+    joined = b"".join(bytes(t.bytes) for t in tokens).decode(errors="replace")
+    text = r.choices[0].message.content or ""
+    if r.choices[0].finish_reason == "stop":  # the end-of-turn token: its text, not content
+        joined = joined[: -len(tokens[-1].token)]
+    assert joined == text
+    assert any(t.token == "\ufffd" and len(t.bytes) == 1 for t in tokens)  # a partial one

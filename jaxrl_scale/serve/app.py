@@ -230,6 +230,8 @@ class _Served:
     family: str  # tool call format (models/parsers.py)
     token_texts: dict[int, str] = dataclasses.field(default_factory=dict)
 
+    token_raw: dict[int, list[int]] = dataclasses.field(default_factory=dict)
+
     def token_text(self, token: int) -> str:
         text = self.token_texts.get(token)
         if text is None:
@@ -237,6 +239,32 @@ class _Served:
                 [token], skip_special_tokens=False
             )
         return text
+
+    def token_bytes(self, token: int) -> list[int]:
+        """The token's own bytes: for a byte-level BPE piece (Qwen, Llama-3) the bytes its
+        characters stand for, which may be part of one UTF-8 character (its text alone
+        would be U+FFFD); else its text's UTF-8."""
+        raw = self.token_raw.get(token)
+        if raw is None:
+            piece = self.tokenizer.backend.id_to_token(token) or ""
+            byte_level = "ByteLevel" in type(self.tokenizer.backend.decoder).__name__
+            if byte_level and piece and all(ch in _BYTE_OF for ch in piece):
+                raw = [_BYTE_OF[ch] for ch in piece]
+            else:
+                raw = list(self.token_text(token).encode())
+            self.token_raw[token] = raw
+        return raw
+
+
+def _byte_level_alphabet() -> dict[str, int]:
+    """Byte-level BPE's character for each byte (printable bytes stand for themselves, the
+    others for 256 and up, in order), inverted: character -> byte."""
+    kept = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
+    extra = iter(range(256, 512))
+    return {(chr(b) if b in kept else chr(next(extra))): b for b in range(256)}
+
+
+_BYTE_OF = _byte_level_alphabet()
 
 
 def make_app(
@@ -696,11 +724,11 @@ class _ChatFormat(_Format):
     def _logprobs(self, choice: ChoiceText, span: slice) -> dict | None:
         if not self.req.logprobs:
             return None
-        text = self.served.token_text
+        served = self.served
 
         def entry(token: int, logprob: float) -> dict:
-            t = text(token)
-            return {"token": t, "logprob": logprob, "bytes": list(t.encode())}
+            return {"token": served.token_text(token), "logprob": logprob,
+                    "bytes": served.token_bytes(token)}  # fmt: skip
 
         content = []
         for k in range(span.start, span.stop):
