@@ -285,46 +285,9 @@ def _memory(args) -> int:
 
 
 def _serve(args) -> int:
-    import logging
+    from jaxrl_scale.serving import serve
 
-    from jaxrl_scale.serve.app import make_app
-    from jaxrl_scale.serve.engine import EngineBackend
-    from jaxrl_scale.serve.server import check_exposure, load_policy, run_server, serving_mesh
-
-    api_key = args.api_key or os.environ.get("JAXRL_API_KEY") or None
-    check_exposure(args.host, api_key, args.allow_remote_without_key)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    model, tokenizer, name = load_policy(
-        init_from=args.init_from, run=args.run, config=args.serve_config, overrides=args.overrides
-    )
-    name = args.served_model_name or name
-    mesh = serving_mesh(args.serve_config, args.overrides)
-    slots = args.slots
-    if slots is None:  # a config's sampler.slots (with its --set overrides), as in training
-        if args.serve_config is not None:
-            slots = load_config(args.serve_config, args.overrides).sampler.slots
-        slots = slots or 16
-    if mesh is not None:  # the weights by their logical axes, the slots over the batch axes
-        from jaxrl_scale.parallel.sharding import shard_module
-
-        model = shard_module(model, mesh)
-    try:
-        backend = EngineBackend(
-            model,
-            tokenizer,
-            slots=slots,
-            context=args.context,
-            max_queue=args.max_queue,
-            mesh=mesh,
-            model_name=name,
-        )
-    except ValueError as e:  # e.g. slots that do not split over the mesh's batch axes
-        raise ConfigError(f"--slots / --set mesh.*: {e}") from None
-    try:
-        run_server(make_app(backend, tokenizer, api_key=api_key), args.host, args.port)
-    finally:
-        backend.close()
-    return 0
+    return serve(args)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -137,7 +137,7 @@ def test_a_cancel_wakes_a_reader_waiting_for_deltas(tiny):
 def test_on_a_mesh_the_slots_split_over_devices_and_decode_the_same(tiny):
     from jaxrl_scale.config import MeshConfig
     from jaxrl_scale.parallel.sharding import make_mesh, shard_module
-    from jaxrl_scale.serve.server import serving_mesh
+    from jaxrl_scale.serving import serving_mesh
 
     model, tok, one_device = tiny
     assert serving_mesh() is None  # a folder or run as it is: one device

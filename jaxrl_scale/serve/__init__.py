@@ -3,7 +3,7 @@
 backend.py: what the server asks of an engine (`Request` in, `Delta`s out, `Backend`);
 engine.py: `EngineBackend`, the slot engine on its own thread; protocol.py: the OpenAI schema;
 text.py: a choice's text as tokens arrive; app.py: `make_app`, the FastAPI app; server.py:
-loading a policy and running uvicorn.
+uvicorn and who may connect (the command loads the policy: jaxrl_scale/serving.py).
 """
 
 from jaxrl_scale.serve.app import make_app

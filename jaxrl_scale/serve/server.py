@@ -1,5 +1,6 @@
-"""`jaxrl-scale serve`: load a policy, start its engine thread, serve the OpenAI API with
-uvicorn until SIGTERM or SIGINT, then stop within `SHUTDOWN_S` seconds of it."""
+"""Serving the app: who may connect (`check_exposure`), and uvicorn until SIGTERM or SIGINT,
+then a stop within `SHUTDOWN_S` seconds of it. Loading the policy is the command's
+(jaxrl_scale/serving.py), above the run's parts."""
 
 from __future__ import annotations
 
@@ -7,8 +8,6 @@ import ipaddress
 import logging
 import signal
 import socket
-from pathlib import Path
-from typing import Any
 
 log = logging.getLogger("jaxrl_scale.serve")
 GRACE_S = 5  # open responses get this long after a signal before they are cancelled
@@ -32,69 +31,6 @@ def check_exposure(host: str, api_key: str | None, allow_remote_without_key: boo
             f"--host {host} is reachable from other machines and there is no API key: give "
             "--api-key (or JAXRL_API_KEY), or --allow-remote-without-key if that is intended"
         )
-
-
-def load_policy(
-    *,
-    init_from: str | None = None,
-    run: Path | None = None,
-    config: str | None = None,
-    overrides: list[str] | None = None,
-) -> tuple[Any, Any, str]:
-    """(model, tokenizer, default served name) from a Hugging Face folder, a run directory
-    (its newest checkpoint, LoRA merged) or an experiment config (its model.init_from)."""
-    if config is None and any(not o.startswith("mesh.") for o in overrides or []):
-        raise ValueError(
-            "--set: without --config only mesh.* is read (where the policy is served); a run "
-            "or a Hugging Face folder is served as it is"
-        )
-    if run is not None:
-        from jaxrl_scale.train import load_run_policy
-
-        policy = load_run_policy(run, devices=_devices())
-        return policy.model, policy.tokenizer, Path(run).absolute().name
-    if config is not None:
-        from jaxrl_scale.config import load_config
-        from jaxrl_scale.configbase import ConfigError
-
-        cfg = load_config(config, overrides or [])
-        if cfg.model.init_from is None:
-            raise ConfigError(f"{config}: model.init_from is not set (no checkpoint to serve)")
-        if cfg.model.lora.enabled:
-            raise ConfigError(
-                f"{config}: model.lora is set; serve the run that trained the adapters (--run)"
-            )
-        init_from = cfg.model.init_from
-        fields = cfg.model.runtime_fields()
-    else:
-        fields = {}
-    from jaxrl_scale.models.hf import load_pretrained
-
-    model, tokenizer = load_pretrained(init_from, **fields)
-    return model, tokenizer, Path(str(init_from).removeprefix("asset:")).name
-
-
-def serving_mesh(config: str | None = None, overrides: list[str] | None = None):
-    """The mesh the policy is served on, as training lays out its trainer's devices: the
-    config's `mesh` (with its --set overrides) over this process's devices, when --config or
-    a `--set mesh.*` says one; else None, one device. The engine's slots split over its
-    batch axes (`--slots` a multiple of them), the weights by their logical axes."""
-    if config is None and not overrides:
-        return None
-    import jax
-
-    from jaxrl_scale.config import load_config
-    from jaxrl_scale.parallel import sharding
-
-    cfg = load_config(config, overrides or [])
-    mesh = sharding.make_mesh(cfg.mesh, devices=jax.local_devices())
-    return mesh if mesh.devices.size > 1 else None
-
-
-def _devices():
-    import jax
-
-    return jax.local_devices()[:1]
 
 
 def run_server(app, host: str, port: int) -> None:
