@@ -109,6 +109,14 @@ def _slot_shardings(state: DecodeState, mesh):
     return jax.tree.map(one, state)
 
 
+def _laid_out(state: DecodeState, mesh) -> DecodeState:
+    """A state a program updated, kept in the slots' layout (`_slot_shardings`), so the next
+    program does not compile again for another placement; as is without a mesh."""
+    if mesh is None:
+        return state
+    return jax.lax.with_sharding_constraint(state, _slot_shardings(state, mesh))
+
+
 def abstract_slots(model_cfg, slots: int, prompt_len: int, n_new: int, mesh) -> DecodeState:
     """The shapes, dtypes and shardings of an engine's decode state, nothing allocated (what
     `jaxrl-scale memory` compiles the decode program against)."""
@@ -327,9 +335,7 @@ def _resume(state: DecodeState, idx, given, n_given, limit, *, mesh):
         done=put(state.done, False),
         finish=put(state.finish, LENGTH),
     )
-    if mesh is None:
-        return out
-    return jax.lax.with_sharding_constraint(out, _slot_shardings(out, mesh))
+    return _laid_out(out, mesh)
 
 
 @functools.partial(jax.jit, static_argnames=("mesh",), donate_argnames=("dst",))
@@ -341,9 +347,7 @@ def _copy_rows(dst: DecodeState, src: DecodeState, to, take, *, mesh):
         return d if d.ndim == 0 else d.at[to].set(s[take], mode="drop")
 
     out = dataclasses.replace(jax.tree.map(one, dst, src), step=dst.step, key=dst.key)
-    if mesh is None:
-        return out
-    return jax.lax.with_sharding_constraint(out, _slot_shardings(out, mesh))
+    return _laid_out(out, mesh)
 
 
 @jax.jit
@@ -386,18 +390,14 @@ def _configure_rows(state: DecodeState, idx, temperature, top_p, seed, *, mesh):
         row_top_p=put(state.row_top_p, top_p),
         row_seed=put(state.row_seed, seed),
     )
-    if mesh is None:
-        return out
-    return jax.lax.with_sharding_constraint(out, _slot_shardings(out, mesh))
+    return _laid_out(out, mesh)
 
 
 @functools.partial(jax.jit, static_argnames=("mesh",), donate_argnames=("state",))
 def _stop_rows(state: DecodeState, idx, *, mesh):
     """Rows `idx` [m] (past the last slot: nobody) stop decoding (their request cancelled)."""
     out = dataclasses.replace(state, done=state.done.at[idx].set(True, mode="drop"))
-    if mesh is None:
-        return out
-    return jax.lax.with_sharding_constraint(out, _slot_shardings(out, mesh))
+    return _laid_out(out, mesh)
 
 
 class SlotEngine:
