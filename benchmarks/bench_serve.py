@@ -10,7 +10,9 @@ submitted up front, reading the rows' progress as the server's engine thread doe
 (`--clients` concurrent streaming clients of /v1/completions, httpx, in a process of their
 own as clients are; on this machine's cores beside the server). Prints for each repeat:
 generated tokens/s of both and http / engine (goal >= 0.85), time to first token with 1
-client and with `--clients`, and requests/s; then the medians.
+client and with `--clients`, requests/s, and the programs compiled while serving (0: the
+server warmed up); then the medians; then the HTTP layer alone: tokens/s through a backend
+that costs nothing, the most this server streams on this machine's CPU.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from jaxrl_scale.generation.sampler import Sampling
 from jaxrl_scale.models.policy import init_policy
 from jaxrl_scale.models.tokenizer import Tokenizer
 from jaxrl_scale.serve.app import make_app
+from jaxrl_scale.serve.backend import Delta, Generation
 from jaxrl_scale.serve.engine import EngineBackend
 
 PROMPT_LEN = 16
@@ -82,13 +85,15 @@ def run_engine(model, tok, args) -> tuple[int, float]:
 
 
 class Served:
-    """The app on uvicorn in a thread, on a free loopback port."""
+    """The app on uvicorn in a thread, on a free loopback port (`backend` default: the
+    engine's)."""
 
-    def __init__(self, model, tok, args):
+    def __init__(self, model, tok, args, backend=None):
         import uvicorn
 
-        self.backend = EngineBackend(model, tok, slots=args.slots, context=CONTEXT,
-                                     max_queue=4 * args.clients, steps=args.steps)  # fmt: skip
+        self.backend = backend or EngineBackend(model, tok, slots=args.slots, context=CONTEXT,
+                                                max_queue=4 * args.clients, steps=args.steps,
+                                                warm_up=True)  # fmt: skip
         app = make_app(self.backend, tok, model_name="bench")
         self.sock = socket.create_server(("127.0.0.1", 0))
         self.port = self.sock.getsockname()[1]
@@ -105,6 +110,59 @@ class Served:
         self.server.should_exit = True
         self.thread.join(15)
         self.backend.close()
+
+
+class _Instant:
+    """The backend protocol at no cost: every choice gets `steps` tokens (random bytes, as a
+    random model's) each `round_s`, pushed as the engine's thread pushes them. Through it the
+    HTTP layer alone sets the pace: the most tokens/s this server streams on this CPU, to set
+    beside what an accelerator's engine makes."""
+
+    model_name = "bench"
+
+    def __init__(self, steps: int, context: int, round_s: float = 0.002):
+        self.steps, self.context, self.round_s = steps, context, round_s
+        self._lock = threading.Lock()  # the event loop submits, this thread streams
+        self._new: list = []
+        self._closed = False
+        self._rng = np.random.default_rng(0)
+        self._thread = threading.Thread(target=self._loop, daemon=True)
+        self._thread.start()
+
+    def submit(self, request, loop):
+        generation = Generation(request, loop, self)
+        with self._lock:
+            self._new.append([generation, 0])
+        return generation
+
+    def cancel(self, generation, choices) -> None:
+        pass
+
+    def stats(self) -> dict[str, float]:
+        return {"queue_length": 0, "slots": 0, "slots_busy": 0}
+
+    def close(self) -> None:
+        self._closed = True
+        self._thread.join(10)
+
+    def _loop(self) -> None:
+        live: list = []  # this thread's
+        while not self._closed:
+            with self._lock:
+                live, self._new = live + self._new, []
+            out = []
+            for row in list(live):
+                generation, sent = row
+                k = min(self.steps, generation.request.max_new - sent)
+                row[1] += k
+                done = row[1] >= generation.request.max_new
+                ids = tuple(int(t) for t in self._rng.integers(0, 256, k))
+                finish = "length" if done else None
+                out.append((generation, Delta(0, ids, (-1.0,) * k, None, finish)))
+                if done:
+                    live.remove(row)
+            Generation.push_all(out)
+            time.sleep(self.round_s)
 
 
 async def _client(http, url, prompt, seed, new) -> tuple[int, float, float]:
@@ -129,7 +187,10 @@ async def _client(http, url, prompt, seed, new) -> tuple[int, float, float]:
 def _clients(port: int, prompts, new: int, out) -> None:
     """In a process of its own (clients live elsewhere than the server): every prompt as a
     streaming client at once; puts (results, seconds) on `out`."""
-    import httpx2 as httpx  # the openai SDK's HTTP client (the test extra)
+    try:
+        import httpx2 as httpx  # the openai SDK's HTTP client (the test extra)
+    except ImportError:  # where the SDK is not installed (an accelerator's image)
+        import httpx
 
     url = f"http://127.0.0.1:{port}/v1/completions"
 
@@ -167,6 +228,14 @@ def run_http(served: Served, args, clients: int) -> tuple[int, float, list[float
     return sum(r[0] for r in results), seconds, [r[1] for r in results]
 
 
+_COMPILES = [0]  # programs compiled (XLA backend compiles) in this process so far
+
+
+def _count_compile(event: str, duration: float, **_) -> None:
+    if event == "/jax/core/compile/backend_compile_duration":
+        _COMPILES[0] += 1
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--clients", type=int, default=64)
@@ -178,6 +247,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=8, help="decode steps per engine run")
     args = parser.parse_args()
     model, tok = _model(args)
+    jax.monitoring.register_event_duration_secs_listener(_count_compile)
     print(f"jax {jax.__version__} on {jax.devices()[0].device_kind}; {args.clients} clients, "
           f"{args.slots} slots, up to {args.new} tokens each")  # fmt: skip
     served = Served(model, tok, args)
@@ -187,8 +257,10 @@ def main() -> None:
     try:
         for r in range(args.repeats):
             e_tokens, e_s = run_engine(model, tok, args)
+            before = _COMPILES[0]
             h_tokens, h_s, firsts = run_http(served, args, args.clients)
             _, _, one = run_http(served, args, 1)
+            compiled = _COMPILES[0] - before
             ratio = (h_tokens / h_s) / (e_tokens / e_s)
             ratios.append(ratio)
             ttft1.append(one[0])
@@ -197,7 +269,8 @@ def main() -> None:
             print(f"repeat {r}: engine {e_tokens / e_s:8.0f} tok/s ({e_tokens} tokens), http "
                   f"{h_tokens / h_s:8.0f} tok/s ({h_tokens} tokens), http/engine {ratio:.3f}; "
                   f"TTFT 1 client {one[0] * 1e3:.0f} ms, {args.clients} clients median "
-                  f"{ttft_n[-1] * 1e3:.0f} ms; {rps[-1]:.1f} requests/s")  # fmt: skip
+                  f"{ttft_n[-1] * 1e3:.0f} ms; {rps[-1]:.1f} requests/s; {compiled} programs "
+                  f"compiled while serving")  # fmt: skip
     finally:
         served.close()
     print(
@@ -205,6 +278,18 @@ def main() -> None:
         f"{statistics.median(ttft1) * 1e3:.0f} ms, {args.clients} clients "
         f"{statistics.median(ttft_n) * 1e3:.0f} ms; {statistics.median(rps):.1f} requests/s"
     )
+    # The HTTP layer alone, with long completions: what the server can stream at most.
+    long = argparse.Namespace(**{**vars(args), "new": 1024})
+    served = Served(model, tok, long, backend=_Instant(args.steps, context=PROMPT_LEN + 1024))
+    try:
+        rates = []
+        for _ in range(args.repeats):
+            tokens, seconds, _ = run_http(served, long, args.clients)
+            rates.append(tokens / seconds)
+    finally:
+        served.close()
+    print(f"http layer alone (a backend that costs nothing, {args.clients} clients x 1024 "
+          f"tokens): median {statistics.median(rates):.0f} tok/s")  # fmt: skip
 
 
 if __name__ == "__main__":

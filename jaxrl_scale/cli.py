@@ -172,6 +172,13 @@ def _parser() -> argparse.ArgumentParser:
         help="requests waiting for slots before 429 (default 64)",
     )
     serve.add_argument(
+        "--no-warm-up",
+        dest="warm_up",
+        action="store_false",
+        help="serve at once, compiling each program at its first request (default: compile "
+        "every one before serving)",
+    )
+    serve.add_argument(
         "--served-model-name",
         default=None,
         metavar="NAME",

@@ -106,6 +106,7 @@ def serve(args) -> int:
             max_queue=args.max_queue,
             mesh=mesh,
             model_name=name,
+            warm_up=args.warm_up,
         )
     except ValueError as e:  # e.g. slots that do not split over the mesh's batch axes
         raise ConfigError(f"--slots / --set mesh.*: {e}") from None

@@ -19,6 +19,7 @@ import threading
 import time
 from collections import deque
 
+import numpy as np
 import openai
 import pytest
 import tokenizers
@@ -27,6 +28,7 @@ from conftest import FIXTURES, ROOT, xla_flags
 from jaxrl_scale.models.chat import ChatTemplate
 from jaxrl_scale.models.tokenizer import Tokenizer
 from jaxrl_scale.serve.backend import Delta, Generation, QueueFull, Request
+from jaxrl_scale.serve.text import ChoiceText
 
 KEY = "test-key"
 SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
@@ -959,3 +961,40 @@ def test_engine_log_prob_bytes_are_each_tokens_own(engine):
         joined = joined[: -len(tokens[-1].token)]
     assert joined == text
     assert any(t.token == "\ufffd" and len(t.bytes) == 1 for t in tokens)  # a partial one
+
+
+# --------------------------------------------------------------------------- detokenizing
+
+
+def test_streamed_text_is_the_whole_decode_and_garbage_bytes_cost_a_short_window(tokenizer):
+    """Token by token, text with multi-byte characters comes out as the whole decode; bytes
+    that never complete a character (a random model's) come out as U+FFFD without the
+    decoding window growing with them (else each token costs its whole completion)."""
+    text = "naïve café: 漢字 and 🙂🙂, done."
+    ids = tokenizer.encode(text)
+    assert len(ids) == len(text.encode())  # byte tokens: characters span several
+    choice = ChoiceText(tokenizer)
+    for t in ids:
+        choice.add(Delta(0, (t,), (-1.0,)))
+    choice.add(Delta(0, (), (), finish="length"))
+    assert choice.text == text == tokenizer.decode(ids)
+
+    windows = []
+
+    class Counting:
+        def decode(self, ids, **kw):
+            windows.append(len(ids))
+            return tokenizer.decode(ids, **kw)
+
+    rng = np.random.default_rng(0)
+    # U+0080..U+00BF are the bytes C2 xx: their second tokens are the continuation bytes
+    garbage = [tokenizer.encode(chr(b))[1] for b in range(0x80, 0xC0)]
+    ids = [garbage[k] for k in rng.integers(0, 64, 400)]  # continuation bytes alone
+    ids[100:104] = tokenizer.encode("🙂")  # a whole character inside the garbage
+    choice = ChoiceText(Counting())
+    for t in ids:
+        choice.add(Delta(0, (t,), (-1.0,)))
+    choice.add(Delta(0, (), (), finish="length"))
+    assert max(windows) <= 8
+    assert choice.text.replace("\ufffd", "") == "🙂"
+    assert choice.text.count("\ufffd") == tokenizer.decode(ids).count("\ufffd")

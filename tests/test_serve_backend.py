@@ -2,6 +2,7 @@
 own thread, deltas back on an event loop."""
 
 import asyncio
+import contextlib
 import threading
 import time
 
@@ -158,3 +159,75 @@ def test_on_a_mesh_the_slots_split_over_devices_and_decode_the_same(tiny):
         backend.close()
     with pytest.raises(ValueError, match="does not split over"):  # 6 slots on 4 shards
         EngineBackend(shard_module(model, mesh), tok, slots=6, context=32, mesh=mesh)
+
+
+def test_after_warm_up_no_traffic_compiles_a_program(tiny):
+    """Warmed up, any mix of requests (counts, long prompts fed as given tokens, top
+    alternatives, choices, cancels) runs on programs already compiled: a server's first
+    requests of a new shape do not wait for XLA. The geometry is this test's own, so no
+    earlier test compiled its programs."""
+    import jax
+
+    model, tok, _ = tiny
+    compiles = []
+
+    def count(event, duration, **_):
+        if event == "/jax/core/compile/backend_compile_duration":
+            compiles.append(duration)
+
+    jax.monitoring.register_event_duration_secs_listener(count)
+    backend = EngineBackend(model, tok, slots=8, context=40, prompt_len=8, max_queue=64,
+                            steps=3, warm_up=True)  # fmt: skip
+    try:
+        warmed = len(compiles)
+        assert warmed > 5  # it compiled: nothing was in the cache for this geometry
+        rng = np.random.default_rng(0)
+        for wave in (1, 3, 8, 13, 2, 30):  # admissions of every width, rows read in any number
+            requests = []
+            for _ in range(wave):
+                prompt = tuple(int(t) for t in rng.integers(3, 200, int(rng.integers(1, 24))))
+                requests.append(Request(
+                    prompt, max_new=int(rng.integers(1, 40 - len(prompt))),
+                    n=int(rng.integers(1, 3)), temperature=float(rng.choice([0.0, 1.0])),
+                    top_logprobs=int(rng.choice([0, 3])), seed=wave,
+                ))  # fmt: skip
+            _collect(backend, requests, cancel_after=int(rng.integers(2, 6)) if wave % 2 else None)
+        assert len(compiles) == warmed, f"{len(compiles) - warmed} programs compiled by traffic"
+    finally:
+        backend.close()
+        jax.monitoring.unregister_event_duration_listener(count)
+
+
+def test_deltas_that_arrived_meanwhile_come_as_one_per_choice():
+    """A reader behind its backend gets what piled up as one delta per choice, each choice's
+    tokens in order, a finish kept, and an error after the deltas before it."""
+    from jaxrl_scale.serve.backend import Delta, Generation
+
+    class Quiet:  # only Generation's own behaviour is under test here
+        def cancel(self, generation, choices):
+            pass
+
+    async def scenario(items):
+        g = Generation(Request(PROMPT, max_new=9, n=2, top_logprobs=1), asyncio.get_running_loop(),
+                       Quiet())  # fmt: skip
+        for item in items:
+            g.push(item)
+        await asyncio.sleep(0.01)  # every push lands before the first read
+        got = []
+        with contextlib.suppress(RuntimeError):
+            async for d in g.deltas():
+                got.append(d)
+        return got
+
+    top = lambda *ids: tuple(((i, -1.0),) for i in ids)  # noqa: E731
+    got = asyncio.run(scenario([
+        Delta(0, (1, 2), (-1.0, -2.0), top(1, 2)),
+        Delta(1, (7,), (-7.0,), top(7)),
+        Delta(0, (3,), (-3.0,), top(3), "stop"),
+        Delta(1, (8, 9), (-8.0, -9.0), top(8, 9), "length"),
+    ]))  # fmt: skip
+    assert got == [Delta(0, (1, 2, 3), (-1.0, -2.0, -3.0), top(1, 2, 3), "stop"),
+                   Delta(1, (7, 8, 9), (-7.0, -8.0, -9.0), top(7, 8, 9), "length")]  # fmt: skip
+    pushed = [Delta(0, (1,), (-1.0,)), RuntimeError("engine"), Delta(0, (2,), (-2.0,))]
+    got = asyncio.run(scenario(pushed))
+    assert got == [Delta(0, (1,), (-1.0,))]  # the error ends the reading after what came before

@@ -543,9 +543,12 @@ class SlotEngine:
         for i in slots:
             self.occupant[i] = None
         if slots:
-            idx = np.full(_bucket(len(slots), self.slots), self.slots, np.int32)
-            idx[: len(slots)] = slots
-            self.state = _stop_rows(self.state, self._put(idx), mesh=self.mesh)
+            self._stop(slots)
+
+    def _stop(self, slots: list[int], m: int | None = None) -> None:
+        idx = np.full(m or _bucket(len(slots), self.slots), self.slots, np.int32)
+        idx[: len(slots)] = slots
+        self.state = _stop_rows(self.state, self._put(idx), mesh=self.mesh)
 
     def peek(self, window: int | None = None, top: bool = True) -> list[tuple]:
         """The rows decoding now and what they have so far, as of the last run's steps (it
@@ -557,9 +560,7 @@ class SlotEngine:
         if not slots:
             return []
         window = min(window or self.n_new, self.n_new)
-        idx = np.asarray(slots + [slots[0]] * (_bucket(len(slots), self.slots) - len(slots)),
-                         np.int32)  # fmt: skip
-        got = _peek_rows(self.state, self._put(idx), window=window, top=top)
+        got = self._peek(slots, window, top)
         tokens, logp, col, top_ids, top_logp = (
             None if x is None else distributed.to_host(x) for x in got
         )
@@ -573,6 +574,49 @@ class SlotEngine:
                         None if top_ids is None else top_ids[j, keep],
                         None if top_logp is None else top_logp[j, keep]))  # fmt: skip
         return out
+
+    def _peek(self, slots: list[int], window: int, top: bool, m: int | None = None):
+        m = m or _bucket(len(slots), self.slots)
+        idx = np.asarray(slots + [slots[0]] * (m - len(slots)), np.int32)
+        return _peek_rows(self.state, self._put(idx), window=window, top=top)
+
+    def warm_up(self, params, windows: Sequence[int] = (), given: bool = True) -> int:
+        """Compile, before traffic comes, every program traffic can call (a server's first
+        requests would otherwise wait seconds for each new shape, on an accelerator with a
+        real model): admission at each of its widths, and at each bucketed number of rows
+        the programs that configure, stop, read (`peek` at each of `windows`, with and
+        without the top alternatives) and hand back rows; with `given`, the feed of given
+        tokens at every width; the decode run. No call takes a row (their indices point past
+        the last slot, or only read), so the engine is as it was. Call it while nothing is
+        submitted. Returns the number of calls made."""
+        if self.busy or self.pending or self.episodes:
+            raise ValueError("warm_up needs an idle engine of requests (not episodes)")
+        calls, per_shard = 0, self.slots // self.ways
+        counts = sorted({_bucket(n, self.slots) for n in range(1, self.slots + 1)})
+        for width in sorted({_bucket(n, per_shard) for n in range(1, per_shard + 1)}):
+            tokens = np.full((self.ways * width, self.prompt_len), self.pad_id, np.int32)
+            mask = np.zeros((self.ways * width, self.prompt_len), bool)
+            mask[:, -1] = True
+            source = np.full(self.slots, -1, np.int32)
+            self._prefill(params, tokens, mask, source, np.full(self.slots, self.n_new, np.int32))
+            calls += 1
+        self.state = decode(self.graphdef, params, self.state, jnp.int32(0), 1, **self.static)
+        calls += 1
+        widths = sorted({_bucket(n, self.n_new) for n in range(1, self.n_new + 1)})
+        for m in counts:
+            if self.per_row:
+                self._configure([], m)
+            self._stop([], m)
+            for window in windows:
+                for top in (False, True):
+                    self._peek([0], min(window, self.n_new), top, m)
+            jax.block_until_ready(_take_rows(self.state, self._put(np.zeros(m, np.int32))))
+            calls += 2 + self.per_row + 2 * len(windows)
+            for width in widths if given else ():
+                self._feed([], m, width)
+                calls += 1
+        jax.block_until_ready(self.state)
+        return calls
 
     @property
     def busy(self) -> int:
@@ -718,13 +762,14 @@ class SlotEngine:
             self._copy(False, back)
         self._feed(go)
 
-    def _feed(self, go: list[tuple[int, np.ndarray, int]]) -> None:
+    def _feed(self, go: list[tuple[int, np.ndarray, int]], m: int = 0, width: int = 0) -> None:
         """Slots (slot, given tokens, limit) go on: the tokens fed as given from the row's
-        next completion column, then sampling until column `limit`."""
-        if not go:
+        next completion column, then sampling until column `limit`. (`m`, `width`: the
+        program's shape, for `warm_up`; default: the bucket of `go`'s.)"""
+        if not (go or m):
             return
-        m = _bucket(len(go), self.slots)
-        width = _bucket(max(max(len(t) for _, t, _ in go), 1), self.n_new)
+        m = m or _bucket(len(go), self.slots)
+        width = width or _bucket(max(max(len(t) for _, t, _ in go), 1), self.n_new)
         idx = np.full(m, self.slots, np.int32)  # past the last slot: nobody
         given = np.full((m, width), self.pad_id, np.int32)
         n_given, limit = np.zeros(m, np.int32), np.zeros(m, np.int32)
@@ -786,6 +831,11 @@ class SlotEngine:
         for d, shard in enumerate(needed):
             for j, g in enumerate(shard):
                 tokens[d * width + j], mask[d * width + j] = groups[g][1], groups[g][2]
+        self._prefill(params, tokens, mask, source, budget)
+        self._configure(configured)
+        self._feed(given)  # before any decode step samples in their rows
+
+    def _prefill(self, params, tokens, mask, source, budget) -> None:
         key = jax.random.fold_in(self.key, self.admissions)
         self.admissions += 1
         self.state = _prefill_into(
@@ -799,13 +849,11 @@ class SlotEngine:
             interruption=self.interruption,
             mesh=self.mesh,
         )
-        self._configure(configured)
-        self._feed(given)  # before any decode step samples in their rows
 
-    def _configure(self, configured: list[tuple[int, RowSampling]]) -> None:
-        if not configured:
+    def _configure(self, configured: list[tuple[int, RowSampling]], m: int = 0) -> None:
+        if not (configured or m):
             return
-        m = _bucket(len(configured), self.slots)
+        m = m or _bucket(len(configured), self.slots)
         idx = np.full(m, self.slots, np.int32)
         temperature, top_p = np.ones(m, np.float32), np.ones(m, np.float32)
         seed = np.zeros((m, 2), np.uint32)

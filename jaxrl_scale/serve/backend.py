@@ -80,15 +80,22 @@ class Generation:
                 loop.call_soon_threadsafe(_deliver, mine)
 
     async def deltas(self) -> AsyncIterator[Delta]:
+        """Each choice's deltas in order. What arrived while the reader was busy comes as one
+        delta per choice: a server behind a fast engine sends fewer, longer pieces, rather
+        than falling further behind one piece at a time."""
         while self.open:
-            item = await self._queue.get()
-            if item is _WAKE:  # a cancel: the loop's condition decides
-                continue
-            if isinstance(item, BaseException):
-                raise item
-            if item.finish is not None:
-                self.open.discard(item.index)
-            yield item
+            items = [await self._queue.get()]
+            while not self._queue.empty():
+                items.append(self._queue.get_nowait())
+            error = next((i for i in items if isinstance(i, BaseException)), None)
+            if error is not None:
+                items = items[: items.index(error)]
+            for delta in _merged(items):
+                if delta.finish is not None:
+                    self.open.discard(delta.index)
+                yield delta
+            if error is not None:
+                raise error
 
     def cancel(self, index: int | None = None) -> None:
         """Stop choice `index` (None: every open one); its slot is freed. Event loop only. A
@@ -98,6 +105,23 @@ class Generation:
         if gone:
             self._backend.cancel(self, sorted(gone))
             self._queue.put_nowait(_WAKE)
+
+
+def _merged(items: list[Delta]) -> list[Delta]:
+    """`items` (in arrival order; `_WAKE`s left out) as one delta per choice, in the order
+    the choices first appear."""
+    by_choice: dict[int, Delta] = {}
+    for d in items:
+        if d is _WAKE:  # a cancel: the reader's loop condition decides
+            continue
+        got = by_choice.get(d.index)
+        if got is None:
+            by_choice[d.index] = d
+            continue
+        top = None if got.top is None or d.top is None else got.top + d.top
+        by_choice[d.index] = Delta(d.index, got.token_ids + d.token_ids,
+                                   got.logprobs + d.logprobs, top, d.finish)  # fmt: skip
+    return list(by_choice.values())
 
 
 def _deliver(items: list[tuple[Generation, Delta]]) -> None:

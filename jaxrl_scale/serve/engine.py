@@ -17,6 +17,7 @@ import itertools
 import logging
 import os
 import threading
+import time
 
 from flax import nnx
 
@@ -43,11 +44,13 @@ class EngineBackend:
     (default prompt_len: half the context). A slot's cache holds prompt_len + context
     columns. `max_queue`: requests waiting for slots before
     `submit` raises QueueFull. `steps`: decode steps between two looks at the slots (the
-    streaming granularity)."""
+    streaming granularity). `warm_up`: compile every program traffic can call before serving
+    (`SlotEngine.warm_up`; a server's first requests of each new shape would otherwise wait
+    for its compile)."""
 
     def __init__(self, model, tokenizer, *, slots: int = 16, context: int = 2048,
                  prompt_len: int | None = None, max_queue: int = 64, steps: int = 8,
-                 mesh=None, model_name: str = "jaxrl-scale"):  # fmt: skip
+                 mesh=None, model_name: str = "jaxrl-scale", warm_up: bool = False):  # fmt: skip
         prompt_len = prompt_len or context // 2
         if not 1 <= prompt_len <= context:
             raise ValueError(f"prompt_len must be in [1, context = {context}], got {prompt_len}")
@@ -63,6 +66,11 @@ class EngineBackend:
             top_logprobs=MAX_TOP_LOGPROBS,
         )  # fmt: skip
         self.slots = slots
+        if warm_up:  # on this thread, before the engine thread owns the engine
+            start = time.perf_counter()
+            calls = self.engine.warm_up(self.params, windows=(steps,))
+            log.info("compiled the engine's programs (%d calls) in %.1f s", calls,
+                     time.perf_counter() - start)  # fmt: skip
         self._lock = threading.Lock()
         self._wake = threading.Condition(self._lock)
         self._inbox: list[tuple[str, object]] = []  # ("submit", Generation) / ("cancel", ...)

@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from jaxrl_scale.serve.backend import Delta
 
 PARTIAL = "\ufffd"
+HELD = 3  # tokens held back at most while they end inside a character (UTF-8: 4 bytes at most)
 
 
 class ChoiceText:
@@ -63,6 +64,13 @@ class ChoiceText:
         if final or (len(after) > len(before) and not after.endswith(PARTIAL)):
             self._prefix, self._read = self._read, len(self.ids)
             return after[len(before) :]
+        if len(self.ids) - self._read > HELD:  # ids no character completes (a model's
+            # garbage bytes): out as U+FFFD, all but the last HELD (a character's start may
+            # be among them), so the window stays short and each token costs the same
+            cut = len(self.ids) - HELD
+            text = self._decode(self.ids[self._prefix : cut])
+            self._prefix, self._read = self._read, cut
+            return text[len(before) :]
         return ""
 
     def _cut(self, before: int) -> bool:
