@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import tokenizers
 
+from jaxrl_scale.models import parsers
 from jaxrl_scale.models.chat import ChatTemplate
 from jaxrl_scale.models.parsers import (
     MalformedCall,
@@ -359,3 +360,14 @@ def test_a_stream_without_calls_gives_the_content_as_generated(family):
         assert first.content + last.content + end.content == text[len("<think>hm</think>") :]
         assert first.reasoning + last.reasoning + end.reasoning == "hm"
         assert not (first.calls or last.calls or end.calls)
+
+
+def test_a_forced_calls_opening_and_the_models_rest_parse_as_one_call():
+    """What a server forcing a call gives (the opening) and what the model writes after it
+    read as the call, in each family; a name that needs escaping stays one JSON string."""
+    rest = {"hermes": '{"a": 1}}\n</tool_call>', "llama3": '{"a": 1}}'}
+    for family in parsers.FAMILIES:
+        text = parsers.call_opening(family, 'odd"name') + rest[family]
+        assert parsers.parse(text, family).calls == [parsers.ToolCall('odd"name', '{"a": 1}')]
+        unnamed = parsers.call_opening(family) + 'add", "arguments": ' + rest[family]
+        assert parsers.parse(unnamed, family).calls == [parsers.ToolCall("add", '{"a": 1}')]

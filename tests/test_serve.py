@@ -8,6 +8,7 @@ One server per backend per module; every wait has a timeout.
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
 import os
 import re
@@ -77,6 +78,7 @@ class Scripted:
     at once, one token per `tick` each; more wait (up to `max_queue` requests, then QueueFull).
     What a choice says depends on the prompt's last user words:
       TOOL   a Qwen tool call of `add`;      THINK  a think block, then the answer;
+      (a prompt that ends in a call's opening: the rest of a call of `add`; BAD: no JSON)
       LONG   tokens until max_tokens;        HOLD   nothing until `release` is set;
       else   "Hello there! This is choice {i}."; every answer ends with <|im_end|>."""
 
@@ -103,6 +105,11 @@ class Scripted:
         """Choice `index`'s tokens, and whether it waits for `release`."""
         prompt = self.tokenizer.decode(request.prompt_ids, skip_special_tokens=False)
         user = prompt.rsplit("<|im_start|>user", 1)[-1]
+        if prompt.endswith(('"arguments": ', '{"name": "')):  # a call's opening was given
+            text = ("" if prompt.endswith(": ") else 'add", "arguments": ') + (
+                '{"a": 1, "b": 2}}\n</tool_call>' if "BAD" not in user else "{oops"
+            )
+            return self.tokenizer.encode(text) + [self.end], False
         if "TOOL" in user:
             text = '<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n</tool_call>'
         elif "THINK" in user:
@@ -140,35 +147,38 @@ class Scripted:
 
     def _loop(self) -> None:
         while not self._closed:
-            with self._lock:
-                while self._inbox:
-                    generation, gone = self._inbox.popleft()
-                    for rows in (self._waiting, self._running):
-                        for row in [r for r in rows if r[0] is generation and r[1] in gone]:
-                            rows.remove(row)
-                            self.cancelled.append((generation.request, row[1]))
-                while self._waiting and len(self._running) < self.slots:
-                    self._running.append(self._waiting.popleft())
-                running = list(self._running)
-            for row in running:
-                generation, index, tokens, hold, emitted = row
-                if hold and not self.release.is_set():
-                    continue
-                token, row[4] = tokens.pop(0), emitted + 1
-                r = generation.request
-                finish = None
-                if token == self.end:
-                    finish = "stop"
-                elif row[4] >= r.max_new or not tokens:
-                    finish = "length"
-                k = r.top_logprobs
-                top = ((token, -0.5), *((t, -2.0 - t / 100) for t in range(k - 1)))
-                generation.push(Delta(index, (token,), (-0.5,), (top,) if k else None, finish))
-                if finish is not None:
-                    with self._lock:
-                        if row in self._running:
-                            self._running.remove(row)
+            self._tick()  # (its locals, the rows it decoded, go with each tick)
             time.sleep(self.tick)
+
+    def _tick(self) -> None:
+        with self._lock:
+            while self._inbox:
+                generation, gone = self._inbox.popleft()
+                for rows in (self._waiting, self._running):
+                    for row in [r for r in rows if r[0] is generation and r[1] in gone]:
+                        rows.remove(row)
+                        self.cancelled.append((generation.request, row[1]))
+            while self._waiting and len(self._running) < self.slots:
+                self._running.append(self._waiting.popleft())
+            running = list(self._running)
+        for row in running:
+            generation, index, tokens, hold, emitted = row
+            if hold and not self.release.is_set():
+                continue
+            token, row[4] = tokens.pop(0), emitted + 1
+            r = generation.request
+            finish = None
+            if token == self.end:
+                finish = "stop"
+            elif row[4] >= r.max_new or not tokens:
+                finish = "length"
+            k = r.top_logprobs
+            top = ((token, -0.5), *((t, -2.0 - t / 100) for t in range(k - 1)))
+            generation.push(Delta(index, (token,), (-0.5,), (top,) if k else None, finish))
+            if finish is not None:
+                with self._lock:
+                    if row in self._running:
+                        self._running.remove(row)
 
 
 # --------------------------------------------------------------------------- servers
@@ -409,6 +419,37 @@ def test_tool_calls_parsed_and_tools_rendered(scripted, tokenizer):
     assert streamed == plain.choices[0].message.content
 
 
+def test_tool_choice_required_or_named_makes_a_call(scripted, tokenizer):
+    """ "required" and a named function start the answer with the call's opening (in the
+    prompt's ids: the model writes only the rest); the call comes back parsed, streamed or
+    not, and arguments the model breaks come back as content."""
+    named = {"type": "function", "function": {"name": "add"}}
+    for choice in ("required", named):
+        r = chat(scripted, "hello", tools=TOOLS, tool_choice=choice,
+                 extra_body={"return_token_ids": True})  # fmt: skip
+        c = r.choices[0]
+        assert c.finish_reason == "tool_calls", c
+        ((call),) = c.message.tool_calls
+        assert (call.function.name, json.loads(call.function.arguments)) == (
+            "add",
+            {"a": 1, "b": 2},
+        )
+        prompt = tokenizer.decode(r.model_extra["prompt_token_ids"], skip_special_tokens=False)
+        assert prompt.endswith("<|im_start|>assistant\n<tool_call>\n{\"name\": \"" +
+                               ('add", "arguments": ' if choice is named else ""))  # fmt: skip
+        sampled = tokenizer.decode(c.model_extra["token_ids"], skip_special_tokens=False)
+        assert not sampled.startswith("<tool_call>")  # the opening was given, not sampled
+        chunks = list(chat(scripted, "hello", tools=TOOLS, tool_choice=choice, stream=True))
+        calls = [t for k in chunks if k.choices for t in (k.choices[0].delta.tool_calls or [])]
+        assert [(t.function.name, json.loads(t.function.arguments)) for t in calls] == [
+            ("add", {"a": 1, "b": 2})
+        ]
+        assert chunks[-1].choices[0].finish_reason == "tool_calls"
+    bad = chat(scripted, "BAD", tools=TOOLS, tool_choice=named).choices[0]
+    assert bad.message.tool_calls is None and bad.finish_reason == "stop"
+    assert bad.message.content == '<tool_call>\n{"name": "add", "arguments": {oops'
+
+
 def test_reasoning_content(scripted):
     r = chat(scripted, "THINK: what is 2 + 2?")
     message = r.choices[0].message
@@ -495,8 +536,13 @@ def test_errors_surface_as_the_sdks_exceptions(scripted):
         (
             openai.BadRequestError,
             "tool_choice",
-            dict(messages=user, tools=TOOLS, tool_choice="required"),
-        ),
+            dict(
+                messages=user,
+                tools=TOOLS,
+                tool_choice={"type": "function", "function": {"name": "mul"}},
+            ),
+        ),  # fmt: skip
+        (openai.BadRequestError, "tool_choice", dict(messages=user, tool_choice="required")),
         (openai.BadRequestError, "stop", dict(messages=user, stop=["a", "b", "c", "d", "e"])),
         (openai.BadRequestError, "frequency_penalty", dict(messages=user, frequency_penalty=1)),
         (openai.BadRequestError, "bogus", dict(messages=user, extra_body={"bogus": 1})),
@@ -775,6 +821,13 @@ def test_load_every_request_answered_nothing_leaked(which, request):
     while state.tasks or state.connections or threading.active_count() > threads:
         assert time.monotonic() < deadline, (state.tasks, threading.enumerate())
         time.sleep(0.05)
+    # Memory: no request's objects outlive it (generations, their texts, the engine's rows).
+    gc.collect()
+    alive = [o for o in gc.get_objects() if isinstance(o, (Generation, ChoiceText))]
+    assert not alive, alive[:3]
+    if which == "engine":
+        engine = server.backend.engine
+        assert not (engine.prompts or engine.waiting or server.backend._choices)
     assert chat(server, "hi", max_tokens=2).choices[0].finish_reason in ("stop", "length")
 
 

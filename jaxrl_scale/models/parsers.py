@@ -242,6 +242,19 @@ class StreamParser:
         return out
 
 
+def call_opening(family: str, name: str | None = None) -> str:
+    """The text a turn's first call begins with, in `family`'s format, up to the function's
+    name (`name` None: the model writes it) or, with `name`, up to its arguments. A server
+    that must call a tool (OpenAI's tool_choice "required" or a named function) starts the
+    answer with it; the model writes the rest, and `parse` reads the opening and the rest as
+    one turn."""
+    head = {"hermes": TOOL_OPEN + '\n{"name": "', "llama3": '{"name": "'}[check_family(family)]
+    if name is None:
+        return head
+    key = "arguments" if family == "hermes" else "parameters"
+    return head + json.dumps(name)[1:-1] + f'", "{key}": '
+
+
 def check_family(family: str) -> str:
     """`family`, or a ValueError naming the known ones."""
     if family not in FAMILIES:

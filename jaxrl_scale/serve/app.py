@@ -463,22 +463,29 @@ async def _chat(served: _Served, http: HTTPRequest) -> Response:
     req: protocol.ChatRequest = await _parse(served, http, protocol.ChatRequest)
     _check_model(served, req.model)
     tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.use_tools else None
+    extra = dict(req.chat_template_kwargs or {})
+    if tools:  # a template that reads it may say so to the model
+        extra.setdefault("tool_choice", _dumped(req.tool_choice) or "auto")
     try:
         messages = [m.for_template() for m in req.messages]
         text = served.tokenizer.apply_chat_template(
-            messages, tools=tools, add_generation_prompt=True, **(req.chat_template_kwargs or {})
+            messages, tools=tools, add_generation_prompt=True, **extra
         )
-        prompt = served.tokenizer.encode(text)
+        opened = parsers.prompt_opens_think(text)
+        # A call that must be made: the answer starts with its opening (the call's format up
+        # to the name, or a named function's arguments); the model writes the rest. No
+        # grammar holds it to JSON: arguments it breaks come back as content.
+        lead = ""
+        if req.forced_tool is not None:
+            lead = (parsers.THINK_CLOSE + "\n\n" if opened else "") + parsers.call_opening(
+                served.family, req.forced_tool or None
+            )
+        prompt = served.tokenizer.encode(text + lead)
     except RecursionError:  # a body nested deeper than the template walks
         raise APIError(400, "messages: nested too deeply", param="messages") from None
     except (ValueError, TypeError) as e:
         raise APIError(400, f"messages: {e}", param="messages") from None
-    turn = _Turn(
-        served.family,
-        req.use_tools,
-        parsers.prompt_opens_think(text),
-        req.parallel_tool_calls is not False,
-    )
+    turn = _Turn(served.family, req.use_tools, opened, req.parallel_tool_calls is not False, lead)
     top = (req.top_logprobs or 0) if req.logprobs else 0
     return await _generate(served, http, record, req, prompt, top, _ChatFormat(served, req, turn))
 
@@ -615,6 +622,10 @@ class _EventStream(StreamingResponse):
             self.on_close()
 
 
+def _dumped(value: Any) -> Any:
+    return value.model_dump() if isinstance(value, BaseModel) else value
+
+
 def _sse(data: Any) -> str:
     # ASCII JSON: a sampled U+2028 / U+2029 / U+0085 stays escaped, so a client that splits
     # lines the way Python's str.splitlines does (httpx's aiter_lines) never cuts an event.
@@ -669,13 +680,17 @@ class _Turn:
     tools: bool  # tools were offered (and tool_choice is not "none"): calls are parsed
     opened: bool  # the prompt opened a think block
     parallel: bool  # false: only the first call is made
+    lead: str = ""  # the turn's start, in the prompt (a forced call's opening): read first
 
     def parser(self) -> parsers.StreamParser:
         # Without tools a call-shaped text is content, streamed as generated (as `split`).
-        return parsers.StreamParser(self.family, opened=self.opened, calls=self.tools)
+        parser = parsers.StreamParser(self.family, opened=self.opened, calls=self.tools)
+        if self.lead:
+            parser.feed(self.lead)  # held: an opened call gives nothing before it closes
+        return parser
 
     def split(self, text: str) -> tuple[str | None, str, list[parsers.Call]]:
-        reasoning, content = parsers.split_reasoning(text, opened=self.opened)
+        reasoning, content = parsers.split_reasoning(self.lead + text, opened=self.opened)
         if not self.tools:
             return reasoning, content, []
         content, calls = parsers.parse_tool_calls(content, self.family)

@@ -146,37 +146,45 @@ class EngineBackend:
                     if kind == "submit":
                         item.push(error)
                 return
-            try:
-                arriving = any(kind == "submit" for kind, _ in inbox)
-                for kind, item in inbox:
-                    if kind == "cancel":
-                        self._cancel(*item)
-                        continue
-                    try:
-                        self._submit(item)
-                    except Exception as e:  # noqa: BLE001 - this request's fault: it learns why
-                        self._cancel(item, list(range(item.request.n)))
-                        item.push(e)
-                inbox = []
-                # While requests are arriving and slots are free, short runs: the next
-                # arrivals are admitted a few steps later rather than a whole run later.
-                steps = self.steps
-                if arriving and engine.busy + engine.pending < self.slots:
-                    steps = max(1, self.steps // 4)
-                finished = engine.run(self.params, 0, steps) if engine.busy or \
-                    engine.pending else []  # fmt: skip
-                out = self._stream(progress)
-                out += [d for f in finished if (d := self._finish(f)) is not None]
-                Generation.push_all(out)
-                progress = engine.peek(window=self.steps, top=self._tops()) if engine.busy else []
-            except Exception as e:  # noqa: BLE001 - the engine broke: every request learns it
-                log.exception("the engine failed")
-                progress = []
-                self._fail_all(e)
-                for kind, item in inbox:  # taken but not yet submitted when it broke
-                    if kind == "submit":
-                        item.push(e)
+            # A turn of its own: what it held (requests, deltas) is let go before the wait.
+            progress = self._turn(inbox, progress)
+            del inbox
             self._count()
+
+    def _turn(self, inbox: list, progress: list) -> list:
+        """Hand over `inbox`, run the engine, send the last run's `progress`; returns this
+        run's."""
+        engine = self.engine
+        try:
+            arriving = any(kind == "submit" for kind, _ in inbox)
+            for kind, item in inbox:
+                if kind == "cancel":
+                    self._cancel(*item)
+                    continue
+                try:
+                    self._submit(item)
+                except Exception as e:  # noqa: BLE001 - this request's fault: it learns why
+                    self._cancel(item, list(range(item.request.n)))
+                    item.push(e)
+            inbox = []
+            # While requests are arriving and slots are free, short runs: the next
+            # arrivals are admitted a few steps later rather than a whole run later.
+            steps = self.steps
+            if arriving and engine.busy + engine.pending < self.slots:
+                steps = max(1, self.steps // 4)
+            busy = engine.busy or engine.pending
+            finished = engine.run(self.params, 0, steps) if busy else []
+            out = self._stream(progress)
+            out += [d for f in finished if (d := self._finish(f)) is not None]
+            Generation.push_all(out)
+            return engine.peek(window=self.steps, top=self._tops()) if engine.busy else []
+        except Exception as e:  # noqa: BLE001 - the engine broke: every request learns it
+            log.exception("the engine failed")
+            self._fail_all(e)
+            for kind, item in inbox:  # taken but not yet submitted when it broke
+                if kind == "submit":
+                    item.push(e)
+            return []
 
     def _tops(self) -> bool:
         """Whether a decoding request asked for top alternatives (else peek leaves them)."""

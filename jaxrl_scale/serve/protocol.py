@@ -111,9 +111,13 @@ class Tool(_Strict):
     function: FunctionDef
 
 
+class ToolName(_Strict):
+    name: Annotated[str, Field(min_length=1)]
+
+
 class NamedToolChoice(_Strict):
     type: Literal["function"]
-    function: dict[str, str]
+    function: ToolName
 
 
 class StreamOptions(_Strict):
@@ -197,14 +201,27 @@ class ChatRequest(_Sampling):
     response_format: ResponseFormat | None = None
     chat_template_kwargs: dict[str, Any] | None = None  # vLLM's: e.g. enable_thinking
 
-    @field_validator("tool_choice")
-    @classmethod
-    def _choice(cls, value):
-        if value == "required" or isinstance(value, NamedToolChoice):
-            raise ValueError(
-                "only tool_choice 'auto' and 'none' are supported (no constrained decoding)"
-            )
-        return value
+    @model_validator(mode="after")
+    def _choice_needs_tools(self):
+        forced = self.forced_tool
+        if forced is None:
+            return self
+        if not self.tools:
+            raise FieldError("tool_choice", "tool_choice needs tools")
+        names = [t.function.name for t in self.tools]
+        if forced and forced not in names:
+            raise FieldError("tool_choice", f"no tool named {forced!r} (tools: {names})")
+        return self
+
+    @property
+    def forced_tool(self) -> str | None:
+        """ "" when a call must be made (tool_choice "required"), the function's name when a
+        named one, None when the model chooses or no tool is called."""
+        if self.tool_choice == "required":
+            return ""
+        if isinstance(self.tool_choice, NamedToolChoice):
+            return self.tool_choice.function.name
+        return None
 
     @model_validator(mode="after")
     def _top_needs_logprobs(self):
