@@ -40,12 +40,15 @@ from starlette.exceptions import HTTPException
 from jaxrl_scale.models import parsers
 from jaxrl_scale.serve import protocol
 from jaxrl_scale.serve.backend import Backend, Generation, QueueFull, Request
+from jaxrl_scale.serve.sessions import Session, SessionError, Sessions, digest
 from jaxrl_scale.serve.text import ChoiceText
+from jaxrl_scale.tasks.env import Observations
 
 log = logging.getLogger("jaxrl_scale.serve")
 MAX_BODY_BYTES = 8 << 20  # a request body over this is refused (413)
 RETRY_AFTER_S = 1  # what a 429 asks the client to wait
 ENDPOINTS = ("/v1/models", "/v1/chat/completions", "/v1/completions", "/health", "/metrics")
+SESSION_ENDPOINTS = ("/v1/models", "/v1/chat/completions")  # under /sessions/<id>
 
 
 class APIError(Exception):
@@ -160,6 +163,7 @@ class _Record:
     completion: int = 0
     first_token: float | None = None
     note: str = ""
+    digest: str = ""
 
     def tokens(self, n: int) -> None:
         if n and self.first_token is None:
@@ -186,7 +190,7 @@ def _telemetry(app, metrics: _Metrics):
             await app(scope, receive, send_status)
         finally:
             path = scope["path"]
-            endpoint = path if path in ENDPOINTS else "other"
+            endpoint = _endpoint(path)
             metrics.requests.labels(endpoint, str(status)).inc()
             record: _Record | None = state.get("record")
             seconds = time.perf_counter() - started
@@ -214,6 +218,17 @@ def _telemetry(app, metrics: _Metrics):
     return middleware
 
 
+def _endpoint(path: str) -> str:
+    """The metrics label of `path`: a session's endpoints by their route, not their id."""
+    if path in ENDPOINTS:
+        return path
+    if path.startswith("/sessions/"):
+        rest = "/" + path[len("/sessions/") :].partition("/")[2]
+        if rest in SESSION_ENDPOINTS:
+            return "/sessions/{id}" + rest
+    return "other"
+
+
 # --------------------------------------------------------------------------- the app
 
 
@@ -228,6 +243,7 @@ class _Served:
     max_body_bytes: int
     metrics: _Metrics
     family: str  # tool call format (models/parsers.py)
+    sessions: Sessions | None = None  # agents' sessions (serve/sessions.py)
     token_texts: dict[int, str] = dataclasses.field(default_factory=dict)
 
     token_raw: dict[int, list[int]] = dataclasses.field(default_factory=dict)
@@ -274,11 +290,13 @@ def make_app(
     api_key: str | None = None,
     max_body_bytes: int = MAX_BODY_BYTES,
     model_name: str | None = None,
+    sessions: Sessions | None = None,
 ) -> FastAPI:
     """The OpenAI API serving `backend` (which the caller closes). `tokenizer` renders chat
     messages (its chat template) and turns text into ids and back. `api_key`: requests to /v1
     need `Authorization: Bearer <api_key>`. `model_name`: the id clients name (default the
-    backend's)."""
+    backend's). `sessions`: also serve each open session's calls under
+    `/sessions/<id>/v1` (its secret as the key; serve/sessions.py)."""
     metrics = _Metrics.create(backend)
     served = _Served(
         backend,
@@ -288,6 +306,7 @@ def make_app(
         max_body_bytes,
         metrics,
         parsers.tool_family(tokenizer),
+        sessions,
     )
     app = FastAPI(title="jaxrl-scale", docs_url=None, redoc_url=None, openapi_url=None)
     app.add_middleware(_telemetry, metrics=metrics)
@@ -338,6 +357,24 @@ def make_app(
 
     app.include_router(v1)
 
+    if sessions is not None:
+
+        def session(sid: str, request: HTTPRequest) -> Session:
+            try:
+                return sessions.authorize(sid, request.headers.get("authorization", ""))
+            except SessionError as e:
+                kind = "authentication_error" if e.status == 401 else "not_found_error"
+                raise APIError(e.status, str(e), kind, code=e.code) from None
+
+        @app.get("/sessions/{sid}/v1/models")
+        async def session_models(sid: str, request: HTTPRequest):
+            session(sid, request)
+            return protocol.models_list(served.model_name, served.backend.context)
+
+        @app.post("/sessions/{sid}/v1/chat/completions")
+        async def session_chat(sid: str, request: HTTPRequest):
+            return await _chat(served, request, session(sid, request))
+
     @app.get("/health")
     async def health():
         return {"status": "ok", **served.backend.stats()}
@@ -352,8 +389,11 @@ def make_app(
 # --------------------------------------------------------------------------- requests
 
 
-async def _parse(served: _Served, request: HTTPRequest, model: type[BaseModel]) -> Any:
-    """The body as `model`: 413 past the size limit, 400 for bad JSON or a bad field (named)."""
+async def _parse(
+    served: _Served, request: HTTPRequest, model: type[BaseModel], record: _Record | None = None
+) -> Any:
+    """The body as `model`: 413 past the size limit, 400 for bad JSON or a bad field (named).
+    `record` keeps the body's digest (a session's retried call is known by it)."""
     limit = served.max_body_bytes
     length = request.headers.get("content-length", "")
     if length.isdigit() and int(length) > limit:
@@ -368,8 +408,11 @@ async def _parse(served: _Served, request: HTTPRequest, model: type[BaseModel]) 
                 413, f"the body is over the limit of {limit} bytes", code="body_too_large"
             )
         chunks.append(chunk)
+    body = b"".join(chunks)
+    if record is not None:
+        record.digest = digest(body)
     try:
-        data = json.loads(b"".join(chunks))
+        data = json.loads(body)
     except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
         raise APIError(400, f"the body is not JSON: {e}", code="invalid_json") from None
     if not isinstance(data, dict):
@@ -458,19 +501,37 @@ def _start(served: _Served, http: HTTPRequest, prefix: str) -> _Record:
     return record
 
 
-async def _chat(served: _Served, http: HTTPRequest) -> Response:
+async def _chat(served: _Served, http: HTTPRequest, session: Session | None = None) -> Response:
     record = _start(served, http, "chatcmpl")
-    req: protocol.ChatRequest = await _parse(served, http, protocol.ChatRequest)
+    req: protocol.ChatRequest = await _parse(served, http, protocol.ChatRequest, record)
     _check_model(served, req.model)
+    sessions = served.sessions
+    if session is not None:
+        if req.n != 1:
+            raise APIError(400, "n: a session's call has one choice", param="n")
+        retry = http.headers.get("x-stainless-retry-count", "0")  # the OpenAI SDK's
+        answer = sessions.answered(session, record.digest)
+        if retry not in ("", "0") and answer is not None and not req.stream:
+            record.note = f"session {session.id}: a retry, answered again"
+            return JSONResponse(answer, headers={"X-Request-Id": answer["id"]})
     tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.use_tools else None
     extra = dict(req.chat_template_kwargs or {})
     if tools:  # a template that reads it may say so to the model
         extra.setdefault("tool_choice", _dumped(req.tool_choice) or "auto")
+    where, head = None, []
     try:
         messages = [m.for_template() for m in req.messages]
-        text = served.tokenizer.apply_chat_template(
-            messages, tools=tools, add_generation_prompt=True, **extra
-        )
+        if session is not None:
+            where = sessions.place(session, messages, tools)
+        if where is not None and where.branch is not None:  # only the new messages
+            text = Observations(served.tokenizer).after_turn(
+                where.new, tools, ended_with=where.branch.ended_with, **extra
+            )
+            head = list(where.branch.ids)
+        else:
+            text = served.tokenizer.apply_chat_template(
+                messages, tools=tools, add_generation_prompt=True, **extra
+            )
         opened = parsers.prompt_opens_think(text)
         # A call that must be made: the answer starts with its opening (the call's format up
         # to the name, or a named function's arguments); the model writes the rest. No
@@ -480,14 +541,32 @@ async def _chat(served: _Served, http: HTTPRequest) -> Response:
             lead = (parsers.THINK_CLOSE + "\n\n" if opened else "") + parsers.call_opening(
                 served.family, req.forced_tool or None
             )
-        prompt = served.tokenizer.encode(text + lead)
+        prompt = head + served.tokenizer.encode(text + lead)
     except RecursionError:  # a body nested deeper than the template walks
         raise APIError(400, "messages: nested too deeply", param="messages") from None
     except (ValueError, TypeError) as e:
         raise APIError(400, f"messages: {e}", param="messages") from None
     turn = _Turn(served.family, req.use_tools, opened, req.parallel_tool_calls is not False, lead)
     top = (req.top_logprobs or 0) if req.logprobs else 0
-    return await _generate(served, http, record, req, prompt, top, _ChatFormat(served, req, turn))
+    fmt = _ChatFormat(served, req, turn)
+    if session is None:
+        return await _generate(served, http, record, req, prompt, top, fmt)
+    eos = set(served.tokenizer.eos_ids)
+
+    def keep(choices: list[ChoiceText], message: dict, answer: dict | None) -> bool:
+        """The call answered: its ids into the session's branch (False: the session ended)."""
+        c = choices[0]
+        ended_with = c.ids[-1] if c.ids and c.ids[-1] in eos else None
+        branch = sessions.record(session, where, prompt=prompt, reply=list(c.ids),
+                                 logp=list(c.logprobs), messages=messages, message=message,
+                                 tools=tools, ended_with=ended_with, digest=record.digest,
+                                 answer=answer)  # fmt: skip
+        record.note = f"session {session.id}"
+        if branch is not None:
+            record.note += f" branch {branch.index}"
+        return branch is not None
+
+    return await _generate(served, http, record, req, prompt, top, fmt, (session, keep))
 
 
 async def _complete(served: _Served, http: HTTPRequest) -> Response:
@@ -522,8 +601,10 @@ async def _generate(
     prompt: list[int],
     top_logprobs: int,
     fmt: _Format,
+    session: tuple[Session, Callable[[list[ChoiceText], dict, dict | None], bool]] | None = None,
 ) -> Response:
-    """Submit, then answer with the whole response or an event stream."""
+    """Submit, then answer with the whole response or an event stream. `session`: the
+    session the call is in, and what keeps an answered call in it."""
     max_new = _budget(served, prompt, req.max_new, "messages" if fmt.chat else "prompt")
     temperature = 1.0 if req.temperature is None else req.temperature
     request = Request(
@@ -536,11 +617,14 @@ async def _generate(
         top_logprobs=top_logprobs,
     )
     generation = _submit(served, request)
+    if session is not None and not served.sessions.started(session[0], generation):
+        generation.cancel()
+        raise APIError(404, "the session ended", "not_found_error", code="session_not_found")
     record.prompt = len(prompt)
     served.metrics.prompt_tokens.inc(len(prompt))
     choices = [ChoiceText(served.tokenizer, req.stops) for _ in range(req.n)]
     if req.stream:
-        events = _stream(served, record, req, prompt, generation, choices, fmt)
+        events = _stream(served, record, req, prompt, generation, choices, fmt, session)
         return _EventStream(events, on_close=generation.cancel)
     collect = asyncio.ensure_future(_collect(generation, choices, record))
     gone = asyncio.ensure_future(_disconnected(http))
@@ -551,6 +635,8 @@ async def _generate(
         collect.cancel()
         generation.cancel()
         _finished(served, record)
+        if session is not None:
+            served.sessions.ended(session[0], generation)
     if not collect.done() or collect.cancelled():
         record.note = "client gone"
         return Response(status_code=499)
@@ -566,6 +652,9 @@ async def _generate(
     )
     if req.return_token_ids and fmt.chat:
         body["prompt_token_ids"] = prompt
+    if session is not None and not session[1](choices, body["choices"][0]["message"], body):
+        raise APIError(404, "the session ended before the reply", "not_found_error",
+                       code="session_not_found")  # fmt: skip
     return JSONResponse(body, headers={"X-Request-Id": record.rid})
 
 
@@ -640,9 +729,11 @@ async def _stream(
     generation: Generation,
     choices: list[ChoiceText],
     fmt: _Format,
+    session: tuple[Session, Callable] | None = None,
 ) -> AsyncIterator[str]:
     """The chunks: a first one per choice (chat: the role), then each delta's, a choice's
-    last one with its finish_reason, the usage when asked, `[DONE]`."""
+    last one with its finish_reason, the usage when asked, `[DONE]`. In a session, a call
+    streamed to its end is kept in it."""
 
     def chunk(parts: list, **extra) -> str:
         if req.include_usage:
@@ -657,6 +748,9 @@ async def _stream(
             yield chunk([fmt.opening(i)], **(first if i == 0 else {}))
         async for i in _deltas(generation, choices, record):
             yield chunk([fmt.piece(i, choices[i])])
+        if session is not None and not session[1](choices, fmt.choice(0, choices[0])["message"],
+                                                  None):  # fmt: skip
+            raise ValueError("the session ended before the reply")
         if req.include_usage:
             yield chunk([], usage=protocol.usage(len(prompt), record.completion))
     except Exception as e:  # noqa: BLE001 - the engine failed mid-stream: say so, then end
@@ -666,6 +760,8 @@ async def _stream(
         yield _sse(protocol.error_body(str(e), kind))
     finally:
         _finished(served, record)
+        if session is not None:
+            served.sessions.ended(session[0], generation)
     yield "data: [DONE]\n\n"
 
 

@@ -306,12 +306,15 @@ class Observations:
             return obs
         return self._render(self._messages(obs), tools)
 
-    def after_turn(self, obs: Observation, tools=None, *, ended_with: int | None = None) -> str:
+    def after_turn(
+        self, obs: Observation, tools=None, *, ended_with: int | None = None, **template_kwargs
+    ) -> str:
         """The text after a model turn: the template's turn end, the observation, the next
         assistant header. `ended_with`: the end-of-turn token the model sampled last, which
         stands for the template's (the template's turn end, an end token, is left out and
         what it writes after one stays); None: the turn was cut off before one (by
-        `task.turn_tokens`), so the template's whole turn end closes it here, as context."""
+        `task.turn_tokens`), so the template's whole turn end closes it here, as context.
+        `template_kwargs` go to the template (e.g. Qwen3's enable_thinking)."""
         if not self.chat:
             if not isinstance(obs, str):
                 raise EnvError("a chat observation needs the tokenizer's chat template")
@@ -320,7 +323,7 @@ class Observations:
             {"role": "user", "content": self.PROBE_USER},
             {"role": "assistant", "content": self.PROBE_ASSISTANT},
         ]
-        full = self._render(probe + self._messages(obs), tools)
+        full = self._render(probe + self._messages(obs), tools, **template_kwargs)
         if full.count(self.PROBE_ASSISTANT) != 1:
             raise EnvError(
                 "the chat template does not write an assistant turn's content as given, so "
@@ -344,11 +347,13 @@ class Observations:
             raise EnvError("a chat observation needs the tokenizer's chat template")
         return [{"role": "user", "content": obs}] if isinstance(obs, str) else obs
 
-    def _render(self, messages: list[dict], tools) -> str:
+    def _render(self, messages: list[dict], tools, **template_kwargs) -> str:
         """The template's rendering with the generation prompt; whatever the template raises
         on what the environment gave (a TypeError, a ValueError) is an EnvError."""
         try:
-            return self.tok.apply_chat_template(messages, tools=tools, add_generation_prompt=True)
+            return self.tok.apply_chat_template(
+                messages, tools=tools, add_generation_prompt=True, **template_kwargs
+            )
         except Exception as e:  # noqa: BLE001 - the environment's data, reported per episode
             raise EnvError(f"the chat template cannot render it ({type(e).__name__}: {e})") from e
 
