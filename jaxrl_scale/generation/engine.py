@@ -369,7 +369,8 @@ def _take_rows(state: DecodeState, idx):
 @functools.partial(jax.jit, static_argnames=("window", "top"))
 def _peek_rows(state: DecodeState, idx, *, window: int, top: bool):
     """What rows `idx` have in their last `window` columns before their next one (a server's
-    streaming): tokens, log-probs, the next column, and the top alternatives (with `top`)."""
+    streaming): tokens, log-probs, the next column, the top alternatives (with `top`), and
+    the policy versions the tokens were sampled with."""
     n_new = state.tokens.shape[1]
     col = state.col[idx]
     cols = jnp.clip(col[:, None] - window + jnp.arange(window), 0, n_new - 1)  # [m, window]
@@ -377,7 +378,8 @@ def _peek_rows(state: DecodeState, idx, *, window: int, top: bool):
     top_ids = top_logp = None
     if top and state.top_ids is not None:
         top_ids, top_logp = state.top_ids[rows, cols], state.top_logp[rows, cols]
-    return state.tokens[rows, cols], state.logp[rows, cols], col, top_ids, top_logp
+    return (state.tokens[rows, cols], state.logp[rows, cols], col, top_ids, top_logp,
+            state.versions[rows, cols])  # fmt: skip
 
 
 @functools.partial(jax.jit, static_argnames=("mesh",), donate_argnames=("state",))
@@ -555,13 +557,14 @@ class SlotEngine:
         waits for them): (request, row, first column, tokens, log-probs, top ids, top
         log-probs), the arrays over the row's columns [first column, next column): its last
         `window` columns (default: all; a run of k steps adds at most k), given tokens
-        included; the top alternatives only with `top`. A server streams from it."""
+        included; the top alternatives only with `top`; last, the tokens' policy versions.
+        A server streams from it."""
         slots = [i for i, o in enumerate(self.occupant) if o is not None]
         if not slots:
             return []
         window = min(window or self.n_new, self.n_new)
         got = self._peek(slots, window, top)
-        tokens, logp, col, top_ids, top_logp = (
+        tokens, logp, col, top_ids, top_logp, versions = (
             None if x is None else distributed.to_host(x) for x in got
         )
         out = []
@@ -572,7 +575,8 @@ class SlotEngine:
             keep = slice(window - (end - first), window)  # the window's columns from `first`
             out.append((request, row, first, tokens[j, keep], logp[j, keep],
                         None if top_ids is None else top_ids[j, keep],
-                        None if top_logp is None else top_logp[j, keep]))  # fmt: skip
+                        None if top_logp is None else top_logp[j, keep],
+                        versions[j, keep]))  # fmt: skip
         return out
 
     def _peek(self, slots: list[int], window: int, top: bool, m: int | None = None):

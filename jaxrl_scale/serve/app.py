@@ -557,8 +557,10 @@ async def _chat(served: _Served, http: HTTPRequest, session: Session | None = No
         """The call answered: its ids into the session's branch (False: the session ended)."""
         c = choices[0]
         ended_with = c.ids[-1] if c.ids and c.ids[-1] in eos else None
+        versions = c.versions if len(c.versions) == len(c.ids) else [-1] * len(c.ids)
         branch = sessions.record(session, where, prompt=prompt, reply=list(c.ids),
-                                 logp=list(c.logprobs), messages=messages, message=message,
+                                 logp=list(c.logprobs), versions=list(versions),
+                                 messages=messages, message=message,
                                  tools=tools, ended_with=ended_with, digest=record.digest,
                                  answer=answer)  # fmt: skip
         record.note = f"session {session.id}"
@@ -615,6 +617,7 @@ async def _generate(
         top_p=1.0 if req.top_p is None else req.top_p,
         seed=req.seed,
         top_logprobs=top_logprobs,
+        not_before=None if session is None else session[0].not_before,
     )
     generation = _submit(served, request)
     if session is not None and not served.sessions.started(session[0], generation):

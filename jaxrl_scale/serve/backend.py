@@ -33,6 +33,7 @@ class Request:
     top_p: float = 1.0
     seed: int | None = None
     top_logprobs: int = 0
+    not_before: int | None = None  # decoded by a policy version at least this (training)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,13 +41,15 @@ class Delta:
     """What choice `index` got since its last delta: sampled ids with their log-probs (of the
     distribution sampled from) and, when asked, the top alternatives [(id, log-prob)] per
     token; `finish` is "stop" (an end-of-turn token, included in `token_ids`), "length" or
-    None while it runs."""
+    None while it runs; `versions`: the policy version each token was sampled with, where the
+    backend knows it."""
 
     index: int
     token_ids: tuple[int, ...]
     logprobs: tuple[float, ...]
     top: tuple[tuple[tuple[int, float], ...], ...] | None = None
     finish: str | None = None
+    versions: tuple[int, ...] | None = None
 
 
 _WAKE = Delta(-1, (), ())  # put by `cancel` to wake a reader of `deltas()`
@@ -119,8 +122,10 @@ def _merged(items: list[Delta]) -> list[Delta]:
             by_choice[d.index] = d
             continue
         top = None if got.top is None or d.top is None else got.top + d.top
+        versions = None if got.versions is None or d.versions is None else \
+            got.versions + d.versions  # fmt: skip
         by_choice[d.index] = Delta(d.index, got.token_ids + d.token_ids,
-                                   got.logprobs + d.logprobs, top, d.finish)  # fmt: skip
+                                   got.logprobs + d.logprobs, top, d.finish, versions)  # fmt: skip
     return list(by_choice.values())
 
 

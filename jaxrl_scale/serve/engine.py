@@ -46,11 +46,13 @@ class EngineBackend:
     `submit` raises QueueFull. `steps`: decode steps between two looks at the slots (the
     streaming granularity). `warm_up`: compile every program traffic can call before serving
     (`SlotEngine.warm_up`; a server's first requests of each new shape would otherwise wait
-    for its compile)."""
+    for its compile). `thread` False: no engine thread; the owner's thread drives the engine
+    (`drive`), with the weights of its choice (training: each run's newest)."""
 
     def __init__(self, model, tokenizer, *, slots: int = 16, context: int = 2048,
                  prompt_len: int | None = None, max_queue: int = 64, steps: int = 8,
-                 mesh=None, model_name: str = "jaxrl-scale", warm_up: bool = False):  # fmt: skip
+                 mesh=None, model_name: str = "jaxrl-scale", warm_up: bool = False,
+                 thread: bool = True):  # fmt: skip
         prompt_len = prompt_len or context // 2
         if not 1 <= prompt_len <= context:
             raise ValueError(f"prompt_len must be in [1, context = {context}], got {prompt_len}")
@@ -79,8 +81,12 @@ class EngineBackend:
         self._closed = False
         self._ids = itertools.count()
         self._choices: dict[int, _Choice] = {}  # engine request id -> choice (engine thread)
-        self._thread = threading.Thread(target=self._loop, name="jaxrl-serve-engine", daemon=True)
-        self._thread.start()
+        self._progress: list = []  # driven: the last run's peek, sent during the next run
+        self._thread = None
+        if thread:
+            self._thread = threading.Thread(target=self._loop, name="jaxrl-serve-engine",
+                                            daemon=True)  # fmt: skip
+            self._thread.start()
 
     # ------------------------------------------------------------------ event loop side
 
@@ -121,7 +127,26 @@ class EngineBackend:
         with self._lock:
             self._closed = True
             self._wake.notify()
-        self._thread.join(timeout)
+        if self._thread is not None:
+            self._thread.join(timeout)
+        else:  # driven: the owner's thread, which owns the engine, is this one
+            self._fail_all(RuntimeError("the server shut down"))
+
+    # ------------------------------------------------------------------ driven
+
+    def drive(self, params, version: int) -> bool:
+        """Without an engine thread: one turn on this thread (the engine's owner), with
+        `params`, its tokens tagged `version`: what the event loop handed over is taken, the
+        engine runs a few steps, the last run's tokens are sent. False when there was
+        nothing to do."""
+        with self._lock:
+            inbox, self._inbox = self._inbox, []
+        engine = self.engine
+        if not (inbox or engine.busy or engine.pending or self._progress):
+            return False
+        self._progress = self._turn(inbox, self._progress, params, version)
+        self._count()
+        return True
 
     # ------------------------------------------------------------------ engine thread
 
@@ -147,13 +172,13 @@ class EngineBackend:
                         item.push(error)
                 return
             # A turn of its own: what it held (requests, deltas) is let go before the wait.
-            progress = self._turn(inbox, progress)
+            progress = self._turn(inbox, progress, self.params, 0)
             del inbox
             self._count()
 
-    def _turn(self, inbox: list, progress: list) -> list:
-        """Hand over `inbox`, run the engine, send the last run's `progress`; returns this
-        run's."""
+    def _turn(self, inbox: list, progress: list, params, version: int) -> list:
+        """Hand over `inbox`, run the engine with `params` (tokens tagged `version`), send the
+        last run's `progress`; returns this run's."""
         engine = self.engine
         try:
             arriving = any(kind == "submit" for kind, _ in inbox)
@@ -173,7 +198,7 @@ class EngineBackend:
             if arriving and engine.busy + engine.pending < self.slots:
                 steps = max(1, self.steps // 4)
             busy = engine.busy or engine.pending
-            finished = engine.run(self.params, 0, steps) if busy else []
+            finished = engine.run(params, version, steps) if busy else []
             out = self._stream(progress)
             out += [d for f in finished if (d := self._finish(f)) is not None]
             Generation.push_all(out)
@@ -200,7 +225,7 @@ class EngineBackend:
             words = (seed & 0xFFFFFFFF, ((seed >> 32) + 0x9E3779B9 * index) & 0xFFFFFFFF)
             sampling = RowSampling(r.temperature, r.top_p, words)
             self.engine.submit(rid, head, max_new=len(given) + r.max_new, given=given,
-                               sampling=sampling)  # fmt: skip
+                               sampling=sampling, not_before=r.not_before)  # fmt: skip
             self._choices[rid] = _Choice(generation, index, len(given))
 
     def _cancel(self, generation: Generation, indices: list[int]) -> None:
@@ -209,7 +234,7 @@ class EngineBackend:
                 self.engine.cancel(rid)
                 del self._choices[rid]
 
-    def _delta(self, c: _Choice, first: int, tokens, logp, top_ids, top_logp,
+    def _delta(self, c: _Choice, first: int, tokens, logp, top_ids, top_logp, versions,
                finish=None) -> Delta:  # fmt: skip
         """Choice `c`'s delta from arrays over its columns [first, first + len(tokens)):
         the columns after those it was sent (and after its given prompt tokens)."""
@@ -223,7 +248,8 @@ class EngineBackend:
             )
         c.sent = first + len(tokens)
         return Delta(c.index, tuple(int(t) for t in tokens[start:]),
-                     tuple(_finite(v) for v in logp[start:]), top, finish)  # fmt: skip
+                     tuple(_finite(v) for v in logp[start:]), top, finish,
+                     tuple(int(v) for v in versions[start:]))  # fmt: skip
 
     def _finish(self, f) -> tuple[Generation, Delta] | None:
         c = self._choices.pop(f.request, None)
@@ -233,18 +259,19 @@ class EngineBackend:
         finish = "stop" if f.finish_reason == EOS else "length"
         cut = lambda x: None if x is None else x[:n]  # noqa: E731
         delta = self._delta(c, 0, f.tokens[:n], f.logp[:n], cut(f.top_ids), cut(f.top_logp),
-                            finish)  # fmt: skip
+                            f.versions[:n], finish)  # fmt: skip
         return c.generation, delta
 
     def _stream(self, progress) -> list[tuple[Generation, Delta]]:
         out = []
-        for rid, _, first, tokens, logp, top_ids, top_logp in progress:
+        for rid, _, first, tokens, logp, top_ids, top_logp, versions in progress:
             c = self._choices.get(rid)
             if c is None or first + len(tokens) <= max(c.sent, c.given):
                 continue
             if first > max(c.sent, c.given):  # (a window that skipped columns: the finished
                 continue  # row sends them all)
-            out.append((c.generation, self._delta(c, first, tokens, logp, top_ids, top_logp)))
+            out.append((c.generation, self._delta(c, first, tokens, logp, top_ids, top_logp,
+                                                  versions)))  # fmt: skip
         return out
 
     def _fail_all(self, error: BaseException) -> None:

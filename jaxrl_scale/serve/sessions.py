@@ -44,13 +44,15 @@ from typing import Any
 @dataclasses.dataclass
 class Branch:
     """One training sample of a session: `ids` (prompt parts and replies), `mask` (1 where
-    sampled), `logp` (sampled tokens' behaviour log-probs, 0 elsewhere), `calls` ((start,
-    reply start, end) of each call in `ids`)."""
+    sampled), `logp` (sampled tokens' behaviour log-probs, 0 elsewhere), `versions` (the
+    policy version of each sampled token, -1 elsewhere), `calls` ((start, reply start, end)
+    of each call in `ids`)."""
 
     index: int
     ids: list[int]
     mask: list[int]
     logp: list[float]
+    versions: list[int]
     calls: list[tuple[int, int, int]]
     history: list[dict]  # the last call's messages, then its reply, compared as `_canonical`
     reasoning: str | None  # the last reply's reasoning (compared when an echo has one)
@@ -62,6 +64,7 @@ class Branch:
 class Session:
     id: str
     secret: str
+    not_before: int | None = None  # its calls decode with a policy version at least this
     open: bool = True
     calls: int = 0
     branches: list[Branch] = dataclasses.field(default_factory=list)
@@ -93,12 +96,13 @@ class Sessions:
         self._sessions: dict[str, Session] = {}
         self._count = itertools.count()
 
-    def open(self) -> tuple[str, str]:
-        """A new session: (its id, its secret, the api_key its calls need)."""
+    def open(self, not_before: int | None = None) -> tuple[str, str]:
+        """A new session: (its id, its secret: the api_key its calls need). `not_before`:
+        its calls are decoded by a policy version at least this (a training batch's bound)."""
         sid = f"s{next(self._count)}-{uuid.uuid4().hex[:12]}"
         secret = secrets.token_urlsafe(24)
         with self._lock:
-            self._sessions[sid] = Session(sid, secret)
+            self._sessions[sid] = Session(sid, secret, not_before)
         return sid, secret
 
     def close(self, sid: str) -> Session:
@@ -156,6 +160,7 @@ class Sessions:
         prompt: list[int],
         reply: list[int],
         logp: list[float],
+        versions: list[int],
         messages: list[dict],
         message: dict,
         tools: Any,
@@ -174,7 +179,7 @@ class Sessions:
                 session.answered[digest] = answer
             branch = where.branch
             if branch is None:
-                branch = Branch(len(session.branches), [], [], [], [], [], None, "", None)
+                branch = Branch(len(session.branches), [], [], [], [], [], [], None, "", None)
                 session.branches.append(branch)
             start = len(branch.ids)
             if prompt[:start] != branch.ids:
@@ -183,6 +188,7 @@ class Sessions:
             branch.ids += fresh + reply
             branch.mask += [0] * len(fresh) + [1] * len(reply)
             branch.logp += [0.0] * len(fresh) + list(logp)
+            branch.versions += [-1] * len(fresh) + list(versions)
             branch.calls.append((start, start + len(fresh), len(branch.ids)))
             branch.history = [_canonical(m) for m in messages] + [_canonical(message)]
             branch.reasoning = message.get("reasoning_content")

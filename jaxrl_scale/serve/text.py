@@ -29,6 +29,7 @@ class ChoiceText:
         self.ids: list[int] = []
         self.logprobs: list[float] = []
         self.top: list[tuple[tuple[int, float], ...]] = []
+        self.versions: list[int] = []  # each kept token's policy version (where known)
         self.offsets: list[int] = []  # where each token's text starts in `text`
         self.text = ""
         self.finish: str | None = None
@@ -44,6 +45,8 @@ class ChoiceText:
             self.logprobs.append(delta.logprobs[k])
             if delta.top is not None:
                 self.top.append(delta.top[k])
+            if delta.versions is not None:
+                self.versions.append(delta.versions[k])
             before = len(self.text)
             self.text += self._step(
                 final=delta.finish is not None and k == len(delta.token_ids) - 1
