@@ -379,6 +379,7 @@ def train_run(run: Run) -> list[dict[str, Any]]:
             abandoned = getattr(feeder, "abandoned", 0)  # the generator thread's only
             _report_untrained(feeder.untrained(), abandoned, *run.worker.in_flight())
         clock.stop()
+        run.worker.close()
         run.checkpointer.close()
         metrics_log.close()
     return rows

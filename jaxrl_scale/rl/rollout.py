@@ -45,6 +45,7 @@ from jaxrl_scale.models.lora import merge_params, state_bytes
 from jaxrl_scale.models.policy import for_generation
 from jaxrl_scale.parallel import distributed, sharding
 from jaxrl_scale.rl.advantages import group_advantages
+from jaxrl_scale.rl.agents import EngineAgents, evaluate_agents
 from jaxrl_scale.rl.compute import batch_flops
 from jaxrl_scale.rl.curriculum import Curriculum
 from jaxrl_scale.rl.episodes import EngineEpisodes, EpisodeRunner
@@ -125,6 +126,9 @@ class RolloutWorker:
         # A multi-turn task's prompts come from its environments (rl/episodes.py): the
         # episode budget bounds them.
         self.episodic = hasattr(task, "make_env")
+        self.agent = _agent(cfg, task)
+        if self.agent is not None:  # its episodes are its calls: rl/agents.py
+            _check_agent_run(cfg, self.tok, self.episodic)
         if self.episodic and cfg.model.router_replay:
             raise ConfigError(
                 "model.router_replay: a multi-turn task's episodes record no experts (their "
@@ -136,7 +140,7 @@ class RolloutWorker:
                 "thinking interruption (use sampler.batching=static, or turn_tokens)"
             )
         examples = task.train_examples + task.eval_examples
-        if self.episodic:
+        if self.episodic or self.agent is not None:
             longest = cfg.task.max_episode_tokens
             self.longest_prompt = cfg.task.prompt_tokens  # (the memory check's)
         else:  # widest prompts are padded to
@@ -153,7 +157,13 @@ class RolloutWorker:
         self.continuous = None
         slots = s.slots or cfg.train.prompts_per_step * cfg.train.group_size
         self.episodes = None
-        if self.episodic:
+        self.graphdef, self.slots = graphdef, slots
+        if self.agent is not None:
+            self.continuous = EngineAgents(
+                cfg, graphdef, self.tok, task, self.agent, mesh=gen_mesh or mesh, slots=slots,
+                curriculum=self.curriculum, examples=task.train_examples,
+            )  # fmt: skip
+        elif self.episodic:
             envs = EnvRunner(workers=cfg.task.env_workers, timeout=cfg.task.env_timeout)
             if self.tok.chat_template is None:
                 _check_plain_environment(task, envs)
@@ -230,6 +240,11 @@ class RolloutWorker:
     def _encode(self, examples) -> list[list[int]]:
         return [self.tok.encode(e["prompt"]) for e in examples]
 
+    def close(self) -> None:
+        """Stop what serves an agent task's sessions (its server thread, its agent pool)."""
+        if self.agent is not None:
+            self.continuous.close()
+
     def in_flight(self) -> tuple[int, int]:
         """(prompts drawn into the engine and not handed over in a batch, rows of them already
         generating or generated): work the run's end leaves untrained."""
@@ -246,7 +261,7 @@ class RolloutWorker:
         on the slot engine stay queued, counted by `in_flight`."""
         cfg, g = self.cfg, self.cfg.train.group_size
         start = time.perf_counter()
-        if self.episodic:
+        if self.episodic or self.agent is not None:
             if cfg.batching == "continuous":
                 indices, ro, rewards, stats = self.continuous.next(params_for_chunk, key, oldest)
                 stats["slot_occupancy"] = self.continuous.occupancy
@@ -327,11 +342,52 @@ class RolloutWorker:
         evaluated without placing another copy beside the generator's."""
         frozen = (-1, self.to_generator(params) if placed is None else placed)
         examples = self.task.eval_examples
+        if self.agent is not None:
+            scores, counts = evaluate_agents(
+                self.cfg, self.graphdef, self.tok, self.task, self.agent, frozen[1], examples,
+                mesh=self.gen_mesh or self.mesh, slots=self.slots,
+            )  # fmt: skip
+            return held_out_row(scores, counts, examples)
         scores, counts = held_out_scores(
             self.cfg, self.scorer, self.generate, self.episodes if self.episodic else None,
             lambda chunk: frozen, examples, key,
         )  # fmt: skip
         return held_out_row(scores, counts, examples)
+
+
+def _agent(cfg: ExperimentConfig, task):
+    """The run's agent (`task.agent`'s import path, else the task's own `agent`), or None."""
+    if not cfg.task.agent:
+        return getattr(task, "agent", None)
+    from jaxrl_scale.tasks.user import import_factory
+
+    try:
+        return import_factory(cfg.task.agent)
+    except ConfigError as e:
+        raise ConfigError(str(e).replace("task.name", "task.agent", 1)) from None
+
+
+def _check_agent_run(cfg: ExperimentConfig, tok, episodic: bool) -> None:
+    if episodic:
+        raise ConfigError("task.agent: a task runs an agent or environments (make_env), not both")
+    if cfg.batching != "continuous":
+        raise ConfigError(
+            "sampler.batching: an agent's calls are served by the slot engine: set "
+            "sampler.batching=continuous"
+        )
+    if tok.chat_template is None:
+        raise ConfigError(
+            "model.init_from: an agent's calls are chat messages, rendered with the checkpoint's "
+            "chat template, and this tokenizer has none"
+        )
+    if cfg.model.router_replay or cfg.sampler.interruption is not None:
+        key = "model.router_replay" if cfg.model.router_replay else "sampler.interruption"
+        raise ConfigError(f"{key}: not with an agent task (set it off)")
+    if cfg.hosts.generator_groups:
+        raise ConfigError(
+            "hosts.generator_groups: agent tasks run colocated for now (generator jobs do "
+            "not serve sessions yet)"
+        )
 
 
 def held_out_scores(

@@ -39,7 +39,7 @@ from starlette.exceptions import HTTPException
 
 from jaxrl_scale.models import parsers
 from jaxrl_scale.serve import protocol
-from jaxrl_scale.serve.backend import Backend, Generation, QueueFull, Request
+from jaxrl_scale.serve.backend import Backend, Generation, QueueFull, Request, ShuttingDown
 from jaxrl_scale.serve.sessions import Session, SessionError, Sessions, digest
 from jaxrl_scale.serve.text import ChoiceText
 from jaxrl_scale.tasks.env import Observations
@@ -609,12 +609,15 @@ async def _generate(
     session the call is in, and what keeps an answered call in it."""
     max_new = _budget(served, prompt, req.max_new, "messages" if fmt.chat else "prompt")
     temperature = 1.0 if req.temperature is None else req.temperature
+    top_p = 1.0 if req.top_p is None else req.top_p
+    if session is not None and served.sessions.sampling is not None:  # a training run's
+        temperature, top_p = served.sessions.sampling
     request = Request(
         tuple(prompt),
         max_new,
         n=req.n,
         temperature=temperature,
-        top_p=1.0 if req.top_p is None else req.top_p,
+        top_p=top_p,
         seed=req.seed,
         top_logprobs=top_logprobs,
         not_before=None if session is None else session[0].not_before,
@@ -645,6 +648,8 @@ async def _generate(
         return Response(status_code=499)
     if isinstance(collect.exception(), ValueError):
         raise APIError(400, str(collect.exception()))
+    if isinstance(collect.exception(), ShuttingDown):
+        raise APIError(503, str(collect.exception()), "server_error")
     collect.result()  # anything else the engine raised: a 500, logged
     body = protocol.envelope(
         record.rid,
@@ -757,7 +762,8 @@ async def _stream(
         if req.include_usage:
             yield chunk([], usage=protocol.usage(len(prompt), record.completion))
     except Exception as e:  # noqa: BLE001 - the engine failed mid-stream: say so, then end
-        log.exception("%s failed mid-stream", record.rid)
+        if not isinstance(e, ShuttingDown | ValueError):  # (those say why themselves)
+            log.exception("%s failed mid-stream", record.rid)
         kind = "invalid_request_error" if isinstance(e, ValueError) else "server_error"
         record.note = f"error: {e}"
         yield _sse(protocol.error_body(str(e), kind))

@@ -19,6 +19,10 @@ class QueueFull(Exception):
     """More requests wait than the server holds (HTTP 429)."""
 
 
+class ShuttingDown(RuntimeError):
+    """The backend is closing: a request it took or is offered ends with this (HTTP 503)."""
+
+
 @dataclasses.dataclass(frozen=True)
 class Request:
     """One completion request, in token ids: `n` choices of up to `max_new` tokens each after

@@ -23,7 +23,14 @@ from flax import nnx
 
 from jaxrl_scale.generation.engine import RowSampling, SlotEngine
 from jaxrl_scale.generation.sampler import EOS, Sampling
-from jaxrl_scale.serve.backend import MAX_TOP_LOGPROBS, Delta, Generation, QueueFull, Request
+from jaxrl_scale.serve.backend import (
+    MAX_TOP_LOGPROBS,
+    Delta,
+    Generation,
+    QueueFull,
+    Request,
+    ShuttingDown,
+)
 
 log = logging.getLogger("jaxrl_scale.serve")
 
@@ -106,7 +113,7 @@ class EngineBackend:
         generation = Generation(request, loop, self)
         with self._lock:
             if self._closed:
-                raise RuntimeError("the server is shutting down")
+                raise ShuttingDown("the server is shutting down")
             if self._waiting >= self.max_queue:
                 raise QueueFull(f"{self._waiting} requests are waiting for a slot")
             self._waiting += 1
@@ -130,7 +137,7 @@ class EngineBackend:
         if self._thread is not None:
             self._thread.join(timeout)
         else:  # driven: the owner's thread, which owns the engine, is this one
-            self._fail_all(RuntimeError("the server shut down"))
+            self._fail_all(ShuttingDown("the server shut down"))
 
     # ------------------------------------------------------------------ driven
 
@@ -165,7 +172,7 @@ class EngineBackend:
                 inbox, self._inbox = self._inbox, []
                 closed = self._closed
             if closed:
-                error = RuntimeError("the server shut down")
+                error = ShuttingDown("the server shut down")
                 self._fail_all(error)
                 for kind, item in inbox:  # taken, never submitted: they learn it too
                     if kind == "submit":

@@ -52,6 +52,36 @@ def run_server(app, host: str, port: int) -> None:
     server.run(sockets=[sock])
 
 
+class Background:
+    """`app` served by uvicorn on a thread of this process, on 127.0.0.1 and a free port
+    (`url`), until `close` (a trainer's sessions for its agents: rl/agents.py)."""
+
+    def __init__(self, app, timeout: float = 60.0):
+        import threading
+        import time
+
+        import uvicorn
+
+        sock = socket.create_server(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+        config = uvicorn.Config(
+            app, log_level="warning", access_log=False, lifespan="off", timeout_graceful_shutdown=1
+        )
+        self._server = uvicorn.Server(config)
+        self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [sock]},
+                                        name="jaxrl-agent-server", daemon=True)  # fmt: skip
+        self._thread.start()
+        deadline = time.monotonic() + timeout
+        while not self._server.started:
+            if not self._thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError("the agents' OpenAI server did not start")
+            time.sleep(0.01)
+
+    def close(self, timeout: float = 15.0) -> None:
+        self._server.should_exit = True
+        self._thread.join(timeout)
+
+
 def _family(host: str) -> socket.AddressFamily:
     try:
         return socket.AF_INET6 if ipaddress.ip_address(host).version == 6 else socket.AF_INET

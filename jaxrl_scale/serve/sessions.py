@@ -68,6 +68,7 @@ class Session:
     open: bool = True
     calls: int = 0
     branches: list[Branch] = dataclasses.field(default_factory=list)
+    last: int = -1  # the branch of the newest call
     answered: dict[str, Any] = dataclasses.field(default_factory=dict)  # body digest -> reply
     live: set = dataclasses.field(default_factory=set)  # generations in flight
 
@@ -89,11 +90,14 @@ class SessionError(Exception):
 
 class Sessions:
     """The sessions of a server, by id (unique for the registry's life: a counter and a
-    random part)."""
+    random part). `sampling`: (temperature, top_p) every session call samples with, whatever
+    it asks (a training run's: the behaviour log-probs the loss expects); None: the call's."""
 
-    def __init__(self):
+    def __init__(self, sampling: tuple[float, float] | None = None):
+        self.sampling = sampling
         self._lock = threading.Lock()
         self._sessions: dict[str, Session] = {}
+        self._ended: dict[str, Session] = {}  # closed with `keep`, until closed again
         self._count = itertools.count()
 
     def open(self, not_before: int | None = None) -> tuple[str, str]:
@@ -105,11 +109,16 @@ class Sessions:
             self._sessions[sid] = Session(sid, secret, not_before)
         return sid, secret
 
-    def close(self, sid: str) -> Session:
+    def close(self, sid: str, keep: bool = False) -> Session:
         """End session `sid`: later calls are refused, calls in flight are cancelled (their
-        replies are not kept). Returns it, branches and all; the registry forgets it."""
+        replies are not kept). Returns it, branches and all; the registry forgets it, or with
+        `keep` holds it until it is closed again (which returns it)."""
         with self._lock:
-            session = self._sessions.pop(sid)
+            session = self._sessions.pop(sid, None)
+            if session is None:
+                return self._ended.pop(sid)
+            if keep:
+                self._ended[sid] = session
             session.open = False
             live, session.live = list(session.live), set()
         for generation in live:
@@ -194,6 +203,7 @@ class Sessions:
             branch.reasoning = message.get("reasoning_content")
             branch.tools = _tools_key(tools)
             branch.ended_with = ended_with
+            session.last = branch.index
             return branch
 
     def answered(self, session: Session, digest: str) -> Any:

@@ -161,6 +161,12 @@ class TaskConfig:
     env_workers: int = 16
     env_timeout: float = 60.0
     tool_timeout: float = 10.0  # seconds a tool call may take (tasks/tools.py)
+    # Agent tasks (rl/agents.py): `agent(base_url, api_key, example) -> reward` as an import
+    # path 'package.module:function' ("": the task object's own `agent`), threads running
+    # agents at once, seconds an agent's episode may take.
+    agent: str = ""
+    agent_workers: int = 32
+    agent_timeout: float = 600.0
     # name: mixture: the domains and their weights (tasks/mixture.py), e.g.
     # [{name: math, weight: 1}, {name: code, weight: 1}]
     mixture: tuple[MixtureComponent, ...] = ()
@@ -208,6 +214,13 @@ class TaskConfig:
         require(self.env_workers >= 1, "task.env_workers", "must be >= 1")
         require(self.env_timeout > 0, "task.env_timeout", "must be > 0")
         require(self.tool_timeout > 0, "task.tool_timeout", "must be > 0")
+        require(
+            not self.agent or ":" in self.agent,
+            "task.agent",
+            f"{self.agent!r} is not an import path 'package.module:function'",
+        )
+        require(self.agent_workers >= 1, "task.agent_workers", "must be >= 1")
+        require(self.agent_timeout > 0, "task.agent_timeout", "must be > 0")
         require(self.score_timeout > 0, "task.score_timeout", "must be > 0")
         require(
             0 <= self.max_failure_fraction <= 1,

@@ -109,17 +109,21 @@ class UserTask:
         tool_timeout: float = 10.0,
         reward_weights: Mapping[str, float] | None = None,
     ):
-        # An environment task (`make_env`, tasks/env.py) rewards episodes: it needs no `score`.
-        needed = ("train_examples", "eval_examples") + (
-            () if hasattr(obj, "make_env") else ("score",)
-        )
+        # An environment task (`make_env`, tasks/env.py) rewards episodes, an agent task
+        # (`agent`, rl/agents.py) its agent's: neither needs a `score`.
+        episodic = hasattr(obj, "make_env") or hasattr(obj, "agent")
+        needed = ("train_examples", "eval_examples") + (() if episodic else ("score",))
         missing = [a for a in needed if not hasattr(obj, a)]
         if missing:
             raise ConfigError(
                 f"task.name: {label} gave a {type(obj).__name__} without {', '.join(missing)} "
                 "(see jaxrl_scale.tasks.Task)"
             )
-        if not callable(getattr(obj, "score", None) or getattr(obj, "make_env", None)):
+        if not callable(
+            getattr(obj, "score", None)
+            or getattr(obj, "make_env", None)
+            or getattr(obj, "agent", None)
+        ):
             raise ConfigError(f"task.name: {label}'s score is not callable")
         self.obj, self.name = obj, getattr(obj, "name", label)
         self.tokenizer = tokenizer or getattr(obj, "tokenizer", None)  # the model's first
@@ -142,7 +146,7 @@ class UserTask:
             )
             train = train[:num_train]
         self.train_examples, self.eval_examples = train, held_out[: num_eval or None]
-        for optional in ("score_many", "stats", "make_env"):  # batches; episodes (env.py)
+        for optional in ("score_many", "stats", "make_env", "agent"):  # batches; episodes
             if hasattr(obj, optional):
                 setattr(self, optional, getattr(obj, optional))
         if getattr(obj, "tools", None) and not hasattr(obj, "make_env"):  # tool episodes
@@ -161,8 +165,12 @@ class UserTask:
         return [self._example(row, f"{label}'s {what}[{i}]") for i, row in enumerate(rows)]
 
     def _example(self, row, where: str) -> dict:
-        if isinstance(row, Mapping) and "prompt" not in row and hasattr(self.obj, "make_env"):
-            return dict(row)  # its environment's reset gives the prompt
+        if (
+            isinstance(row, Mapping)
+            and "prompt" not in row
+            and (hasattr(self.obj, "make_env") or hasattr(self.obj, "agent"))
+        ):
+            return dict(row)  # its environment's reset, or its agent, gives the prompt
         if not isinstance(row, Mapping) or "prompt" not in row:
             raise ConfigError(f"task: {where} is not a dict with a 'prompt': {row!r:.120}")
         prompt = row["prompt"]

@@ -1,0 +1,327 @@
+"""Agent tasks: the user's agent, written against the OpenAI API, trained through a session URL
+on the trainer's own slot engine.
+
+    def agent(base_url, api_key, example):          # sync or async
+        client = openai.OpenAI(base_url=base_url, api_key=api_key)
+        ...                                         # any number of calls, tools, thinking
+        return reward                               # a float, or named parts (as `score`)
+
+Each of a batch's `train.prompts_per_step` x `train.group_size` episodes opens a session
+(serve/sessions.py) and runs `agent(base_url, api_key, example)` on a thread of the agent pool
+(`task.agent_workers`), `base_url` being `.../sessions/<id>/v1` on an OpenAI server of this
+process (127.0.0.1, a free port) in front of the slot engine, which this module drives from
+the feeding thread with the newest weights at every run (`EngineBackend.drive`): the tokens
+carry their policy versions, and a batch's calls are held until the version its staleness
+bound allows. The engine never waits for an agent: while one thinks or runs its tools, the
+other sessions' calls fill the slots.
+
+An episode's sample is the branch its last call continued (serve/sessions.py: the exact ids,
+sampled ones masked 1), with the agent's reward; the group's advantages compare the G
+episodes of one example. The sampling settings are the run's (`sampler.temperature`,
+`sampler.top_p`): an agent's own are not used, so the behaviour log-probs are those the loss
+expects. An agent that raises, returns a non-number or outlives `task.agent_timeout` (its
+session is then closed: its later calls fail), or that made no call: its episode is left out
+of the loss, counted (`agent_errors`, `agent_timeouts`, `agent_idle`), and the run goes on.
+Branches beyond an episode's first (histories the agent edited) are counted
+(`agent_branches`); only the last one trains.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures as cf
+import dataclasses
+import inspect
+import math
+import numbers
+import time
+from collections.abc import Mapping
+
+import jax
+import numpy as np
+from flax import nnx
+
+from jaxrl_scale.rl.episodes import Episode, EpisodeRunner
+from jaxrl_scale.rl.pipeline import ParamsForChunk
+from jaxrl_scale.serve.app import make_app
+from jaxrl_scale.serve.engine import EngineBackend
+from jaxrl_scale.serve.server import Background
+from jaxrl_scale.serve.sessions import Sessions
+
+MODEL = "policy"  # the model id the sessions serve (`/models`)
+
+
+@dataclasses.dataclass(eq=False)
+class _Run:
+    """One agent episode (the feeding thread's)."""
+
+    example: int
+    session: str
+    future: cf.Future
+    start: float
+    deadline: float
+    timed_out: bool = False
+
+
+@dataclasses.dataclass
+class _Batch:
+    indices: np.ndarray
+    runs: list[_Run]
+    tag: object
+    start: float
+
+
+class EngineAgents:
+    """A run's agent episodes on a slot engine of `slots` rows (see the module docstring).
+    The same interface as `EngineEpisodes` (`next`, `in_flight`, `cursor`, `release`,
+    `occupancy`); owned by the feeding thread."""
+
+    def __init__(self, cfg, graphdef, tok, task, agent, *, mesh, slots: int, curriculum,
+                 examples):  # fmt: skip
+        self.cfg, self.graphdef, self.tok, self.task, self.agent = cfg, graphdef, tok, task, agent
+        self.mesh, self.slots, self.curriculum, self.examples = mesh, slots, curriculum, examples
+        self.runner = EpisodeRunner(cfg, task, tok, None, None)  # settles groups, makes rows
+        s = cfg.sampler
+        self.sessions = Sessions(sampling=(s.temperature, s.top_p))
+        self.backend: EngineBackend | None = None  # built with the first weights
+        self.server: Background | None = None
+        self.pool = cf.ThreadPoolExecutor(cfg.task.agent_workers, thread_name_prefix="jaxrl-agent")
+        self.queued: list[_Batch] = []
+        self.version = -1
+        self.chunk = 0
+        self._fresh = None  # (version, params) asked for, not yet run
+        self.occupancy = 0.0
+        self._counts = (0, 0)
+
+    @property
+    def engine(self):
+        return None if self.backend is None else self.backend.engine
+
+    # ------------------------------------------------------------------ episodes
+
+    def _start(self, params) -> None:
+        t = self.cfg.task
+        model = nnx.merge(self.graphdef, params)
+        self.backend = EngineBackend(
+            model, self.tok, slots=self.slots, context=t.max_episode_tokens,
+            prompt_len=t.prompt_tokens or None, max_queue=max(64, 4 * self.slots),
+            steps=self.cfg.sampler.admit_every, mesh=self.mesh, model_name=MODEL, thread=False,
+        )  # fmt: skip
+        self.server = Background(make_app(self.backend, self.tok, sessions=self.sessions))
+
+    def queue(self, indices, oldest: int | None, tag=None, examples=None, repeat=None) -> _Batch:
+        """Start `repeat` (train.group_size) agent episodes of each of `examples[indices]`,
+        their calls held until the version is at least `oldest`."""
+        examples = self.examples if examples is None else examples
+        repeat = repeat or self.cfg.train.group_size
+        now = time.perf_counter()
+        batch = _Batch(np.asarray(indices), [], tag, now)
+        for i in indices:
+            for _ in range(repeat):
+                sid, secret = self.sessions.open(not_before=oldest)
+                url = f"{self.server.url}/sessions/{sid}/v1"
+                future = self.pool.submit(_call_agent, self.agent, url, secret, examples[i])
+                batch.runs.append(_Run(int(i), sid, future, now, now + self.cfg.task.agent_timeout))
+        self.queued.append(batch)
+        return batch
+
+    def _timeouts(self, batch: _Batch) -> None:
+        now = time.perf_counter()
+        for run in batch.runs:
+            if not run.future.done() and not run.timed_out and now > run.deadline:
+                run.timed_out = True
+                self.sessions.close(run.session, keep=True)  # its later calls fail
+
+    def _done(self, batch: _Batch) -> bool:
+        self._timeouts(batch)
+        return all(run.future.done() or run.timed_out for run in batch.runs)
+
+    def complete(self) -> bool:
+        return bool(self.queued) and self._done(self.queued[0])
+
+    def step(self, params_for_chunk: ParamsForChunk) -> None:
+        """One engine run with the newest weights, or (nothing to decode) a short wait for
+        the agents."""
+        if self._fresh is None:
+            if self.engine is not None and self.engine.busy:
+                jax.block_until_ready(self.engine.state.done)
+            self._fresh = params_for_chunk(self.chunk)
+            self.chunk += 1
+        version, params = self._fresh
+        if self.backend.drive(params, version):
+            self.version, self._fresh = version, None
+            return
+        waiting = [r.future for b in self.queued for r in b.runs if not r.future.done()]
+        cf.wait(waiting, timeout=0.005, return_when=cf.FIRST_COMPLETED)
+
+    def pop(self):
+        """(prompt indices, Rollout on the host, rewards [B] (NaN: not trained), stats, tag)
+        of the oldest queued batch, once `complete`."""
+        batch = self.queued.pop(0)
+        if self.engine is not None:
+            counts = (self.engine.steps, self.engine.slot_steps)
+            steps, busy = (now - then for now, then in zip(counts, self._counts, strict=True))
+            if steps:
+                self.occupancy, self._counts = busy / (self.slots * steps), counts
+        episodes, stats = self._episodes(batch)
+        rewards = self.runner.settle_groups(episodes, len(batch.runs) // len(batch.indices))
+        return batch.indices, self.runner.rollout(episodes), rewards, stats, batch.tag
+
+    def _episodes(self, batch: _Batch) -> tuple[list[Episode], dict]:
+        counts = dict.fromkeys(("agent_errors", "agent_timeouts", "agent_idle"), 0)
+        calls, seconds, branches, now = [], [], 0, time.perf_counter()
+        weights = {**(getattr(self.task, "reward_weights", None) or {}),
+                   **self.cfg.task.reward_weights}  # fmt: skip
+        episodes = []
+        for run in batch.runs:
+            session = self.sessions.close(run.session)
+            ep = Episode(None, done=True)
+            episodes.append(ep)
+            seconds.append(now - run.start)
+            if run.timed_out:
+                ep.dropped = "agent_timeouts"
+            else:
+                try:
+                    ep.reward = _reward(run.future.result(), weights)
+                except Exception as e:  # noqa: BLE001 - the agent's failure: counted, dropped
+                    ep.dropped, ep.error = "agent_errors", f"{type(e).__name__}: {e}"
+                    self.runner._warn_once(
+                        "agent", f"an agent failed ({ep.error}); its episode is left out of "
+                        "the loss, later failures are only counted (agent_errors)",
+                    )  # fmt: skip
+            calls.append(session.calls)
+            branches += max(len(session.branches) - 1, 0)
+            if not session.branches:
+                ep.dropped = ep.dropped or "agent_idle"
+            else:
+                b = session.branches[session.last]
+                start = b.calls[0][1]
+                ep.prompt, ep.tokens = b.ids[:start], b.ids[start:]
+                ep.mask = [float(m) for m in b.mask[start:]]
+                ep.logp, ep.versions = b.logp[start:], b.versions[start:]
+                ep.turns = len(b.calls)
+            if ep.dropped in counts:
+                counts[ep.dropped] += 1
+        stats = {
+            **counts,
+            "agent_calls_mean": float(np.mean(calls)),
+            "agent_seconds": float(np.mean(seconds)),
+            "agent_branches": branches,
+            "turns_mean": float(np.mean([ep.turns for ep in episodes])),
+            "episode_seconds": now - batch.start,
+        }
+        return episodes, stats
+
+    def next(self, params_for_chunk: ParamsForChunk, key, oldest: int | None):
+        """(prompt indices, Rollout on the host, rewards [B], stats) of the oldest queued
+        batch once every one of its episodes has ended; `oldest` as `EngineBatches.next`."""
+        if self.backend is None:
+            self._fresh = params_for_chunk(0)
+            self._start(self._fresh[1])
+            self._fresh = None
+        ahead = 2 if self.cfg.pipeline.mode == "pipeline_rl" else 1
+        while len(self.queued) < ahead:
+            cursor = (self.curriculum.epoch, self.curriculum.position)
+            indices = self.curriculum.next_batch(self.cfg.train.prompts_per_step)
+            bound = None if oldest is None else oldest + len(self.queued)
+            self.queue(indices, bound, tag=cursor)
+        self._fresh, self.chunk = params_for_chunk(0), 1
+        while not self.complete():
+            self.step(params_for_chunk)
+        self._fresh = None
+        indices, ro, rewards, stats, _ = self.pop()
+        return indices, ro, rewards, stats
+
+    def in_flight(self) -> tuple[int, int]:
+        prompts = sum(len(b.indices) for b in self.queued)
+        return prompts, sum(not r.future.done() for b in self.queued for r in b.runs)
+
+    def cursor(self) -> tuple[int, int] | None:
+        return self.queued[0].tag if self.queued else None
+
+    def release(self) -> None:
+        """Nothing to free between batches: the engine serves its sessions for the run's life."""
+
+    def close(self) -> None:
+        """End the run's agents: their sessions closed (their calls in flight and later ones
+        fail, so the agents end), the engine's requests failed, then the server stopped."""
+        for batch in self.queued:
+            for run in batch.runs:
+                if not run.timed_out:
+                    self.sessions.close(run.session)
+        self.queued = []
+        if self.backend is not None:
+            self.backend.close()
+        if self.server is not None:
+            self.server.close()
+        self.pool.shutdown(wait=False, cancel_futures=True)
+
+
+def evaluate_agents(cfg, graphdef, tok, task, agent, params, examples, *, mesh, slots: int):
+    """[examples, k] rewards of `k` = train.eval_samples agent episodes of each held-out
+    example with `params` (fixed; train.eval_temperature), a failed episode 0, and the
+    counts. On an engine, server and sessions of its own, with a thread of its own: the
+    training engine belongs to the feeding thread, which may be generating meanwhile."""
+    t, k = cfg.task, cfg.train.eval_samples
+    backend = EngineBackend(
+        nnx.merge(graphdef, params), tok, slots=slots, context=t.max_episode_tokens,
+        prompt_len=t.prompt_tokens or None, max_queue=max(64, 4 * slots),
+        steps=cfg.sampler.admit_every, mesh=mesh, model_name=MODEL,
+    )  # fmt: skip
+    sessions = Sessions(sampling=(cfg.train.eval_temperature, 1.0))
+    server = Background(make_app(backend, tok, sessions=sessions))
+    pool = cf.ThreadPoolExecutor(t.agent_workers, thread_name_prefix="jaxrl-agent-eval")
+    weights = {**(getattr(task, "reward_weights", None) or {}), **t.reward_weights}
+    try:
+        runs = []
+        for example in examples:
+            for _ in range(k):
+                sid, secret = sessions.open()
+                url = f"{server.url}/sessions/{sid}/v1"
+                runs.append((sid, pool.submit(_call_agent, agent, url, secret, example)))
+        done, _ = cf.wait([f for _, f in runs], timeout=t.agent_timeout)
+        rewards, counts = [], {"agent_errors": 0, "agent_timeouts": 0}
+        for sid, future in runs:
+            sessions.close(sid)
+            if future not in done:
+                counts["agent_timeouts"] += 1
+                rewards.append(0.0)
+                continue
+            try:
+                rewards.append(_reward(future.result(), weights))
+            except Exception:  # noqa: BLE001 - counted; the episode scores 0 here
+                counts["agent_errors"] += 1
+                rewards.append(0.0)
+        return np.array(rewards).reshape(len(examples), k), counts
+    finally:
+        server.close()
+        backend.close()
+        pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _call_agent(agent, base_url: str, api_key: str, example: dict):
+    """On an agent thread: the agent's episode, run to its end (an async agent on an event
+    loop of its own)."""
+    out = agent(base_url, api_key, example)
+    if inspect.isawaitable(out):
+        out = asyncio.run(_awaited(out))
+    return out
+
+
+async def _awaited(awaitable):
+    return await awaitable
+
+
+def _reward(value, weights: Mapping[str, float]) -> float:
+    """An agent's return as a reward: a number, or named parts summed with their weights."""
+    if isinstance(value, Mapping):
+        return _number(sum(weights.get(str(k), 1.0) * _number(v) for k, v in value.items()))
+    return _number(value)
+
+
+def _number(value) -> float:
+    if not isinstance(value, numbers.Real):
+        raise TypeError(f"the agent returned a {type(value).__name__}, not a number: {value!r:.80}")
+    if not math.isfinite(float(value)):
+        raise ValueError(f"the agent returned {value}")
+    return float(value)

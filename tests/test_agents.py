@@ -1,0 +1,99 @@
+"""Agent tasks (rl/agents.py): the user's agent, an OpenAI-SDK program, trained through its
+session URL on the trainer's own slot engine; failures counted, the run going on."""
+
+from __future__ import annotations
+
+import shutil
+import time
+
+import numpy as np
+import openai
+import pytest
+from conftest import FIXTURES, HF_FIXTURES, TINY_CONFIG
+
+from jaxrl_scale.config import load_config
+from jaxrl_scale.train import train
+
+RUN = [
+    "task.num_train=8", "task.num_eval=4", "task.max_episode_tokens=160",
+    "task.agent_timeout=60", "train.prompts_per_step=2", "train.group_size=2",
+    "train.steps=2", "train.eval_every=2", "train.eval_samples=1", "warm_start.steps=0",
+    "sampler.batching=continuous", "sampler.interruption=null", "sampler.slots=4",
+    "checkpoint.every=0", "mesh.data=1", "pipeline.mode=sync", "forecast.every=0",
+]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def instruct(tmp_path_factory):
+    """The tiny Qwen2 checkpoint with the published Qwen2.5 chat template."""
+    folder = tmp_path_factory.mktemp("instruct")
+    for f in (HF_FIXTURES / "qwen2").iterdir():
+        shutil.copy(f, folder / f.name)
+    shutil.copy(FIXTURES / "chat_templates" / "qwen2.5.jinja", folder / "chat_template.jinja")
+    return folder
+
+
+class Sums:
+    """An agent task: add two numbers with a calculator tool, in two calls (the second after
+    the tool's answer); examples may ask the agent to fail or to hang."""
+
+    def __init__(self, bad: dict | None = None):
+        rng = np.random.default_rng(0)
+        rows = [{"a": int(a), "b": int(b)} for a, b in rng.integers(0, 50, (12, 2))]
+        for i, what in (bad or {}).items():
+            rows[i] = {**rows[i], what: True}
+        self.train_examples, self.eval_examples = rows[:8], rows[8:]
+        self.calls: list[dict] = []  # what the agent saw (the agents' threads append)
+
+    def agent(self, base_url, api_key, example):
+        if example.get("raise"):
+            raise RuntimeError("the agent's own bug")
+        if example.get("hang"):
+            time.sleep(8)
+        client = openai.OpenAI(base_url=base_url, api_key=api_key, max_retries=0)
+        tools = [{"type": "function", "function": {
+            "name": "add", "parameters": {"type": "object", "properties": {
+                "a": {"type": "integer"}, "b": {"type": "integer"}}}}}]  # fmt: skip
+        messages = [{"role": "user", "content": f"What is {example['a']} + {example['b']}?"}]
+        first = client.chat.completions.create(
+            model="policy", messages=messages, tools=tools, max_tokens=8, temperature=0.3,
+            extra_body={"return_token_ids": True},
+        )  # fmt: skip
+        reply = first.choices[0].message
+        messages += [reply.model_dump(exclude_none=True),
+                     {"role": "user", "content": str(example["a"] + example["b"])}]  # fmt: skip
+        second = client.chat.completions.create(
+            model="policy", messages=messages, tools=tools, max_tokens=8,
+            extra_body={"return_token_ids": True},
+        )  # fmt: skip
+        self.calls.append({"url": base_url, "first": first, "second": second})
+        return float(str(example["a"] + example["b"]) in (second.choices[0].message.content or ""))
+
+
+def test_an_sdk_agent_trains_through_its_session_urls(instruct, tmp_path):
+    task = Sums()
+    cfg = load_config(TINY_CONFIG, [*RUN, f"model.init_from={instruct}"])
+    rows = train(cfg, tmp_path / "run", task=task)
+    assert [r["step"] for r in rows if "loss" in r] == [1, 2]
+    for r in rows[1:]:
+        assert r["agent_calls_mean"] == 2 and r["agent_errors"] == 0 == r["agent_timeouts"]
+        assert r["agent_branches"] == 0 and r["episodes_trained"] == 4 and r["gen_tokens"] > 0
+    assert "eval_pass_rate" in rows[-1] and "eval_pass_rate" in rows[0]
+    urls = [c["url"] for c in task.calls]
+    assert len(set(urls)) == len(urls) and all("/sessions/" in u for u in urls)
+    for c in task.calls:  # token in, token out: the second call extends the first's ids
+        first, second = c["first"], c["second"]
+        kept = first.model_extra["prompt_token_ids"] + first.choices[0].model_extra["token_ids"]
+        assert second.model_extra["prompt_token_ids"][: len(kept)] == kept
+
+
+def test_agents_that_raise_or_hang_are_counted_and_dropped(instruct, tmp_path):
+    # 6 of the 8 training examples fail: a step's 2 draw at least one of them.
+    task = Sums(bad={0: "raise", 1: "hang", 2: "raise", 3: "hang", 4: "raise", 5: "hang"})
+    overrides = [*RUN, f"model.init_from={instruct}", "task.agent_timeout=3", "train.steps=1",
+                 "train.eval_every=0"]  # fmt: skip
+    rows = train(load_config(TINY_CONFIG, overrides), tmp_path / "run", task=task)
+    (row,) = [r for r in rows if r["step"] == 1]
+    failed = row["agent_errors"] + row["agent_timeouts"]
+    assert failed in (2, 4)  # each example's 2 episodes fail alike
+    assert row["episodes_trained"] == 4 - failed
