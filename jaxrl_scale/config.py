@@ -40,6 +40,7 @@ from jaxrl_scale.parallel.config import DistributedConfig, MeshConfig
 from jaxrl_scale.rl.config import (
     CheckpointConfig,
     CurriculumConfig,
+    LogConfig,
     LossConfig,
     OptimConfig,
     PipelineConfig,
@@ -52,8 +53,9 @@ __all__ = [
     "ASSET", "ArithmeticConfig", "CheckpointConfig", "ConfigError", "CountdownConfig",
     "CurriculumConfig", "DType", "DistributedConfig", "ExperimentConfig", "ForecastConfig",
     "HostsConfig", "InterruptionConfig", "LORA_GROUPS", "LORA_TARGETS", "LoRAConfig",
-    "LossConfig", "MathConfig", "MeshConfig", "ModelConfig", "OptimConfig", "PipelineConfig",
-    "RopeScalingConfig", "SamplerConfig", "TaskConfig", "TrainConfig", "WarmStartConfig",
+    "LogConfig", "LossConfig", "MathConfig", "MeshConfig", "ModelConfig", "OptimConfig",
+    "PipelineConfig", "RopeScalingConfig", "SamplerConfig", "TaskConfig", "TrainConfig",
+    "WarmStartConfig",
     "apply_overrides", "asset_path", "check_sampling", "check_thinking_budget", "dump_config",
     "from_dict", "load_config", "parse_override", "resolve_paths", "to_dict",
 ]  # fmt: skip
@@ -76,6 +78,7 @@ class ExperimentConfig:
     forecast: ForecastConfig = dataclasses.field(default_factory=ForecastConfig)
     distributed: DistributedConfig = dataclasses.field(default_factory=DistributedConfig)
     hosts: HostsConfig = dataclasses.field(default_factory=HostsConfig)
+    log: LogConfig = dataclasses.field(default_factory=LogConfig)
 
     def __post_init__(self):
         if self.hosts.generator_groups:

@@ -248,6 +248,11 @@ def train_run(run: Run) -> list[dict[str, Any]]:
     metrics_log = MetricsWriter(
         run.out, resume_step=start.step if run.resumed else None, enabled=distributed.is_main()
     )
+    samples_log = MetricsWriter(  # log.rollouts: samples of each step's batch
+        run.out, tensorboard=False, name="rollouts.jsonl",
+        resume_step=start.step if run.resumed else None,
+        enabled=distributed.is_main() and cfg.log.rollouts > 0,
+    )  # fmt: skip
     forecasts = _Forecasts(cfg, worker.task)  # the eval curve's, and each domain's
     rows: list[dict[str, Any]] = []
     t = cfg.train
@@ -337,6 +342,8 @@ def train_run(run: Run) -> list[dict[str, Any]]:
             ready = time.perf_counter()
             ro = feeder.next()
             waited = time.perf_counter() - ready
+            for sample in ro.samples or ():
+                samples_log.write({"step": step, **sample})
             _charge_dropped(feeder.take_dropped(), totals)
             totals["lost_rows"] += feeder.take_lost_rows() if source is None else 0
             staleness = _staleness(ro.versions, version=step - 1, k=staleness_bound(cfg.pipeline))
@@ -382,6 +389,7 @@ def train_run(run: Run) -> list[dict[str, Any]]:
         run.worker.close()
         run.checkpointer.close()
         metrics_log.close()
+        samples_log.close()
     return rows
 
 

@@ -79,6 +79,10 @@ def test_an_sdk_agent_trains_through_its_session_urls(instruct, tmp_path):
         assert r["agent_calls_mean"] == 2 and r["agent_errors"] == 0 == r["agent_timeouts"]
         assert r["agent_branches"] == 0 and r["episodes_trained"] == 4 and r["gen_tokens"] > 0
     assert "eval_pass_rate" in rows[-1] and "eval_pass_rate" in rows[0]
+    from test_metrics import _documented_keys
+
+    agent_keys = {k for r in rows for k in r if k.startswith("agent_")}
+    assert len(agent_keys) == 6 and agent_keys <= _documented_keys()
     urls = [c["url"] for c in task.calls]
     assert len(set(urls)) == len(urls) and all("/sessions/" in u for u in urls)
     for c in task.calls:  # token in, token out: the second call extends the first's ids

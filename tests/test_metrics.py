@@ -66,7 +66,8 @@ def test_every_key_a_run_logs_is_in_the_metrics_reference(tmp_path, monkeypatch)
         "mixture": ["task.name=mixture", "task.num_train=32", "pipeline.mode=sync",
                     "task.mixture=[{name: arithmetic, domain: a}, {name: arithmetic, domain: b}]",
                     "train.steps=5", "train.eval_every=1", "forecast.c_min_fraction=0"],
-        "lora_packed": ["pipeline.mode=pipeline_rl", "model.lora.rank=4", "train.packing=true"],
+        "lora_packed": ["pipeline.mode=pipeline_rl", "model.lora.rank=4", "train.packing=true",
+                        "log.rollouts=2"],
     }  # fmt: skip
     logged: set[str] = set()
     for name, overrides in runs.items():
@@ -92,3 +93,12 @@ def test_every_key_a_run_logs_is_in_the_metrics_reference(tmp_path, monkeypatch)
         assert key in logged, key
     missing = sorted(k for k in logged if not is_documented(k))
     assert not missing, f"logged but not in docs/training.md's metrics reference: {missing}"
+    # log.rollouts: 2 samples per step, each its sequence with the train mask over it.
+    samples = [json.loads(x) for x in (tmp_path / "lora_packed" / "rollouts.jsonl").open()]
+    assert [s["step"] for s in samples] == [1, 1, 2, 2]
+    for s in samples:
+        n = len(s["tokens"])
+        assert len(s["mask"]) == len(s["logp"]) == len(s["versions"]) == n
+        first = s["mask"].index(1)  # the prompt: mask 0; then the completion, sampled
+        assert set(s["mask"][:first]) == {0} and sum(s["mask"]) == n - first
+        assert s["text"] and isinstance(s["advantage"], float)

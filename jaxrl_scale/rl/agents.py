@@ -92,6 +92,7 @@ class EngineAgents:
         self._fresh = None  # (version, params) asked for, not yet run
         self.occupancy = 0.0
         self._counts = (0, 0)
+        self.meta: list[dict] = []  # the last batch's rows: session, branch, calls
 
     @property
     def engine(self):
@@ -164,6 +165,7 @@ class EngineAgents:
             if steps:
                 self.occupancy, self._counts = busy / (self.slots * steps), counts
         episodes, stats = self._episodes(batch)
+        self.meta = [ep.meta for ep in episodes]
         rewards = self.runner.settle_groups(episodes, len(batch.runs) // len(batch.indices))
         return batch.indices, self.runner.rollout(episodes), rewards, stats, batch.tag
 
@@ -176,6 +178,7 @@ class EngineAgents:
         for run in batch.runs:
             session = self.sessions.close(run.session)
             ep = Episode(None, done=True)
+            ep.meta = {"session": run.session, "branch": None, "calls": []}
             episodes.append(ep)
             seconds.append(now - run.start)
             if run.timed_out:
@@ -200,6 +203,8 @@ class EngineAgents:
                 ep.mask = [float(m) for m in b.mask[start:]]
                 ep.logp, ep.versions = b.logp[start:], b.versions[start:]
                 ep.turns = len(b.calls)
+                # The calls' (start, reply start, end) in the sample's tokens.
+                ep.meta.update(branch=b.index, calls=[list(c) for c in b.calls])
             if ep.dropped in counts:
                 counts[ep.dropped] += 1
         stats = {

@@ -197,3 +197,14 @@ class CheckpointConfig:
     def __post_init__(self):
         require(self.every >= 0, "checkpoint.every", "must be >= 0")
         require(self.keep >= 1, "checkpoint.keep", "must be >= 1")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class LogConfig:
+    # Samples per step written to rollouts.jsonl in the run directory (0: none): each
+    # sequence's ids, its train mask, behaviour log-probs, policy versions, reward and
+    # advantage, its text; an agent episode's session, branch and call boundaries too.
+    rollouts: int = 0
+
+    def __post_init__(self):
+        require(self.rollouts >= 0, "log.rollouts", "must be >= 0")

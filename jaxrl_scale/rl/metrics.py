@@ -9,7 +9,8 @@ from typing import Any
 
 
 class MetricsWriter:
-    """Appends rows to `<run>/metrics.jsonl` (flushed per row) and TensorBoard event files."""
+    """Appends rows to `<run>/metrics.jsonl` (flushed per row) and TensorBoard event files;
+    with `name` and no `tensorboard`, rows of another kind (rollouts.jsonl's samples)."""
 
     def __init__(
         self,
@@ -18,9 +19,10 @@ class MetricsWriter:
         tensorboard: bool = True,
         resume_step: int | None = None,
         enabled: bool = True,
+        name: str = "metrics.jsonl",
     ):
         self.enabled = enabled  # False: a process other than the writer; writes nothing
-        self.path = Path(run_dir) / "metrics.jsonl"
+        self.path = Path(run_dir) / name
         self._file = self._tb = None
         if not enabled:
             return

@@ -73,6 +73,7 @@ class Rollouts:
     versions: np.ndarray  # [B, N] policy version per sampled token (-1 elsewhere)
     stats: dict[str, float]
     curriculum: dict[str, np.ndarray]  # the curriculum right after this batch was scored
+    samples: list[dict] | None = None  # log.rollouts: the first rows, for rollouts.jsonl
 
 
 def decodes_with_copy(cfg: ExperimentConfig, gen_mesh) -> bool:
@@ -274,7 +275,8 @@ class RolloutWorker:
             scored = score_episodes(cfg, ro, rewards, stats, reference=self.reference)
             self.curriculum.update(indices, scored.pass_rates)
             seconds = time.perf_counter() - start
-            return self.assemble(scored, indices, self._curriculum_snapshot(), seconds)
+            meta = getattr(self.continuous, "meta", None) if self.agent is not None else None
+            return self.assemble(scored, indices, self._curriculum_snapshot(), seconds, meta)
         if cfg.batching == "continuous":
             indices, ro = self.continuous.next(params_for_chunk, key, oldest)
             examples = [self.task.train_examples[i] for i in indices]
@@ -297,9 +299,11 @@ class RolloutWorker:
         seconds = time.perf_counter() - start
         return self.assemble(scored, indices, self._curriculum_snapshot(), seconds)
 
-    def assemble(self, scored: Scored, indices, curriculum: dict, seconds: float) -> Rollouts:
+    def assemble(self, scored: Scored, indices, curriculum: dict, seconds: float,
+                 meta: list[dict] | None = None) -> Rollouts:  # fmt: skip
         """The trainer's batch from a scored rollout (made here or by a generator job):
-        advantages, the batch on the host, the row's statistics.
+        advantages, the batch on the host, the row's statistics, and with `log.rollouts`
+        its first rows as samples (`meta`: what each row adds, an agent's session).
         `curriculum`: the snapshot taken after the batch's pass rates were recorded."""
         cfg, ro = self.cfg, scored.ro
         check_environments(cfg, scored)
@@ -315,7 +319,10 @@ class RolloutWorker:
             "retired": int(np.asarray(curriculum["retired"]).sum()),
             "gen_seconds": seconds,
         }
-        return Rollouts(batch, np.asarray(indices), scored.versions, stats, curriculum)
+        samples = None
+        if cfg.log.rollouts:
+            samples = _samples(self.tok, ro, scored.rewards, adv, cfg.log.rollouts, meta)
+        return Rollouts(batch, np.asarray(indices), scored.versions, stats, curriculum, samples)
 
     def _curriculum_snapshot(self) -> dict[str, np.ndarray]:
         """The curriculum as a checkpoint keeps it. A batch queued ahead in the engine was
@@ -353,6 +360,34 @@ class RolloutWorker:
             lambda chunk: frozen, examples, key,
         )  # fmt: skip
         return held_out_row(scores, counts, examples)
+
+
+def _samples(tok, ro: Rollout, rewards, adv, n: int, meta: list[dict] | None) -> list[dict]:
+    """The first `n` rows as rollouts.jsonl writes them: `tokens` the sequence's ids (prompt,
+    then completion), `mask` as long, 1 exactly where a sampled id trains, `logp` and
+    `versions` alike (0 and -1 off the mask), `reward` (null: left out of the loss) and
+    `advantage`, the `text`; plus the row's `meta` (an agent's session, branch, calls)."""
+    ro = jax.tree.map(distributed.to_host, ro)
+    adv = np.asarray(distributed.to_host(adv))
+    out = []
+    for i in range(min(n, len(rewards))):
+        prompt = ro.prompt_tokens[i][ro.prompt_mask[i].astype(bool)].tolist()
+        k = int(ro.lengths[i])
+        tokens = prompt + ro.completion_tokens[i, :k].tolist()
+        reward = float(rewards[i])
+        sample = {
+            "tokens": tokens,
+            "mask": [0] * len(prompt) + [int(m) for m in ro.completion_mask[i, :k]],
+            "logp": [0.0] * len(prompt) + [float(x) for x in ro.behavior_logp[i, :k]],
+            "versions": [-1] * len(prompt) + [int(v) for v in ro.versions[i, :k]],
+            "reward": reward if np.isfinite(reward) else None,
+            "advantage": float(adv[i]),
+            "text": tok.decode(tokens, skip_special_tokens=False),
+        }
+        if meta is not None:
+            sample.update(meta[i])
+        out.append(sample)
+    return out
 
 
 def _agent(cfg: ExperimentConfig, task):
