@@ -53,9 +53,11 @@ class Game:
         messages = [{"role": "user", "content": PROMPT}]
         for tries in range(1, 7):
             time.sleep(self.wait)
-            reply = client.chat.completions.create(
-                model="policy", messages=messages, max_tokens=16
-            ).choices[0].message
+            reply = (
+                client.chat.completions.create(model="policy", messages=messages, max_tokens=16)
+                .choices[0]
+                .message
+            )
             messages.append({"role": "assistant", "content": reply.content})
             guess = _digits(reply.content)
             if guess and int(guess) == example["target"]:
@@ -136,8 +138,10 @@ def main() -> None:
             got[way] = (tokens, episodes)
             print(f"{way:10s}  {tokens:8.0f} sampled tokens/s  {episodes:6.2f} episodes/s",
                   flush=True)  # fmt: skip
-    print(f"agent+wait / agent tokens/s: {got['agent+wait'][0] / got['agent'][0]:.3f} "
-          f"(goal >= 0.80); agent / env episodes/s: {got['agent'][1] / got['env'][1]:.3f}")
+    print(
+        f"agent+wait / agent tokens/s: {got['agent+wait'][0] / got['agent'][0]:.3f} "
+        f"(goal >= 0.80); agent / env episodes/s: {got['agent'][1] / got['env'][1]:.3f}"
+    )
 
 
 if __name__ == "__main__":

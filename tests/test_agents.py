@@ -101,3 +101,37 @@ def test_agents_that_raise_or_hang_are_counted_and_dropped(instruct, tmp_path):
     failed = row["agent_errors"] + row["agent_timeouts"]
     assert failed in (2, 4)  # each example's 2 episodes fail alike
     assert row["episodes_trained"] == 4 - failed
+
+
+def react(base_url, api_key, example):
+    """A LangGraph ReAct agent (langchain-openai's ChatOpenAI) with a calculator, as its
+    framework's users write it; a second question goes on from the first's history."""
+    from langchain_core.tools import tool
+    from langchain_openai import ChatOpenAI
+    from langgraph.prebuilt import create_react_agent
+
+    @tool
+    def add(a: int, b: int) -> int:
+        """Add two integers."""
+        return a + b
+
+    llm = ChatOpenAI(model="policy", base_url=base_url, api_key=api_key, max_tokens=8,
+                     max_retries=0)  # fmt: skip
+    graph = create_react_agent(llm, [add])
+    question = f"What is {example['a']} + {example['b']}?"
+    state = graph.invoke({"messages": [("user", question)]}, {"recursion_limit": 8})
+    again = [*state["messages"], ("user", "Are you sure? The number only.")]
+    state = graph.invoke({"messages": again}, {"recursion_limit": 8})
+    return float(str(example["a"] + example["b"]) in str(state["messages"][-1].content))
+
+
+def test_a_langgraph_agent_trains_unchanged(instruct, tmp_path):
+    """The framework's requests (its fields, its echo of the history: no reasoning, its own
+    message shapes) are served, and its second question continues the first's ids."""
+    task = Sums()
+    task.agent = react
+    overrides = [*RUN, f"model.init_from={instruct}", "train.steps=1", "train.eval_every=0"]
+    rows = train(load_config(TINY_CONFIG, overrides), tmp_path / "run", task=task)
+    (row,) = [r for r in rows if r["step"] == 1]
+    assert row["agent_errors"] == 0 and row["agent_calls_mean"] >= 2
+    assert row["agent_branches"] == 0 and row["episodes_trained"] == 4  # no history re-rendered
