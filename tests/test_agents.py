@@ -3,6 +3,7 @@ session URL on the trainer's own slot engine; failures counted, the run going on
 
 from __future__ import annotations
 
+import json
 import shutil
 import time
 
@@ -44,6 +45,7 @@ class Sums:
             rows[i] = {**rows[i], what: True}
         self.train_examples, self.eval_examples = rows[:8], rows[8:]
         self.calls: list[dict] = []  # what the agent saw (the agents' threads append)
+        self.plain: list[str] = []  # /v1 of the same server, without the session
 
     def agent(self, base_url, api_key, example):
         if example.get("raise"):
@@ -51,6 +53,13 @@ class Sums:
         if example.get("hang"):
             time.sleep(8)
         client = openai.OpenAI(base_url=base_url, api_key=api_key, max_retries=0)
+        plain = openai.OpenAI(base_url=base_url.split("/sessions/")[0] + "/v1", api_key=api_key,
+                              max_retries=0)  # fmt: skip
+        try:
+            plain.models.list()
+            self.plain.append("served")
+        except openai.AuthenticationError:
+            self.plain.append("refused")
         tools = [{"type": "function", "function": {
             "name": "add", "parameters": {"type": "object", "properties": {
                 "a": {"type": "integer"}, "b": {"type": "integer"}}}}}]  # fmt: skip
@@ -72,23 +81,44 @@ class Sums:
 
 def test_an_sdk_agent_trains_through_its_session_urls(instruct, tmp_path):
     task = Sums()
-    cfg = load_config(TINY_CONFIG, [*RUN, f"model.init_from={instruct}"])
-    rows = train(cfg, tmp_path / "run", task=task)
+    # pipeline_rl, k = 1: the batch ahead opens its sessions while this one runs, its calls
+    # held for the next version; this batch's later calls must not wait behind them.
+    overrides = [*RUN, f"model.init_from={instruct}", "log.rollouts=3",
+                 "pipeline.mode=pipeline_rl", "pipeline.max_staleness=1"]  # fmt: skip
+    rows = train(load_config(TINY_CONFIG, overrides), tmp_path / "run", task=task)
     assert [r["step"] for r in rows if "loss" in r] == [1, 2]
     for r in rows[1:]:
         assert r["agent_calls_mean"] == 2 and r["agent_errors"] == 0 == r["agent_timeouts"]
         assert r["agent_branches"] == 0 and r["episodes_trained"] == 4 and r["gen_tokens"] > 0
     assert "eval_pass_rate" in rows[-1] and "eval_pass_rate" in rows[0]
+    assert max(r["staleness_max"] for r in rows) <= 1
+    assert task.plain and set(task.plain) == {"refused"}  # /v1 without a session
     from test_metrics import _documented_keys
 
     agent_keys = {k for r in rows for k in r if k.startswith("agent_")}
     assert len(agent_keys) == 6 and agent_keys <= _documented_keys()
     urls = [c["url"] for c in task.calls]
     assert len(set(urls)) == len(urls) and all("/sessions/" in u for u in urls)
+    seen = {}  # session -> (the ids its second call consumed and sampled, both replies)
     for c in task.calls:  # token in, token out: the second call extends the first's ids
         first, second = c["first"], c["second"]
         kept = first.model_extra["prompt_token_ids"] + first.choices[0].model_extra["token_ids"]
         assert second.model_extra["prompt_token_ids"][: len(kept)] == kept
+        reply = second.choices[0].model_extra["token_ids"]
+        sid = c["url"].split("/sessions/")[1].split("/")[0]
+        replies = first.choices[0].model_extra["token_ids"] + reply
+        seen[sid] = (second.model_extra["prompt_token_ids"] + reply, replies)
+    # rollouts.jsonl: the trained sequence is exactly the ids the agent's calls consumed and
+    # sampled, the sampled ones (both replies) masked 1.
+    samples = [json.loads(line) for line in (tmp_path / "run" / "rollouts.jsonl").open()]
+    assert [s["step"] for s in samples] == [1, 1, 1, 2, 2, 2]
+    for s in samples:
+        ids, replies = seen[s["session"]]
+        assert s["tokens"] == ids and len(s["mask"]) == len(ids) == len(s["logp"])
+        assert [t for t, m in zip(s["tokens"], s["mask"], strict=True) if m] == replies
+        assert s["branch"] == 0 and len(s["calls"]) == 2
+        assert s["reward"] in (0.0, 1.0) and isinstance(s["advantage"], float)
+        assert all(v >= 0 for v, m in zip(s["versions"], s["mask"], strict=True) if m)
 
 
 def test_agents_that_raise_or_hang_are_counted_and_dropped(instruct, tmp_path):

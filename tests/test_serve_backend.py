@@ -231,3 +231,26 @@ def test_deltas_that_arrived_meanwhile_come_as_one_per_choice():
     pushed = [Delta(0, (1,), (-1.0,)), RuntimeError("engine"), Delta(0, (2,), (-2.0,))]
     got = asyncio.run(scenario(pushed))
     assert got == [Delta(0, (1,), (-1.0,))]  # the error ends the reading after what came before
+
+
+def test_a_request_held_for_a_newer_version_does_not_hold_the_ones_behind_it(tiny):
+    """A server's requests are independent: one held for a policy version the engine has not
+    reached (an agent episode of a training batch ahead) leaves the slots to those queued
+    after it (the other episodes' next calls)."""
+    _, _, backend = tiny
+
+    async def scenario():
+        loop = asyncio.get_running_loop()
+        held = backend.submit(Request(PROMPT, max_new=4, not_before=5), loop)
+        free = backend.submit(Request(PROMPT, max_new=4, temperature=0.0), loop)
+        got = [d async for d in free.deltas()]  # (before the fix: waited behind `held`)
+        assert held.open == {0}  # never admitted: its version never comes
+        held.cancel()
+        return got
+
+    got = asyncio.run(asyncio.wait_for(scenario(), timeout=60))
+    assert got[-1].finish in ("stop", "length")
+    wait_idle = time.monotonic() + 30
+    while backend.stats()["queue_length"] and time.monotonic() < wait_idle:
+        time.sleep(0.01)
+    assert backend.stats()["queue_length"] == 0  # the cancelled one left the queue

@@ -188,3 +188,39 @@ def test_a_call_in_flight_when_its_session_ends_is_refused_and_not_kept(served):
     assert isinstance(got.get("error"), openai.NotFoundError), got
     assert session.calls == 0 and session.branches == []
     assert json.loads(json.dumps(backend.stats()))  # the server goes on
+
+
+def test_two_calls_continuing_a_branch_at_once_are_both_kept(served):
+    """An agent that fans out two calls from one history: both are answered; the first
+    answered extends the branch, the other becomes a branch of its own (the branch it began
+    from had grown)."""
+    backend = served.backend
+    sid, secret = served.sessions.open()
+    c = client(served, sid, secret)
+    messages = [{"role": "user", "content": "hi"}]
+    first = ask(c, messages)
+    again = [*messages, echo(first.choices[0].message), {"role": "user", "content": "HOLD on"}]
+    backend.release.clear()
+    got, errors = [], []
+
+    def call():
+        try:
+            got.append(ask(c, again))
+        except Exception as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=call) for _ in range(2)]
+    try:
+        for t in threads:
+            t.start()
+        deadline = time.monotonic() + WAIT_S
+        while backend.stats()["slots_busy"] < 2:  # both placed on branch 0, both decoding
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+    finally:
+        backend.release.set()
+    for t in threads:
+        t.join(WAIT_S)
+    assert not errors and len(got) == 2
+    session = served.sessions.close(sid)
+    assert session.calls == 3 and [len(b.calls) for b in session.branches] == [2, 1]

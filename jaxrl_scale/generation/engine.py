@@ -427,6 +427,7 @@ class SlotEngine:
         parked_rows: int = 0,
         per_row_sampling: bool = False,
         top_logprobs: int = 0,
+        in_order: bool = True,
     ):
         check_slots(slots, repeat, mesh)
         if episodes and interruption is not None:
@@ -457,6 +458,10 @@ class SlotEngine:
         # A server's engine: each request's rows sample with their own settings (`submit`'s
         # `sampling`), and the top `top_logprobs` alternatives of every token are recorded.
         self.per_row, self.top_logprobs = per_row_sampling, top_logprobs
+        # In order: a prompt held for a version holds those queued behind it (a training
+        # batch after its predecessor). Not (a server's independent requests): any
+        # admissible prompt goes, in queue order among those.
+        self.in_order = in_order
         # Admissions draw from one stream, decode steps from another (the state's, donated).
         self.key, decode_key = jax.random.split(jax.random.key(0) if key is None else key)
         self.static = dict(
@@ -642,8 +647,8 @@ class SlotEngine:
         moving parked rows to parking)."""
         if not self.waiting:
             return False
-        not_before = self.waiting[0][4]
-        if not_before is not None and version < not_before:
+        heads = [self.waiting[0]] if self.in_order else self.waiting
+        if not any(w[4] is None or version >= w[4] for w in heads):
             return False
         return self.slots - self.busy + self._movable(ahead=1) >= self.repeat
 
@@ -796,15 +801,22 @@ class SlotEngine:
 
     def _admit_waiting(self, params, version: int) -> None:
         free = [i for i, o in enumerate(self.occupant) if o is None]
-        n = 0  # groups admitted: in order, while slots last and the version allows
-        while n < min(len(free) // self.repeat, len(self.waiting)):
-            not_before = self.waiting[n][4]
-            if not_before is not None and version < not_before:
-                break
-            n += 1
-        if not n:
+        room = len(free) // self.repeat
+        if self.in_order:
+            n = 0  # groups admitted: in order, while slots last and the version allows
+            while n < min(room, len(self.waiting)):
+                not_before = self.waiting[n][4]
+                if not_before is not None and version < not_before:
+                    break
+                n += 1
+            groups = [self.waiting.popleft() for _ in range(n)]
+        else:  # any the version allows, while slots last
+            ok = [w for w in self.waiting if w[4] is None or version >= w[4]][:room]
+            taken = {id(w) for w in ok}
+            self.waiting = collections.deque(w for w in self.waiting if id(w) not in taken)
+            groups = ok
+        if not groups:
             return
-        groups = [self.waiting.popleft() for _ in range(n)]
         # Each batch shard prefills the prompts its own slots take (a group cut by a shard's
         # edge is prefilled on both sides): `needed[d]` lists shard d's groups, `source` gives
         # each slot its prompt's index among them.

@@ -34,6 +34,7 @@ import dataclasses
 import inspect
 import math
 import numbers
+import secrets
 import time
 from collections.abc import Mapping
 
@@ -53,13 +54,13 @@ MODEL = "policy"  # the model id the sessions serve (`/models`)
 
 @dataclasses.dataclass(eq=False)
 class _Run:
-    """One agent episode (the feeding thread's)."""
+    """One agent episode (the feeding thread's; `started` is set once by its agent thread,
+    a float the feeding thread only reads)."""
 
     example: int
     session: str
-    future: cf.Future
-    start: float
-    deadline: float
+    future: cf.Future | None = None
+    started: float | None = None  # when its agent began (it may wait for a pool thread)
     timed_out: bool = False
 
 
@@ -93,6 +94,7 @@ class EngineAgents:
         self.occupancy = 0.0
         self._counts = (0, 0)
         self.meta: list[dict] = []  # the last batch's rows: session, branch, calls
+        self._idle = 0
 
     @property
     def engine(self):
@@ -108,29 +110,29 @@ class EngineAgents:
             prompt_len=t.prompt_tokens or None, max_queue=max(64, 4 * self.slots),
             steps=self.cfg.sampler.admit_every, mesh=self.mesh, model_name=MODEL, thread=False,
         )  # fmt: skip
-        self.server = Background(make_app(self.backend, self.tok, sessions=self.sessions))
+        # A key no one has: only the session routes serve (a local process cannot sample
+        # from the training engine through /v1).
+        self.server = Background(make_app(self.backend, self.tok, sessions=self.sessions,
+                                          api_key=secrets.token_urlsafe(24)))  # fmt: skip
 
     def queue(self, indices, oldest: int | None, tag=None, examples=None, repeat=None) -> _Batch:
         """Start `repeat` (train.group_size) agent episodes of each of `examples[indices]`,
         their calls held until the version is at least `oldest`."""
         examples = self.examples if examples is None else examples
         repeat = repeat or self.cfg.train.group_size
-        now = time.perf_counter()
-        batch = _Batch(np.asarray(indices), [], tag, now)
+        batch = _Batch(np.asarray(indices), [], tag, time.perf_counter())
         for i in indices:
             for _ in range(repeat):
-                sid, secret = self.sessions.open(not_before=oldest)
-                url = f"{self.server.url}/sessions/{sid}/v1"
-                future = self.pool.submit(_call_agent, self.agent, url, secret, examples[i])
-                batch.runs.append(_Run(int(i), sid, future, now, now + self.cfg.task.agent_timeout))
+                batch.runs.append(_start_run(self.pool, self.sessions, self.server.url,
+                                             self.agent, examples[i], int(i), oldest))  # fmt: skip
         self.queued.append(batch)
         return batch
 
     def _timeouts(self, batch: _Batch) -> None:
-        now = time.perf_counter()
         for run in batch.runs:
-            if not run.future.done() and not run.timed_out and now > run.deadline:
+            if _late(run, self.cfg.task.agent_timeout):
                 run.timed_out = True
+                run.future.cancel()
                 self.sessions.close(run.session, keep=True)  # its later calls fail
 
     def _done(self, batch: _Batch) -> bool:
@@ -154,6 +156,9 @@ class EngineAgents:
             return
         waiting = [r.future for b in self.queued for r in b.runs if not r.future.done()]
         cf.wait(waiting, timeout=0.005, return_when=cf.FIRST_COMPLETED)
+        self._idle += 1
+        if self._idle % 10 == 0:  # every 50 ms or so, newer weights (and a stop) asked for
+            self._fresh = None
 
     def pop(self):
         """(prompt indices, Rollout on the host, rewards [B] (NaN: not trained), stats, tag)
@@ -180,13 +185,14 @@ class EngineAgents:
             ep = Episode(None, done=True)
             ep.meta = {"session": run.session, "branch": None, "calls": []}
             episodes.append(ep)
-            seconds.append(now - run.start)
+            seconds.append(now - (run.started or now))
             if run.timed_out:
                 ep.dropped = "agent_timeouts"
             else:
                 try:
                     ep.reward = _reward(run.future.result(), weights)
-                except Exception as e:  # noqa: BLE001 - the agent's failure: counted, dropped
+                except (Exception, SystemExit, cf.CancelledError) as e:  # noqa: BLE001 - the
+                    # agent's failure (its sys.exit too): counted, its episode dropped
                     ep.dropped, ep.error = "agent_errors", f"{type(e).__name__}: {e}"
                     self.runner._warn_once(
                         "agent", f"an agent failed ({ep.error}); its episode is left out of "
@@ -203,6 +209,7 @@ class EngineAgents:
                 ep.mask = [float(m) for m in b.mask[start:]]
                 ep.logp, ep.versions = b.logp[start:], b.versions[start:]
                 ep.turns = len(b.calls)
+                ep.truncated = b.ended_with is None  # its last reply ran out of tokens
                 # The calls' (start, reply start, end) in the sample's tokens.
                 ep.meta.update(branch=b.index, calls=[list(c) for c in b.calls])
             if ep.dropped in counts:
@@ -274,27 +281,34 @@ def evaluate_agents(cfg, graphdef, tok, task, agent, params, examples, *, mesh, 
         steps=cfg.sampler.admit_every, mesh=mesh, model_name=MODEL,
     )  # fmt: skip
     sessions = Sessions(sampling=(cfg.train.eval_temperature, 1.0))
-    server = Background(make_app(backend, tok, sessions=sessions))
+    server = Background(
+        make_app(backend, tok, sessions=sessions, api_key=secrets.token_urlsafe(24))
+    )
     pool = cf.ThreadPoolExecutor(t.agent_workers, thread_name_prefix="jaxrl-agent-eval")
     weights = {**(getattr(task, "reward_weights", None) or {}), **t.reward_weights}
     try:
-        runs = []
-        for example in examples:
-            for _ in range(k):
-                sid, secret = sessions.open()
-                url = f"{server.url}/sessions/{sid}/v1"
-                runs.append((sid, pool.submit(_call_agent, agent, url, secret, example)))
-        done, _ = cf.wait([f for _, f in runs], timeout=t.agent_timeout)
+        runs = [_start_run(pool, sessions, server.url, agent, example, i, None)
+                for i, example in enumerate(examples) for _ in range(k)]  # fmt: skip
+        while True:
+            for run in runs:
+                if _late(run, t.agent_timeout):
+                    run.timed_out = True
+                    run.future.cancel()
+                    sessions.close(run.session, keep=True)
+            waiting = [r.future for r in runs if not (r.future.done() or r.timed_out)]
+            if not waiting:
+                break
+            cf.wait(waiting, timeout=0.1, return_when=cf.FIRST_COMPLETED)
         rewards, counts = [], {"agent_errors": 0, "agent_timeouts": 0}
-        for sid, future in runs:
-            sessions.close(sid)
-            if future not in done:
+        for run in runs:
+            sessions.close(run.session)
+            if run.timed_out:
                 counts["agent_timeouts"] += 1
                 rewards.append(0.0)
                 continue
             try:
-                rewards.append(_reward(future.result(), weights))
-            except Exception:  # noqa: BLE001 - counted; the episode scores 0 here
+                rewards.append(_reward(run.future.result(), weights))
+            except (Exception, SystemExit, cf.CancelledError):  # noqa: BLE001 - counted; 0
                 counts["agent_errors"] += 1
                 rewards.append(0.0)
         return np.array(rewards).reshape(len(examples), k), counts
@@ -304,9 +318,27 @@ def evaluate_agents(cfg, graphdef, tok, task, agent, params, examples, *, mesh, 
         pool.shutdown(wait=False, cancel_futures=True)
 
 
-def _call_agent(agent, base_url: str, api_key: str, example: dict):
+def _start_run(pool, sessions: Sessions, url: str, agent, example: dict, index: int,
+               not_before: int | None) -> _Run:  # fmt: skip
+    """An episode: its session opened, its agent queued on the pool."""
+    sid, secret = sessions.open(not_before=not_before)
+    run = _Run(index, sid)
+    run.future = pool.submit(_call_agent, run, agent, f"{url}/sessions/{sid}/v1", secret, example)
+    return run
+
+
+def _late(run: _Run, timeout: float) -> bool:
+    """Whether `run`'s agent has run past `timeout` seconds (its wait for a thread aside)."""
+    started = run.started
+    return not (run.future.done() or run.timed_out or started is None) and (
+        time.perf_counter() - started > timeout
+    )
+
+
+def _call_agent(run: _Run, agent, base_url: str, api_key: str, example: dict):
     """On an agent thread: the agent's episode, run to its end (an async agent on an event
     loop of its own)."""
+    run.started = time.perf_counter()
     out = agent(base_url, api_key, example)
     if inspect.isawaitable(out):
         out = asyncio.run(_awaited(out))

@@ -610,15 +610,17 @@ async def _generate(
     max_new = _budget(served, prompt, req.max_new, "messages" if fmt.chat else "prompt")
     temperature = 1.0 if req.temperature is None else req.temperature
     top_p = 1.0 if req.top_p is None else req.top_p
-    if session is not None and served.sessions.sampling is not None:  # a training run's
-        temperature, top_p = served.sessions.sampling
+    seed = req.seed
+    if session is not None and served.sessions.sampling is not None:  # a training run's:
+        temperature, top_p = served.sessions.sampling  # (a fixed seed would make a group's
+        seed = None  # episodes sample alike, their advantages zero)
     request = Request(
         tuple(prompt),
         max_new,
         n=req.n,
         temperature=temperature,
         top_p=top_p,
-        seed=req.seed,
+        seed=seed,
         top_logprobs=top_logprobs,
         not_before=None if session is None else session[0].not_before,
     )
@@ -754,10 +756,15 @@ async def _stream(
         first = {"prompt_token_ids": prompt} if req.return_token_ids and fmt.chat else {}
         for i in range(req.n) if fmt.chat else ():  # one chunk per choice, as OpenAI's
             yield chunk([fmt.opening(i)], **(first if i == 0 else {}))
+        kept = session is None
         async for i in _deltas(generation, choices, record):
-            yield chunk([fmt.piece(i, choices[i])])
-        if session is not None and not session[1](choices, fmt.choice(0, choices[0])["message"],
-                                                  None):  # fmt: skip
+            piece = chunk([fmt.piece(i, choices[i])])
+            if not kept and choices[0].finish is not None:  # kept before the last piece goes:
+                kept = True  # a client may stop reading at its finish_reason
+                if not session[1](choices, fmt.choice(0, choices[0])["message"], None):
+                    raise ValueError("the session ended before the reply")
+            yield piece
+        if not kept:  # its generation was cancelled: the session ended
             raise ValueError("the session ended before the reply")
         if req.include_usage:
             yield chunk([], usage=protocol.usage(len(prompt), record.completion))

@@ -72,7 +72,7 @@ class EngineBackend:
             graphdef, slots=slots, prompt_len=prompt_len, n_new=context, repeat=1,
             sampling=Sampling(1.0), eos_ids=tokenizer.eos_ids, pad_id=tokenizer.pad_id,
             model_cfg=model.cfg, mesh=mesh, per_row_sampling=True,
-            top_logprobs=MAX_TOP_LOGPROBS,
+            top_logprobs=MAX_TOP_LOGPROBS, in_order=False,
         )  # fmt: skip
         self.slots = slots
         if warm_up:  # on this thread, before the engine thread owns the engine
@@ -80,6 +80,8 @@ class EngineBackend:
             calls = self.engine.warm_up(self.params, windows=(steps,))
             log.info("compiled the engine's programs (%d calls) in %.1f s", calls,
                      time.perf_counter() - start)  # fmt: skip
+        if not thread:  # driven: each run gets its weights; these would be a copy kept
+            self.params = None
         self._lock = threading.Lock()
         self._wake = threading.Condition(self._lock)
         self._inbox: list[tuple[str, object]] = []  # ("submit", Generation) / ("cancel", ...)
@@ -137,7 +139,13 @@ class EngineBackend:
         if self._thread is not None:
             self._thread.join(timeout)
         else:  # driven: the owner's thread, which owns the engine, is this one
-            self._fail_all(ShuttingDown("the server shut down"))
+            error = ShuttingDown("the server shut down")
+            self._fail_all(error)
+            with self._lock:
+                inbox, self._inbox = self._inbox, []
+            for kind, item in inbox:  # taken, never submitted: they learn it too
+                if kind == "submit":
+                    item.push(error)
 
     # ------------------------------------------------------------------ driven
 
@@ -149,8 +157,8 @@ class EngineBackend:
         with self._lock:
             inbox, self._inbox = self._inbox, []
         engine = self.engine
-        if not (inbox or engine.busy or engine.pending or self._progress):
-            return False
+        if not (inbox or engine.would_run(version) or self._progress):
+            return False  # (prompts held for a newer version, at most)
         self._progress = self._turn(inbox, self._progress, params, version)
         self._count()
         return True
@@ -216,6 +224,8 @@ class EngineBackend:
             for kind, item in inbox:  # taken but not yet submitted when it broke
                 if kind == "submit":
                     item.push(e)
+            if self._thread is None:  # driven: the owner (a training run) stops on it
+                raise
             return []
 
     def _tops(self) -> bool:

@@ -183,16 +183,18 @@ class Sessions:
         with self._lock:
             if not session.open:
                 return None
-            session.calls += 1
-            if answer is not None:
-                session.answered[digest] = answer
             branch = where.branch
+            if branch is not None and prompt[: len(branch.ids)] != branch.ids:
+                # Two calls continued the branch at once and the other was answered first:
+                # this one becomes a branch of its own, from the ids it consumed.
+                branch = None
             if branch is None:
                 branch = Branch(len(session.branches), [], [], [], [], [], [], None, "", None)
                 session.branches.append(branch)
+            session.calls += 1
+            if answer is not None:
+                session.answered[digest] = answer
             start = len(branch.ids)
-            if prompt[:start] != branch.ids:
-                raise AssertionError("a continuation's prompt must begin with its branch's ids")
             fresh = prompt[start:]
             branch.ids += fresh + reply
             branch.mask += [0] * len(fresh) + [1] * len(reply)
