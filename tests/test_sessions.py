@@ -224,3 +224,22 @@ def test_two_calls_continuing_a_branch_at_once_are_both_kept(served):
     assert not errors and len(got) == 2
     session = served.sessions.close(sid)
     assert session.calls == 3 and [len(b.calls) for b in session.branches] == [2, 1]
+
+
+def test_other_template_settings_start_a_branch(served):
+    """A history continued with other template settings (Qwen3's enable_thinking) is not
+    the history the kept ids were rendered with: a new branch, rendered whole."""
+    sid, secret = served.sessions.open()
+    c = client(served, sid, secret)
+    messages = [{"role": "user", "content": "hi"}]
+    first = ask(c, messages)
+    more = [*messages, echo(first.choices[0].message), {"role": "user", "content": "and?"}]
+    second = ask(c, more)  # continues
+    again = [*more, echo(second.choices[0].message), {"role": "user", "content": "more?"}]
+    c.chat.completions.create(
+        model="scripted",
+        messages=again,
+        extra_body={"chat_template_kwargs": {"enable_thinking": False}},
+    )
+    session = served.sessions.close(sid)
+    assert [len(b.calls) for b in session.branches] == [2, 1]

@@ -518,11 +518,13 @@ async def _chat(served: _Served, http: HTTPRequest, session: Session | None = No
     extra = dict(req.chat_template_kwargs or {})
     if tools:  # a template that reads it may say so to the model
         extra.setdefault("tool_choice", _dumped(req.tool_choice) or "auto")
-    where, head = None, []
+    where, head, rendering = None, [], None
     try:
         messages = [m.for_template() for m in req.messages]
         if session is not None:
-            where = sessions.place(session, messages, tools)
+            # What the template renders with beside the messages: a change of it branches.
+            rendering = {"tools": tools, "template": extra}
+            where = sessions.place(session, messages, rendering)
         if where is not None and where.branch is not None:  # only the new messages
             text = Observations(served.tokenizer).after_turn(
                 where.new, tools, ended_with=where.branch.ended_with, **extra
@@ -561,7 +563,7 @@ async def _chat(served: _Served, http: HTTPRequest, session: Session | None = No
         branch = sessions.record(session, where, prompt=prompt, reply=list(c.ids),
                                  logp=list(c.logprobs), versions=list(versions),
                                  messages=messages, message=message,
-                                 tools=tools, ended_with=ended_with, digest=record.digest,
+                                 tools=rendering, ended_with=ended_with, digest=record.digest,
                                  answer=answer)  # fmt: skip
         record.note = f"session {session.id}"
         if branch is not None:

@@ -56,7 +56,7 @@ class Branch:
     calls: list[tuple[int, int, int]]
     history: list[dict]  # the last call's messages, then its reply, compared as `_canonical`
     reasoning: str | None  # the last reply's reasoning (compared when an echo has one)
-    tools: str  # the tools offered, as canonical JSON
+    tools: str  # the tools offered and the template's settings, as canonical JSON
     ended_with: int | None  # the end-of-turn id the last reply ended with; None: cut off
 
 
@@ -145,8 +145,9 @@ class Sessions:
     # ------------------------------------------------------------------ calls
 
     def place(self, session: Session, messages: list[dict], tools: Any) -> Continuation:
-        """Where a call with `messages` (as the template reads them) and `tools` goes: the
-        newest branch it continues, else a new one."""
+        """Where a call with `messages` (as the template reads them) and `tools` (what else
+        the template renders with: its tools, its keyword settings) goes: the newest branch
+        it continues, else a new one."""
         canon = [_canonical(m) for m in messages]
         offered = _tools_key(tools)
         with self._lock:
