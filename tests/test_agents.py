@@ -50,6 +50,8 @@ class Sums:
     def agent(self, base_url, api_key, example):
         if example.get("raise"):
             raise RuntimeError("the agent's own bug")
+        if example.get("garbage"):
+            return "yes"  # not a number
         if example.get("hang"):
             time.sleep(8)
         client = openai.OpenAI(base_url=base_url, api_key=api_key, max_retries=0)
@@ -121,9 +123,9 @@ def test_an_sdk_agent_trains_through_its_session_urls(instruct, tmp_path):
         assert all(v >= 0 for v, m in zip(s["versions"], s["mask"], strict=True) if m)
 
 
-def test_agents_that_raise_or_hang_are_counted_and_dropped(instruct, tmp_path):
+def test_agents_that_raise_hang_or_return_garbage_are_counted_and_dropped(instruct, tmp_path):
     # 6 of the 8 training examples fail: a step's 2 draw at least one of them.
-    task = Sums(bad={0: "raise", 1: "hang", 2: "raise", 3: "hang", 4: "raise", 5: "hang"})
+    task = Sums(bad={0: "raise", 1: "hang", 2: "garbage", 3: "hang", 4: "raise", 5: "hang"})
     overrides = [*RUN, f"model.init_from={instruct}", "task.agent_timeout=3", "train.steps=1",
                  "train.eval_every=0"]  # fmt: skip
     rows = train(load_config(TINY_CONFIG, overrides), tmp_path / "run", task=task)
