@@ -194,7 +194,7 @@ class EngineAgents:
                 except (Exception, SystemExit, cf.CancelledError) as e:  # noqa: BLE001 - the
                     # agent's failure (its sys.exit too): counted, its episode dropped
                     ep.dropped, ep.error = "agent_errors", f"{type(e).__name__}: {e}"
-                    self.runner._warn_once(
+                    self.runner.warn_once(
                         "agent", f"an agent failed ({ep.error}); its episode is left out of "
                         "the loss, later failures are only counted (agent_errors)",
                     )  # fmt: skip

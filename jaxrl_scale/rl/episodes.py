@@ -168,7 +168,7 @@ class EpisodeRunner:
         if ep.room(self.cfg.task.max_episode_tokens) <= 0:
             ep.done = ep.truncated = True
             ep.dropped = "episodes_prompt_too_long"
-            self._warn_once(
+            self.warn_once(
                 "too long",
                 f"a first observation of {len(ep.prompt)} tokens fills task.max_episode_tokens "
                 f"({self.cfg.task.max_episode_tokens}; the chat template's tool schemas "
@@ -250,13 +250,13 @@ class EpisodeRunner:
     def fail(self, ep: Episode, why: str) -> None:
         """End `ep` with reward 0 for `why` (counted; the first of its kind is logged)."""
         ep.fail(why)
-        self._warn_once(
+        self.warn_once(
             why.partition(":")[0],
             f"an episode's environment failed ({why}); it is left out of the loss, and "
             "later ones are only counted (env_errors)",
         )
 
-    def _warn_once(self, kind: str, text: str) -> None:
+    def warn_once(self, kind: str, text: str) -> None:
         with self._log_lock:
             first = kind not in self._logged
             self._logged.add(kind)
@@ -279,7 +279,7 @@ class EpisodeRunner:
             for ep in group:
                 if ep.prompt and tuple(ep.prompt) != shared and ep.dropped is None:
                     ep.dropped = "episodes_prompt_mismatch"
-                    self._warn_once(
+                    self.warn_once(
                         "mismatch",
                         "the episodes of one example began with different observations "
                         "(reset() must be a function of the example); those unlike their "

@@ -104,6 +104,12 @@ class Generation:
             if error is not None:
                 raise error
 
+    def cancel_from_thread(self) -> None:
+        """`cancel()` of every open choice, asked from another thread: run on the event loop
+        (a closed loop: its client is gone, nothing to stop)."""
+        with contextlib.suppress(RuntimeError):
+            self._loop.call_soon_threadsafe(self.cancel)
+
     def cancel(self, index: int | None = None) -> None:
         """Stop choice `index` (None: every open one); its slot is freed. Event loop only. A
         reader waiting in `deltas()` wakes, and ends when no choice is left open."""

@@ -122,9 +122,7 @@ class Sessions:
             session.open = False
             live, session.live = list(session.live), set()
         for generation in live:
-            loop = generation._loop
-            if not loop.is_closed():
-                loop.call_soon_threadsafe(generation.cancel)
+            generation.cancel_from_thread()
         return session
 
     def authorize(self, sid: str, authorization: str) -> Session:
