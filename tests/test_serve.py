@@ -962,9 +962,12 @@ def test_cli_serves_a_checkpoint_until_sigterm(checkpoint):
             model="tiny", max_tokens=4, messages=[{"role": "user", "content": "hi"}]
         )
         assert r.usage.completion_tokens >= 1 and r.model == "tiny"
+        # seed 2 samples 436 tokens before its end-of-turn on this checkpoint: the stream is
+        # still decoding when the signal comes (unseeded, the random policy may stop at once)
         stream = client.chat.completions.create(
-            model="tiny", max_tokens=200, stream=True, messages=[{"role": "user", "content": "hi"}]
-        )
+            model="tiny", max_tokens=400, seed=2, stream=True,
+            messages=[{"role": "user", "content": "hi"}],
+        )  # fmt: skip
         chunks = iter(stream)
         assert next(chunks).choices[0].delta.role == "assistant"
         assert next(chunks).choices[0].finish_reason is None  # decoding when the signal comes
