@@ -513,6 +513,7 @@ def _feeder(
         chunks=worker.chunks,
         multiprocess=jax.process_count() > 1,
         resumed=start.pending,
+        idle=worker.idle,
     )
     return source, feeder
 

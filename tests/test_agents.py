@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import json
 import shutil
+import subprocess
+import sys
 import time
 
 import numpy as np
 import openai
 import pytest
-from conftest import FIXTURES, HF_FIXTURES, TINY_CONFIG
+from conftest import FIXTURES, HF_FIXTURES, ROOT, TINY_CONFIG
 
 from jaxrl_scale.config import load_config
 from jaxrl_scale.train import train
@@ -167,3 +169,25 @@ def test_a_langgraph_agent_trains_unchanged(instruct, tmp_path):
     (row,) = [r for r in rows if r["step"] == 1]
     assert row["agent_errors"] == 0 and row["agent_calls_mean"] >= 2
     assert row["agent_branches"] == 0 and row["episodes_trained"] == 4  # no history re-rendered
+
+
+def test_an_agent_that_never_returns_does_not_keep_the_process_alive():
+    """The agent pool's threads are daemons: a run whose agent hangs past its timeout (its
+    session closed, its thread still asleep) exits when its main thread does."""
+    code = (
+        "import time\n"
+        "from jaxrl_scale.rl.agents import AgentPool\n"
+        "pool = AgentPool(2, 'agent')\n"
+        "hung = pool.submit(time.sleep, 3600)\n"
+        "done = pool.submit(lambda x: x + 1, 41)\n"
+        "queued = [pool.submit(time.sleep, 3600) for _ in range(3)]\n"
+        "assert done.result(timeout=30) == 42\n"
+        "pool.shutdown()\n"
+        "assert sum(f.cancelled() for f in queued) >= 2 and not hung.done()\n"
+        "print('exiting')\n"
+    )
+    started = time.monotonic()
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=60, cwd=ROOT)  # fmt: skip
+    assert done.returncode == 0 and "exiting" in done.stdout, done.stderr[-2000:]
+    assert time.monotonic() - started < 45

@@ -5,6 +5,7 @@ import importlib.util
 import json
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -14,7 +15,7 @@ import time
 import jax
 import numpy as np
 import pytest
-from conftest import FAST, ROOT, TINY_CONFIG, xla_flags
+from conftest import FAST, FIXTURES, HF_FIXTURES, ROOT, TINY_CONFIG, xla_flags
 from flax import nnx
 
 from jaxrl_scale.config import ConfigError, MeshConfig, load_config
@@ -684,6 +685,54 @@ def test_multi_turn_episodes_run_on_a_generator_job(tmp_path, processes):
             "continuous", 8, 1)  # fmt: skip
         assert 0 < r["slot_occupancy"] <= 1 and r["episodes_trained"] == 16
     assert "static waves" not in trainer_log.read_text() + gen_log.read_text()
+
+
+def test_agents_run_and_are_served_on_their_generator_job(tmp_path, processes):
+    """An agent task by import path across hosts: the generator group runs the agents and
+    serves their sessions on its own engine (the trainer's process runs none), for the
+    batches and the held-out evaluation; their counts and sessions reach the trainer's rows
+    and rollouts.jsonl."""
+    instruct = tmp_path / "instruct"
+    instruct.mkdir()
+    for f in (HF_FIXTURES / "qwen2").iterdir():
+        shutil.copy(f, instruct / f.name)
+    shutil.copy(FIXTURES / "chat_templates" / "qwen2.5.jinja", instruct / "chat_template.jinja")
+    port, out = _free_port(), tmp_path / "run"
+    settings = [
+        f"model.init_from={instruct}", "task.name=sums_agent:make", "task.max_episode_tokens=96",
+        "task.agent_timeout=60", "train.prompts_per_step=2", "train.group_size=2",
+        "train.steps=2", "train.eval_every=2", "train.eval_samples=1", "warm_start.steps=0",
+        "sampler.batching=continuous", "sampler.interruption=null", "sampler.slots=4",
+        "checkpoint.every=0", "mesh.data=-1", "forecast.every=0", "log.rollouts=2",
+        "pipeline.mode=pipeline_rl", "pipeline.max_staleness=1", "hosts.generator_groups=1",
+        f"hosts.hub=127.0.0.1:{port}",
+    ]  # fmt: skip
+    args = ["--config", str(TINY_CONFIG), "--out", str(out)]
+    for setting in settings:
+        args += ["--set", setting]
+    fixtures, calls = str(ROOT / "tests" / "fixtures" / "tasks"), tmp_path / "calls.jsonl"
+    trainer_log, gen_log = tmp_path / "trainer.log", tmp_path / "gen.log"
+    env = dict(PYTHONPATH=fixtures, SUMS_AGENT_LOG=str(calls))
+    trainer = processes.start(_env("trainer", **env), args, trainer_log)
+    gen = processes.start(_env("generator", JAXRL_GROUP="0", **env), args, gen_log)
+    _finish(trainer, 300, trainer_log, gen_log)
+    rows = read_metrics(out)
+    assert "eval_pass_rate" in rows[0] and "eval_pass_rate" in rows[-1]
+    trained = [r for r in rows if r["step"] > 0]
+    assert [r["step"] for r in trained] == [1, 2]
+    for r in trained:
+        assert r["agent_calls_mean"] == 2 and r["agent_errors"] == 0 == r["agent_timeouts"]
+        assert r["episodes_trained"] == 4 and r["generator_processes"] == 1
+        assert r["gen_batching"] == "continuous" and r["staleness_max"] <= 1
+    made = [json.loads(line) for line in calls.read_text().splitlines()]
+    # 2 batches x 4 episodes, 2 evaluations x 4 examples: every one on the generator job
+    assert len(made) >= 16 and {m["pid"] for m in made} == {gen.pid}
+    assert all(m["role"] == "generator" and "/sessions/" in m["url"] for m in made)
+    samples = [json.loads(line) for line in (out / "rollouts.jsonl").open()]
+    assert [s["step"] for s in samples] == [1, 1, 2, 2]
+    for s in samples:  # the group's sessions, with their calls, in the trainer's file
+        assert s["session"] in "".join(m["url"] for m in made) and len(s["calls"]) == 2
+        assert len(s["mask"]) == len(s["tokens"]) and sum(s["mask"]) > 0
 
 
 def test_a_generator_group_of_two_processes_pulls_its_own_rows_and_decodes_in_step(tmp_path):

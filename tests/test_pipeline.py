@@ -63,6 +63,36 @@ def test_a_fast_generator_waits_instead_of_wasting_batches(k):
     assert not feeder.thread.is_alive()
 
 
+def test_the_generator_thread_works_ahead_while_it_waits():
+    """`idle` (an agent task's engine runs for the batch queued ahead) is called while the
+    generator waits for room in the buffer and for the trainer, with the newest parameters
+    each time; the bound still holds, and `stop` ends it."""
+    calls = []  # (the trainer's published version then, the version idle got)
+    published = [0]
+
+    def idle(params_for_chunk):
+        calls.append((published[0], params_for_chunk(0)[0]))
+        time.sleep(0.002)
+        return True
+
+    source = ParamsSource(0, None)
+    feeder = PipelineFeeder(_producer(0.002), source, jax.random.key(0), k=1, version=0,
+                            idle=idle)  # fmt: skip
+    try:
+        for step in range(1, 4):
+            batch = feeder.next()
+            assert (step - 1) - int(batch.versions.min()) <= 1
+            time.sleep(0.1)  # a slow train step: the generator waits, idle runs
+            source.publish(step, None)
+            published[0] = step
+            feeder.trained(None, step)
+    finally:
+        feeder.stop()
+    assert len(calls) >= 20 and not feeder.thread.is_alive()
+    assert {got for _, got in calls} >= {1, 2}  # each time the newest published
+    assert all(got >= seen for seen, got in calls)
+
+
 def test_a_resumed_generator_thread_counts_versions_from_the_restored_step():
     feeder = PipelineFeeder(
         _producer(0.002), ParamsSource(7, None), jax.random.key(0), k=1, version=7

@@ -54,9 +54,16 @@ from jaxrl_scale.hosts.weights import PermanentFailure, WeightClient
 from jaxrl_scale.models import lora
 from jaxrl_scale.models.policy import Policy, for_generation
 from jaxrl_scale.parallel import distributed, sharding
+from jaxrl_scale.rl.agents import EngineAgents
 from jaxrl_scale.rl.episodes import EngineEpisodes, EpisodeRunner
 from jaxrl_scale.rl.generator import EngineBatches, WaveGenerator
-from jaxrl_scale.rl.rollout import held_out_scores, score_episodes, score_rollout
+from jaxrl_scale.rl.rollout import (
+    agent_of,
+    check_agent_run,
+    held_out_scores,
+    score_episodes,
+    score_rollout,
+)
 from jaxrl_scale.tasks import make_scorer, make_task
 from jaxrl_scale.tasks.env import EnvRunner
 from jaxrl_scale.tasks.scoring import ScorerBroken
@@ -481,11 +488,15 @@ def run_generator(cfg: ExperimentConfig, group: int) -> int:
     task = make_task(cfg.task, seed=cfg.seed, tokenizer=tokenizer)
     scorer = make_scorer(cfg.task, task)  # the verifier's workers, as the trainer's
     tok = task.tokenizer
-    if hasattr(task, "make_env"):  # multi-turn: the episode budget bounds the contexts
+    agent = agent_of(cfg, task)
+    if agent is not None:
+        check_agent_run(cfg, tok, hasattr(task, "make_env"))
+    if hasattr(task, "make_env") or agent is not None:  # the episode budget bounds contexts
         if processes.size > 1:
             raise ConfigError(
                 "hosts: a generator group of several processes runs single-turn tasks (a "
-                "multi-turn task's environments answer one process)"
+                "multi-turn task's environments, and an agent task's sessions, answer one "
+                "process)"
             )
         longest = cfg.task.max_episode_tokens
     else:
@@ -545,6 +556,7 @@ def run_generator(cfg: ExperimentConfig, group: int) -> int:
         else:
             sent["sent"].append(header["batch"])
 
+    engine = None
     try:
         while True:
             if processes.share(drain.asked):  # before it joined: nothing held, nothing to tell
@@ -559,8 +571,14 @@ def run_generator(cfg: ExperimentConfig, group: int) -> int:
             say(f"{name}: joined the trainer at {cfg.hosts.hub}")
             # Continuous batching: the batches this session was handed, in the slot engine
             # (what a trainer before handed out is not this one's: a new engine per join).
+            if isinstance(engine, EngineAgents):  # the last session's agents and server end
+                engine.close()
             engine = None
-            if on_engine and episodes is not None:  # episodes, as a colocated run's
+            if agent is not None:  # its sessions served here, by this group's engine
+                engine = EngineAgents(cfg, graphdef, tok, task, agent, mesh=mesh,
+                                      slots=cfg.sampler.slots or batch_rows, curriculum=None,
+                                      examples=task.train_examples)  # fmt: skip
+            elif on_engine and episodes is not None:  # episodes, as a colocated run's
                 engine = EngineEpisodes(cfg, graphdef, tok, episodes, mesh=mesh,
                                         slots=cfg.sampler.slots or batch_rows,
                                         sampling=sampling, curriculum=None,
@@ -617,13 +635,16 @@ def run_generator(cfg: ExperimentConfig, group: int) -> int:
                     if work and "eval" in work:
                         if engine is not None:
                             engine.release()
-                        frames = _evaluate_part(cfg, scorer, waves, weights, work, base, episodes)
-                    elif work and (engine is None or work["schedule"] is not None):
+                        agents = engine if agent is not None else None
+                        frames = _evaluate_part(cfg, scorer, waves, weights, work, base, episodes,
+                                                agents=agents)  # fmt: skip
+                    elif work and (engine is None or (work["schedule"] is not None
+                                                      and agent is None)):  # fmt: skip
                         frames = _make_batch(cfg, scorer, waves, weights, work, run_key,
                                              sampling, base, episodes, score=lead)  # fmt: skip
                     else:  # queued behind what the engine holds; one engine run
                         if work:
-                            _queue(engine, task, work, run_key)
+                            _queue(engine, task, work, run_key, weights, base)
                         frames = _engine_run(cfg, scorer, engine, weights, base, done_at,
                                              score=lead)  # fmt: skip
                 except Rejoin:
@@ -642,6 +663,8 @@ def run_generator(cfg: ExperimentConfig, group: int) -> int:
                 say(f"{name}: stopped by the trainer after {made} batch(es)")
                 return 0
     finally:
+        if isinstance(engine, EngineAgents):
+            engine.close()
         weights.close()
         if lead:
             control.close()
@@ -658,12 +681,19 @@ def run_generator(cfg: ExperimentConfig, group: int) -> int:
 _AHEAD = 2
 
 
-def _queue(engine: EngineBatches | EngineEpisodes, task, work: dict, run_key) -> None:
+def _queue(engine: EngineBatches | EngineEpisodes | EngineAgents, task, work: dict, run_key,
+           weights: Weights, base) -> None:  # fmt: skip
     """The hub's batch into the slot engine, behind what it holds (held there until its
     bound, `oldest`); the work and the time come back with it. Episodes open their
-    environments as they are queued."""
+    environments as they are queued; agents start (their sessions served by this group's
+    engine, built with the first weights it holds)."""
     key = jax.random.fold_in(run_key, work["key"])  # (the engine's seed if it is the first)
     tag = (work, time.perf_counter())
+    if isinstance(engine, EngineAgents):
+        if engine.backend is None:
+            engine.start(lora.merge_params(base, weights.get(at_least=work["oldest"])[1]))
+        engine.queue(work["indices"], work["oldest"], tag=tag)
+        return
     if isinstance(engine, EngineEpisodes):
         engine.queue(work["indices"], key, work["oldest"], tag=tag)
         return
@@ -687,11 +717,12 @@ def _engine_run(cfg, scorer, engine: EngineBatches | EngineEpisodes, weights: We
     engine.step(params_for_chunk)
     if not engine.complete():
         return None
-    if isinstance(engine, EngineEpisodes):  # (groups of one process: the leader scores)
+    if isinstance(engine, EngineEpisodes | EngineAgents):  # (groups of one process)
         _, ro, rewards, stats, (work, queued_at) = engine.pop()
         scored = score_episodes(cfg, ro, rewards, stats, reference=bool(cfg.loss.kl_coef))
         scored.stats.update(slot_occupancy=engine.occupancy, gen_engine=1)
-        return _frames(scored, work, time.perf_counter() - max(queued_at, done_at))
+        meta = engine.meta if isinstance(engine, EngineAgents) else None
+        return _frames(scored, work, time.perf_counter() - max(queued_at, done_at), meta)
     _, ro, (work, queued_at) = engine.pop()
     if not score:
         return None
@@ -795,7 +826,9 @@ def _scored_frames(cfg, scorer, ro, work: dict, start: float, **stats) -> list[b
     return _frames(scored, work, time.perf_counter() - start)
 
 
-def _frames(scored, work: dict, seconds: float) -> list[bytes]:
+def _frames(scored, work: dict, seconds: float, meta: list[dict] | None = None) -> list[bytes]:
+    """A scored batch's frames for the hub; `meta`: what each row adds to rollouts.jsonl (an
+    agent's session, branch and calls)."""
     arrays = {
         f: np.asarray(getattr(scored.ro, f))
         for f in ROLLOUT_FIELDS
@@ -804,13 +837,16 @@ def _frames(scored, work: dict, seconds: float) -> list[bytes]:
     arrays.update(rewards=scored.rewards, pass_rates=scored.pass_rates,
                   indices=np.asarray(work["indices"]))  # fmt: skip
     header = {"batch": work["batch"], "stats": scored.stats, "seconds": seconds}
+    if meta is not None:
+        header["meta"] = meta
     return encode_batch(header, arrays)
 
 
 def _evaluate_part(cfg, scorer, waves, weights: Weights, work: dict, base=None,
-                   episodes=None) -> list[bytes]:  # fmt: skip
+                   episodes=None, agents: EngineAgents | None = None) -> list[bytes]:  # fmt: skip
     """Score part of a held-out evaluation (examples lo..hi-1, k samples each) with exactly
-    the version asked for; its frames for the hub (scores [hi - lo, k], counts)."""
+    the version asked for; its frames for the hub (scores [hi - lo, k], counts). `agents`:
+    an agent task's, whose agents run the part on an engine of its own."""
     version = work["version"]
     key = jax.random.wrap_key_data(np.asarray(work["key"], np.uint32))
     if work["parts"] > 1:  # each part draws its own samples
@@ -821,8 +857,11 @@ def _evaluate_part(cfg, scorer, waves, weights: Weights, work: dict, base=None,
         return -1, lora.merge_params(base, got[1])  # (the trainer's eval: no version recorded)
 
     examples = scorer.task.eval_examples[work["lo"] : work["hi"]]
-    scores, counts = held_out_scores(cfg, scorer, waves.generate, episodes, params_for_chunk,
-                                     examples, key)  # fmt: skip
+    if agents is not None:
+        scores, counts = agents.evaluate(params_for_chunk(0)[1], examples)
+    else:
+        scores, counts = held_out_scores(cfg, scorer, waves.generate, episodes,
+                                         params_for_chunk, examples, key)  # fmt: skip
     counts = {k: v.item() if hasattr(v, "item") else v for k, v in counts.items()}
     header = {"eval": work["eval"], "part": work["part"], "counts": counts}
     return encode_batch(header, {"scores": np.asarray(scores, np.float64)})

@@ -605,7 +605,11 @@ class RemoteFeeder:
         scored = Scored(ro, arrays["rewards"], arrays["versions"], arrays["pass_rates"],
                         dict(header["stats"]))  # fmt: skip
         self.taken += 1
-        return self.worker.assemble(scored, arrays["indices"], curriculum, header["seconds"])
+        meta = header.get("meta")  # an agent task's sessions, for rollouts.jsonl
+        if not (isinstance(meta, list) and len(meta) == len(scored.rewards)):
+            meta = None
+        return self.worker.assemble(scored, arrays["indices"], curriculum, header["seconds"],
+                                    meta)  # fmt: skip
 
     def evaluate(self, version: int, key) -> dict[str, float]:
         """The held-out evaluation of `version` (published), made by the generator groups:

@@ -34,7 +34,9 @@ import dataclasses
 import inspect
 import math
 import numbers
+import queue
 import secrets
+import threading
 import time
 from collections.abc import Mapping
 
@@ -86,7 +88,7 @@ class EngineAgents:
         self.sessions = Sessions(sampling=(s.temperature, s.top_p))
         self.backend: EngineBackend | None = None  # built with the first weights
         self.server: Background | None = None
-        self.pool = cf.ThreadPoolExecutor(cfg.task.agent_workers, thread_name_prefix="jaxrl-agent")
+        self.pool = AgentPool(cfg.task.agent_workers, "jaxrl-agent")
         self.queued: list[_Batch] = []
         self.version = -1
         self.chunk = 0
@@ -102,7 +104,9 @@ class EngineAgents:
 
     # ------------------------------------------------------------------ episodes
 
-    def _start(self, params) -> None:
+    def start(self, params) -> None:
+        """The engine (built with `params`: the shapes; each run takes the newest weights)
+        and the sessions' server, before the first batch is queued."""
         t = self.cfg.task
         model = nnx.merge(self.graphdef, params)
         self.backend = EngineBackend(
@@ -229,7 +233,7 @@ class EngineAgents:
         batch once every one of its episodes has ended; `oldest` as `EngineBatches.next`."""
         if self.backend is None:
             self._fresh = params_for_chunk(0)
-            self._start(self._fresh[1])
+            self.start(self._fresh[1])
             self._fresh = None
         ahead = 2 if self.cfg.pipeline.mode == "pipeline_rl" else 1
         while len(self.queued) < ahead:
@@ -251,6 +255,11 @@ class EngineAgents:
     def cursor(self) -> tuple[int, int] | None:
         return self.queued[0].tag if self.queued else None
 
+    def evaluate(self, params, examples) -> tuple[np.ndarray, dict]:
+        """`evaluate_agents` of `params` on `examples`, with this run's agent and slots."""
+        return evaluate_agents(self.cfg, self.graphdef, self.tok, self.task, self.agent, params,
+                               examples, mesh=self.mesh, slots=self.slots)  # fmt: skip
+
     def release(self) -> None:
         """Nothing to free between batches: the engine serves its sessions for the run's life."""
 
@@ -266,7 +275,7 @@ class EngineAgents:
             self.backend.close()
         if self.server is not None:
             self.server.close()
-        self.pool.shutdown(wait=False, cancel_futures=True)
+        self.pool.shutdown()
 
 
 def evaluate_agents(cfg, graphdef, tok, task, agent, params, examples, *, mesh, slots: int):
@@ -284,7 +293,7 @@ def evaluate_agents(cfg, graphdef, tok, task, agent, params, examples, *, mesh, 
     server = Background(
         make_app(backend, tok, sessions=sessions, api_key=secrets.token_urlsafe(24))
     )
-    pool = cf.ThreadPoolExecutor(t.agent_workers, thread_name_prefix="jaxrl-agent-eval")
+    pool = AgentPool(t.agent_workers, "jaxrl-agent-eval")
     weights = {**(getattr(task, "reward_weights", None) or {}), **t.reward_weights}
     try:
         runs = [_start_run(pool, sessions, server.url, agent, example, i, None)
@@ -315,7 +324,47 @@ def evaluate_agents(cfg, graphdef, tok, task, agent, params, examples, *, mesh, 
     finally:
         server.close()
         backend.close()
-        pool.shutdown(wait=False, cancel_futures=True)
+        pool.shutdown()
+
+
+class AgentPool:
+    """`workers` daemon threads running agents: a `concurrent.futures` executor's threads are
+    joined when the interpreter exits, so one agent that never returns (its timeout closes
+    its session, but Python cannot stop a thread) would keep a finished run's process alive.
+    The queue is the threads' only shared state (thread-safe)."""
+
+    def __init__(self, workers: int, name: str):
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._workers = workers
+        for i in range(workers):
+            threading.Thread(target=self._work, name=f"{name}-{i}", daemon=True).start()
+
+    def submit(self, fn, *args) -> cf.Future:
+        future: cf.Future = cf.Future()
+        self._queue.put((future, fn, args))
+        return future
+
+    def shutdown(self) -> None:
+        """Cancel what has not started; each thread ends after its agent (or at exit)."""
+        while True:
+            try:
+                item = self._queue.get_nowait()
+            except queue.Empty:
+                break
+            if item is not None:
+                item[0].cancel()
+        for _ in range(self._workers):  # one stop per thread
+            self._queue.put(None)
+
+    def _work(self) -> None:
+        while (item := self._queue.get()) is not None:
+            future, fn, args = item
+            if not future.set_running_or_notify_cancel():
+                continue
+            try:
+                future.set_result(fn(*args))
+            except BaseException as e:  # noqa: BLE001 - the agent's failure, its future's
+                future.set_exception(e)
 
 
 def _start_run(pool, sessions: Sessions, url: str, agent, example: dict, index: int,

@@ -13,6 +13,7 @@ from __future__ import annotations
 import queue
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -36,15 +37,25 @@ class RolloutBuffer:
         self.dropped = 0
         self._dropped_items: list[Any] = []
 
-    def put(self, item: Any, versions, *, halt: threading.Event | None = None) -> bool:
-        """Add a batch tagged with its per-token `versions`, waiting while the buffer is full.
-        Returns False, without adding, if `halt` is set while waiting."""
+    def put(self, item: Any, versions, *, halt: threading.Event | None = None,
+            idle: Callable[[], bool] | None = None) -> bool:  # fmt: skip
+        """Add a batch tagged with its per-token `versions`, waiting while the buffer is full
+        (calling `idle` meanwhile, if given: the producer's work that goes on; it returns
+        whether there was any). Returns False, without adding, if `halt` is set while
+        waiting."""
+        entry = (item, oldest_version(versions))
         while halt is None or not halt.is_set():
             try:
-                self._queue.put((item, oldest_version(versions)), timeout=0.1)
+                self._queue.put_nowait(entry)
                 return True
             except queue.Full:
-                continue
+                pass
+            if idle is None or not idle():  # nothing else to do: wait for room
+                try:
+                    self._queue.put(entry, timeout=0.1)
+                    return True
+                except queue.Full:
+                    continue
         return False
 
     def put_error(self, error: BaseException) -> None:

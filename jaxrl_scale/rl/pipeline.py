@@ -24,7 +24,10 @@ engine. `make_feeder`'s `chunks` is how many chunks a batch's decode steps span
 `oldest` is the oldest version a token of this batch may carry (the staleness bound of
 the step that trains it); the next batch's is one more. A producer that starts the next
 batch's rows early (the slot engine queues it behind this one) holds each back until it can
-sample it with a version at least that.
+sample it with a version at least that. `pipeline_rl`'s generator thread, while it waits (for
+the trainer's updates, for room in the buffer), calls `idle(params_for_chunk)` if given: the
+producer's work queued ahead goes on (an agent task's calls keep decoding while its agents
+wait for replies); it returns whether there was any, and returns within a few milliseconds.
 
 The policy version is the number of train steps taken (a step whose update was skipped as
 non-finite counts: its parameters equal the previous version's, so staleness is overstated,
@@ -172,8 +175,9 @@ class PipelineFeeder:
     Batch keys are numbered from the run's first step (`version`), as in lockstep, so a
     resumed run samples with keys the run before it never used."""
 
-    def __init__(self, produce: Producer, source: ParamsSource, key, *, k: int, version: int):
-        self.produce, self.source, self.key = produce, source, key
+    def __init__(self, produce: Producer, source: ParamsSource, key, *, k: int, version: int,
+                 idle: Callable[[ParamsForChunk], bool] | None = None):  # fmt: skip
+        self.produce, self.source, self.key, self.idle = produce, source, key, idle
         self.k = k
         self.start_version = version
         self.buffer = RolloutBuffer(k)
@@ -191,13 +195,26 @@ class PipelineFeeder:
         self.thread.start()
 
     def _wait_for_update(self, n: int) -> bool:
-        """Block until n updates have been published (False if halted meanwhile)."""
-        with self._progress:
-            while self._published < n:
-                if self.halt.is_set():
-                    return False
-                self._progress.wait(timeout=0.1)
-        return not self.halt.is_set()
+        """Block until n updates have been published (False if halted meanwhile), the
+        producer's work ahead going on meanwhile (`idle`)."""
+        while True:
+            with self._progress:
+                if self._published >= n or self.halt.is_set():
+                    return not self.halt.is_set()
+                if self.idle is None:
+                    self._progress.wait(timeout=0.1)
+                    continue
+            if not self._idle():  # nothing ahead to decode: wait for the trainer
+                with self._progress:
+                    if self._published < n and not self.halt.is_set():
+                        self._progress.wait(timeout=0.1)
+
+    def _idle(self) -> bool:
+        """One `idle` call (the lock not held: it decodes); False when halted."""
+        try:
+            return bool(self.idle(self._newest))
+        except _Halted:
+            return False
 
     def _newest(self, chunk: int) -> tuple[int, Any]:
         """The parameters for the next chunk (in flight); between chunks is where a stopping
@@ -218,7 +235,8 @@ class PipelineFeeder:
                     self.abandoned = 1
                     return
                 n += 1
-                if not self.buffer.put(batch, batch.versions, halt=self.halt):
+                idle = self._idle if self.idle is not None else None
+                if not self.buffer.put(batch, batch.versions, halt=self.halt, idle=idle):
                     self.unbuffered = 1  # halted while waiting for room
                     return
         except BaseException as e:  # surfaced in the trainer thread
@@ -351,12 +369,14 @@ def make_feeder(
     chunks: int,
     multiprocess: bool = False,
     resumed: list[Any] = (),
+    idle: Callable[[ParamsForChunk], bool] | None = None,
 ):
     """The feeder for `cfg.mode`, starting at policy `version` (the steps taken so far).
     `chunks`: how many chunks a batch's decode steps span (`RolloutWorker.chunks`; lockstep
     swaps weights at the middle one). `resumed`: batches an interrupted run had generated but
     not trained on (deterministic modes); those staler than this run's k are handed to
-    `take_dropped`, the rest are used."""
+    `take_dropped`, the rest are used. `idle`: what `pipeline_rl`'s generator thread does
+    while it waits (the module docstring)."""
     k = staleness_bound(cfg)
     fresh, stale = [], []
     for batch in resumed:
@@ -382,7 +402,7 @@ def make_feeder(
             produce, source, key, chunks=chunks, start=version + len(fresh), pending=fresh
         )
     elif cfg.mode == "pipeline_rl":
-        feeder = PipelineFeeder(produce, source, key, k=k, version=version)
+        feeder = PipelineFeeder(produce, source, key, k=k, version=version, idle=idle)
         stale += fresh  # the generator thread's schedule starts afresh
     else:
         per_policy = 1 if cfg.mode == "sync" else k

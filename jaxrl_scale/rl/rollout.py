@@ -45,7 +45,7 @@ from jaxrl_scale.models.lora import merge_params, state_bytes
 from jaxrl_scale.models.policy import for_generation
 from jaxrl_scale.parallel import distributed, sharding
 from jaxrl_scale.rl.advantages import group_advantages
-from jaxrl_scale.rl.agents import EngineAgents, evaluate_agents
+from jaxrl_scale.rl.agents import EngineAgents
 from jaxrl_scale.rl.compute import batch_flops
 from jaxrl_scale.rl.curriculum import Curriculum
 from jaxrl_scale.rl.episodes import EngineEpisodes, EpisodeRunner
@@ -127,9 +127,9 @@ class RolloutWorker:
         # A multi-turn task's prompts come from its environments (rl/episodes.py): the
         # episode budget bounds them.
         self.episodic = hasattr(task, "make_env")
-        self.agent = _agent(cfg, task)
+        self.agent = agent_of(cfg, task)
         if self.agent is not None:  # its episodes are its calls: rl/agents.py
-            _check_agent_run(cfg, self.tok, self.episodic)
+            check_agent_run(cfg, self.tok, self.episodic)
         if self.episodic and cfg.model.router_replay:
             raise ConfigError(
                 "model.router_replay: a multi-turn task's episodes record no experts (their "
@@ -299,6 +299,16 @@ class RolloutWorker:
         seconds = time.perf_counter() - start
         return self.assemble(scored, indices, self._curriculum_snapshot(), seconds)
 
+    def idle(self, params_for_chunk: ParamsForChunk) -> bool:
+        """While pipeline_rl's generator thread waits (for the trainer, for room in the
+        buffer): for an agent task, one engine run for the batch queued ahead (its agents'
+        calls decode meanwhile, with the newest weights), or a few milliseconds' wait for
+        them; whether there was a batch to run. Other tasks: nothing (False)."""
+        if self.agent is None or not self.continuous.queued:
+            return False
+        self.continuous.step(params_for_chunk)
+        return True
+
     def assemble(self, scored: Scored, indices, curriculum: dict, seconds: float,
                  meta: list[dict] | None = None) -> Rollouts:  # fmt: skip
         """The trainer's batch from a scored rollout (made here or by a generator job):
@@ -350,10 +360,7 @@ class RolloutWorker:
         frozen = (-1, self.to_generator(params) if placed is None else placed)
         examples = self.task.eval_examples
         if self.agent is not None:
-            scores, counts = evaluate_agents(
-                self.cfg, self.graphdef, self.tok, self.task, self.agent, frozen[1], examples,
-                mesh=self.gen_mesh or self.mesh, slots=self.slots,
-            )  # fmt: skip
+            scores, counts = self.continuous.evaluate(frozen[1], examples)
             return held_out_row(scores, counts, examples)
         scores, counts = held_out_scores(
             self.cfg, self.scorer, self.generate, self.episodes if self.episodic else None,
@@ -390,7 +397,7 @@ def _samples(tok, ro: Rollout, rewards, adv, n: int, meta: list[dict] | None) ->
     return out
 
 
-def _agent(cfg: ExperimentConfig, task):
+def agent_of(cfg: ExperimentConfig, task):
     """The run's agent (`task.agent`'s import path, else the task's own `agent`), or None."""
     if not cfg.task.agent:
         return getattr(task, "agent", None)
@@ -402,7 +409,7 @@ def _agent(cfg: ExperimentConfig, task):
         raise ConfigError(str(e).replace("task.name", "task.agent", 1)) from None
 
 
-def _check_agent_run(cfg: ExperimentConfig, tok, episodic: bool) -> None:
+def check_agent_run(cfg: ExperimentConfig, tok, episodic: bool) -> None:
     if episodic:
         raise ConfigError("task.agent: a task runs an agent or environments (make_env), not both")
     if cfg.batching != "continuous":
@@ -418,11 +425,6 @@ def _check_agent_run(cfg: ExperimentConfig, tok, episodic: bool) -> None:
     if cfg.model.router_replay or cfg.sampler.interruption is not None:
         key = "model.router_replay" if cfg.model.router_replay else "sampler.interruption"
         raise ConfigError(f"{key}: not with an agent task (set it off)")
-    if cfg.hosts.generator_groups:
-        raise ConfigError(
-            "hosts.generator_groups: agent tasks run colocated for now (generator jobs do "
-            "not serve sessions yet)"
-        )
 
 
 def held_out_scores(
