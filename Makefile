@@ -43,6 +43,9 @@ bench: $(VENV)/.installed-test
 	$(BIN)/python benchmarks/bench_sandbox.py
 	$(BIN)/python benchmarks/bench_episode_engine.py
 	$(BIN)/python benchmarks/bench_demo.py
+	$(BIN)/python benchmarks/bench_serve.py
+	$(BIN)/python benchmarks/bench_agents.py
+	$(BIN)/python benchmarks/bench_agent_learning.py
 
 lint: $(VENV)/.installed-test
 	$(BIN)/ruff check .
