@@ -213,6 +213,8 @@ def _parser() -> argparse.ArgumentParser:
     fit.add_argument("--margin", type=float, default=0.02, help="A difference below which runs tie")
     fit.add_argument(
         "--eval-size",
+        "--eval-n",
+        dest="eval_size",
         type=_positive_int,
         default=None,
         metavar="N",

@@ -20,6 +20,14 @@ import numpy as np
 
 from jaxrl_scale.fit.curves import sigmoid
 from jaxrl_scale.fit.data import clean_curve
+from jaxrl_scale.fit.profile import (
+    IDENTIFIED,
+    LOWER,
+    NOT_IDENTIFIED,
+    Profile,
+    inflated_variance,
+    profile_a,
+)
 from jaxrl_scale.fit.sigmoid_fit import B_MIN, FitResult, FitSpec, fit_batch, pad_curves
 
 PARAMS = ("a", "b", "c_mid", "r0")
@@ -213,6 +221,9 @@ class BootstrapResult:
     sampling_sd_last: float | None = None
     c_min: float = 0.0  # the smallest compute in the data
     y_mean: float = math.nan  # the mean eval (a run whose mean is not above R0 never rose)
+    # A's profile likelihood (profile.py): whether the data pin A down, bound it from below
+    # only, or neither. None: no fit to profile (too few points).
+    profile: Profile | None = None
 
     @property
     def converged_fraction(self) -> float:
@@ -222,11 +233,12 @@ class BootstrapResult:
     def why_not(self) -> dict[str, str | None]:
         """Per parameter ("a", "b", "c_mid"): None when the data pin it down, else the reason.
 
-        A is identified when the data show the curve bending over: the inflection lies inside
-        (or before) the data in the point fit and in the resamples (C_mid's upper end <= the
-        last compute), and A's interval stays below a_max. B and C_mid are identified when the
-        data show the rise: C_mid's interval lies within the evaluated compute. Neither, when
-        the fit or too many of its resamples did not converge.
+        A's verdict comes from its profile likelihood (profile.py): identified when the data
+        rule out ceilings both below and above the fit; else the reason, the one-sided bound
+        included where the data rule out only lower ceilings (`a_lower`). B and C_mid are
+        identified when the data show the rise: C_mid's interval lies within the evaluated
+        compute. Neither, when the fit did not converge (B and C_mid: nor 90% of its
+        resamples).
         """
         fmt = lambda v: f"{v:.4g}"  # noqa: E731
         if not bool(self.fit.converged):
@@ -250,7 +262,10 @@ class BootstrapResult:
                 f"only {self.converged_fraction:.0%} of the bootstrap refits converged "
                 "(at least 90% are needed for an interval)"
             )
-            return dict.fromkeys(("a", "b", "c_mid"), reason)
+            out = dict.fromkeys(("a", "b", "c_mid"), reason)
+            if self.profile is not None:
+                out["a"] = None if self.profile.verdict == IDENTIFIED else self.profile.reason
+            return out
         lo, hi = self.ci["c_mid"]
         out: dict[str, str | None] = {"a": None, "b": None, "c_mid": None}
         if hi > self.c_max:
@@ -267,7 +282,35 @@ class BootstrapResult:
             )
         elif hi > self.c_max:
             out["b"] = out["c_mid"] = out["a"]
+        if self.profile is not None:  # A's verdict is its likelihood's
+            out["a"] = None if self.profile.verdict == IDENTIFIED else self.profile.reason
         return out
+
+    @property
+    def a_verdict(self) -> str:
+        """A's verdict: "identified", "lower bound" (A >= `a_lower` at `level`) or "not
+        identified"."""
+        if self.profile is not None and bool(self.fit.converged):
+            return self.profile.verdict
+        return IDENTIFIED if self.identifiable else NOT_IDENTIFIED
+
+    def gain_left(self, c=None) -> float:
+        """The upper end (at `level`) of A minus the curve at compute `c` (default: the
+        last point) over the converged resamples: how much more the run can gain."""
+        c = self.c_max if c is None else c
+        s, keep = self.samples, np.asarray(self.converged)
+        gain = np.asarray(s["a"] - sigmoid(c, s["a"], s["b"], s["c_mid"], s["r0"]))[keep]
+        if gain.size == 0:
+            return math.nan
+        return float(np.quantile(gain, 1 - (1 - self.level) / 2))
+
+    @property
+    def a_lower(self) -> float | None:
+        """The one-sided lower bound on A at `level` where A is bounded below only (else
+        None): the data rule out a lower ceiling, not a higher one."""
+        if self.a_verdict != LOWER:
+            return None
+        return self.profile.lower
 
     @property
     def identified(self) -> dict[str, bool]:
@@ -294,6 +337,8 @@ class BootstrapResult:
             identifiable=self.identifiable,
             identified=self.identified,
             not_identified={k: v for k, v in self.why_not.items() if v is not None},
+            a_verdict=self.a_verdict,
+            a_lower=self.a_lower,
             bootstrap_converged=self.converged_fraction,
             level=self.level,
             method=self.method,
@@ -517,6 +562,7 @@ def bootstrap_sigmoid(
     free = 3 + int(spec.fit_r0)  # A, B, C_mid (+ R0)
     noise_samples, rho, groups, drift = None, 0.0, None, None
     noise_sd = float(point.rmse) * math.sqrt(p / max(p - free, 1))
+    profile_var = noise_sd**2
     key = jax.random.key(seed)
     known = eval_size is not None or curve.sd is not None
     extra: dict = {}
@@ -533,6 +579,8 @@ def bootstrap_sigmoid(
                 sampling_var = np.maximum(curve.sd, 1e-6) ** 2
             model = drift_model(residuals, jac, sampling_var)
             rho, noise_sd = model.mean_rho, model.sd
+            drift_var = float(np.sum(model.weight * model.tau**2))
+            profile_var = inflated_variance(float(np.mean(sampling_var)), drift_var, rho)
             sampling_sd = np.zeros(width)
             sampling_sd[:p] = np.sqrt(sampling_var)
             key, k_r0 = jax.random.split(key)
@@ -558,6 +606,7 @@ def bootstrap_sigmoid(
         else:
             noise = noise_model(residuals, jac)
             rho, noise_sd = noise.mean_rho, noise.sd
+            profile_var = inflated_variance(0.0, noise_sd**2, rho)
             key, k_pairs = jax.random.split(key)
             ys, ws, sds = _simulate(
                 key, fitted, p, jnp.asarray(noise.rho),
@@ -584,10 +633,12 @@ def bootstrap_sigmoid(
         lo, hi = _envelope(np.asarray(v)[keep], kept_groups, level)
         ci[k] = (float(lo), float(hi))
     c_max = float(curve.compute[-1])
+    profile = profile_a(log_c, y, w, point, spec, noise_var=profile_var, level=level,
+                        held_r0=0.0 if r0 is None else float(r0))  # fmt: skip
     return BootstrapResult(
         point, samples, fits.converged, ci, level, method, c_max, rho, noise_sd, a_max,
         noise_samples, groups, c_min=float(curve.compute[0]),
-        y_mean=float(np.mean(curve.reward)), **extra,
+        y_mean=float(np.mean(curve.reward)), profile=profile, **extra,
     )  # fmt: skip
 
 

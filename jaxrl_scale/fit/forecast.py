@@ -33,7 +33,7 @@ from jaxrl_scale.fit.config import ForecastConfig
 from jaxrl_scale.fit.curves import sigmoid
 from jaxrl_scale.fit.decline import Decline, detect_decline
 from jaxrl_scale.fit.extrapolation import early_cut
-from jaxrl_scale.fit.report import identified_label
+from jaxrl_scale.fit.report import identified_label, verdict_line
 
 NOT_IDENTIFIABLE = "not identifiable yet"
 DECLINING = "declining"
@@ -57,6 +57,9 @@ class Forecast:
     at_budget_ci: tuple[float, float] | None = None
     gain_left_hi: float | None = None  # upper bound of A minus the fitted pass rate now
     left_out: int = 0  # early evaluations below the c_min_fraction cut, not fitted
+    a_verdict: str = "not identified"  # A's profile likelihood: "identified" / "lower bound"
+    a_lower: float | None = None  # A >= a_lower at `level`, when bounded below only
+    verdict: str | None = None  # the one line a person acts on (report.verdict_line)
 
     @property
     def ok(self) -> bool:
@@ -70,7 +73,12 @@ class Forecast:
             "forecast_budget": self.budget,
             "forecast_left_out": self.left_out,
             "forecast_identified": self.identified,
+            "forecast_a_verdict": self.a_verdict,
         }
+        if self.a_lower is not None:
+            out["forecast_a_lower"] = self.a_lower
+        if self.verdict is not None:
+            out["forecast_verdict"] = self.verdict
         if self.reason is not None:
             out["forecast_reason"] = self.reason
         if self.decline is not None:
@@ -94,15 +102,18 @@ class Forecast:
         return out
 
     def describe(self) -> str:
+        """What the forecast says, ending with its one-line verdict."""
         if not self.ok:
             why = f": {self.reason}" if self.reason else ""
-            return f"forecast: {self.status} ({self.points} evals){why}"
-        return (
-            f"forecast: A {self.a:.3f} [{self.a_ci[0]:.3f}, {self.a_ci[1]:.3f}] "
-            f"(identified: {self.identified})  "
-            f"at budget {self.at_budget:.3f} [{self.at_budget_ci[0]:.3f}, "
-            f"{self.at_budget_ci[1]:.3f}]  gain left <= {self.gain_left_hi:.3f}"
-        )
+            text = f"forecast: {self.status} ({self.points} evals){why}"
+        else:
+            text = (
+                f"forecast: A {self.a:.3f} [{self.a_ci[0]:.3f}, {self.a_ci[1]:.3f}] "
+                f"(identified: {self.identified})  "
+                f"at budget {self.at_budget:.3f} [{self.at_budget_ci[0]:.3f}, "
+                f"{self.at_budget_ci[1]:.3f}]  gain left <= {self.gain_left_hi:.3f}"
+            )
+        return text if self.verdict is None else f"{text}\n  verdict: {self.verdict}"
 
 
 def fit_forecast(
@@ -144,15 +155,17 @@ def fit_forecast(
     except CurveDataError as e:
         return Forecast(f"fit failed: {e}", points, budget, left_out=left_out)
     identified = identified_label(boot.identified)
+    said = dict(a_verdict=boot.a_verdict, a_lower=boot.a_lower, left_out=left_out)
     if decline is not None:
         return Forecast(
             DECLINING, points, budget, decline.message("the run"), identified, decline,
-            left_out=left_out,
+            verdict=verdict_line("the run", boot, decline), **said,
         )  # fmt: skip
     if not boot.identifiable:
         return Forecast(
-            NOT_IDENTIFIABLE, points, budget, boot.why_not["a"], identified, left_out=left_out
-        )
+            NOT_IDENTIFIABLE, points, budget, boot.why_not["a"], identified,
+            verdict=verdict_line("the run", boot), **said,
+        )  # fmt: skip
     # An interval for what an eval at the budget would measure: the curve's uncertainty
     # plus the eval's own noise (the final eval it is checked against carries that noise).
     lo, mid, hi = (
@@ -162,6 +175,7 @@ def fit_forecast(
     now = float(compute.max())
     gain_left = np.asarray(s["a"] - sigmoid(now, s["a"], s["b"], s["c_mid"], s["r0"]))
     gain_left = gain_left[np.asarray(boot.converged)]
+    gain_left_hi = float(np.quantile(gain_left, 1 - (1 - level) / 2))
     fit = boot.fit
     return Forecast(
         "ok",
@@ -174,8 +188,9 @@ def fit_forecast(
         c_mid=float(fit.c_mid),
         at_budget=mid,
         at_budget_ci=(lo, hi),
-        gain_left_hi=float(np.quantile(gain_left, 1 - (1 - level) / 2)),
-        left_out=left_out,
+        gain_left_hi=gain_left_hi,
+        verdict=verdict_line("the run", boot, gain_left=gain_left_hi),
+        **said,
     )
 
 

@@ -76,6 +76,11 @@ def draw_fits(
         inside = grid <= c_fit_end
         a_lo, a_hi = boot.ci["a"]
         label = f"{curve.name}: A={float(boot.fit.a):.3f} [{a_lo:.3f}, {a_hi:.3f}]"
+        if boot.a_lower is not None:  # bounded below only: the bound, drawn as a floor
+            label = f"{curve.name}: A >= {boot.a_lower:.3f} (one-sided, {boot.level:.0%})"
+            ax.axhline(boot.a_lower, color=color, linestyle=(0, (1, 3)), linewidth=1.2)
+            ax.annotate("ceiling >=", (grid[-1], boot.a_lower), color=color, fontsize=7,
+                        ha="right", va="bottom")  # fmt: skip
         ax.plot(grid[inside], mid[inside], color=color, label=label)
         ax.plot(grid[~inside], mid[~inside], color=color, linestyle="--")
         ax.fill_between(grid, lo, hi, color=color, alpha=0.15, linewidth=0)

@@ -21,6 +21,7 @@ from jaxrl_scale.fit.data import (
 )
 from jaxrl_scale.fit.decline import Decline, detect_decline
 from jaxrl_scale.fit.extrapolation import ExtrapolationReport, early_cut, extrapolation_check
+from jaxrl_scale.fit.profile import IDENTIFIED, LOWER
 
 NAMES = {"a": "A", "b": "B", "c_mid": "C_mid"}
 
@@ -29,6 +30,30 @@ def identified_label(identified: dict[str, bool]) -> str:
     """'A, B, C_mid' / 'A' / 'none': which parameters the data pin down."""
     names = [NAMES[k] for k in ("a", "b", "c_mid") if identified.get(k)]
     return ", ".join(names) or "none"
+
+
+def verdict_line(name: str, boot: BootstrapResult, decline: Decline | None = None, *,
+                 gain_left: float | None = None) -> str:  # fmt: skip
+    """One line a person can act on: where the run stands against its ceiling, and what more
+    compute buys. `gain_left`: the upper end of A minus the fitted rate now, when known."""
+    if decline is not None:
+        return (f"{name}: past its peak ({decline.peak:.3f}, now {decline.last:.3f}): more "
+                "compute on this recipe loses reward; keep the best checkpoint")  # fmt: skip
+    verdict, level = boot.a_verdict, f"{boot.level:.0%}"
+    if verdict == IDENTIFIED:
+        a, (lo, hi) = float(boot.fit.a), boot.ci["a"]
+        if gain_left is None:
+            gain_left = boot.gain_left()
+        if gain_left <= 0.01:
+            return (f"{name}: within 0.01 of its ceiling ({a:.3f}): more compute buys "
+                    "little")  # fmt: skip
+        return (f"{name}: ceiling {a:.3f} [{lo:.3f}, {hi:.3f}] at {level}, up to "
+                f"{gain_left:.3f} above where it is now: more compute still pays")  # fmt: skip
+    if verdict == LOWER:
+        return (f"{name}: ceiling at least {boot.a_lower:.3f} ({level}); the run is still "
+                "climbing: train on (nothing bounds the ceiling from above yet)")  # fmt: skip
+    return (f"{name}: no ceiling to read yet: the evals do not rise clearly above their "
+            "noise; train on, or evaluate on more problems")  # fmt: skip
 
 
 def fit_warnings(boot: BootstrapResult, decline: Decline | None, name: str) -> list[str]:
@@ -71,6 +96,7 @@ class RunFit:
             "gain": float(self.rate[-1] - self.r0),
             "declining": None if self.decline is None else self.decline.to_dict(),
             "warnings": fit_warnings(self.final, self.decline, "run"),
+            "verdict": verdict_line("run", self.final, self.decline),
             "half_run": None,
         }
         h = self.half
@@ -133,6 +159,7 @@ def _run_entry(
         **boot.to_dict(),
         "declining": None if decline is None else decline.to_dict(),
         "warnings": fit_warnings(boot, decline, curve.name),
+        "verdict": verdict_line(curve.name, boot, decline),
     }
     if predict_at is not None:
         lo, mid, hi = (float(np.asarray(v)) for v in boot.predict_ci(predict_at))
@@ -303,9 +330,12 @@ def format_report(report: dict[str, Any]) -> str:
     header.append("converged")
     rows = [header]
     for r in report["runs"]:
+        a_cell = f"{r['a']:.3f} [{r['a_ci'][0]:.3f}, {r['a_ci'][1]:.3f}]"
+        if r.get("a_lower") is not None:  # bounded below only: the bound, not an interval
+            a_cell = f">= {r['a_lower']:.3f} (one-sided)"
         row = [
             r["run"],
-            f"{r['a']:.3f} [{r['a_ci'][0]:.3f}, {r['a_ci'][1]:.3f}]",
+            a_cell,
             _fmt(r["b"]),
             _fmt(r["c_mid"]),
             _fmt(r["r0"]),
@@ -335,4 +365,5 @@ def format_report(report: dict[str, Any]) -> str:
         lines.append(describe_shared(s, report["margin"]))
     if "plot" in report:
         lines.append(f"plot: {report['plot']}")
+    lines += [f"verdict: {r['verdict']}" for r in report["runs"] if "verdict" in r]
     return "\n".join(lines)

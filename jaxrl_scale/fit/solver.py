@@ -1,9 +1,11 @@
 """The least-squares solver behind every curve fit: one small interface, one file to swap.
 
-`levenberg_marquardt(residual_and_jac, theta0, *args, n_iter)` runs a fixed number of damped
-Gauss-Newton steps. Fixed iterations keep every lane of a `vmap` busy for the same time (a
-tolerance-based solver under vmap runs until its slowest lane stops), and the loop is written for
-small dense problems: one residual + Jacobian evaluation per iteration, a K x K solve.
+`levenberg_marquardt(residual_and_jac, theta0, *args, n_iter, settle)` runs at most `n_iter`
+damped Gauss-Newton steps. Under `vmap` a loop runs until its slowest lane stops, so a batch
+stops once every lane has settled (`settled`: stationary to `settle`, or stuck), and lanes
+that settled early keep their parameters while the others go on; `settle=None` runs all
+`n_iter` steps. The loop is written for small dense problems: one residual + Jacobian
+evaluation per iteration, a K x K solve.
 
 `implicit_solution(solve, optimality)` wraps a solver with `jaxopt.implicit_diff.custom_root`, so
 gradients of the fitted parameters with respect to the data come from the implicit function
@@ -48,8 +50,22 @@ def normal_equations(residual, columns):
     return jtj, grad, jnp.sum(residual * residual)
 
 
-def levenberg_marquardt(residual_and_columns, theta0, *args, n_iter: int = 30):
-    """Minimise sum(residual ** 2) over theta [K]; returns the final LMState.
+def settled(s: LMState, tol: float):
+    """Whether an LM state is done: the largest cosine between the residual and a live
+    Jacobian column (`stationarity`, from the normal equations the state carries) below
+    `tol`, the residual at float precision, or the damping at its ceiling (no step lowers the
+    sum of squares any more)."""
+    col = jnp.diag(s.jtj)
+    cos = jnp.abs(s.grad) / jnp.sqrt(col * s.sse + 1e-30)
+    live = col > 1e-12 * (jnp.max(col) + 1e-30)
+    stationary = jnp.max(jnp.where(live, cos, 0.0)) < tol
+    return stationary | (s.sse < 1e-20) | (s.damping >= 1e11) | ~jnp.isfinite(s.sse)
+
+
+def levenberg_marquardt(residual_and_columns, theta0, *args, n_iter: int = 30,
+                        settle: float | None = None):  # fmt: skip
+    """Minimise sum(residual ** 2) over theta [K]; returns the final LMState (after at most
+    `n_iter` steps; with `settle`, fewer once `settled(state, settle)`).
 
     `residual_and_columns(theta, *args)` returns the residual [P] and the K Jacobian columns.
 
@@ -75,7 +91,14 @@ def levenberg_marquardt(residual_and_columns, theta0, *args, n_iter: int = 30):
             damping=jnp.clip(jnp.where(accept, s.damping / 3.0, s.damping * 4.0), 1e-12, 1e12),
         )
 
-    return jax.lax.fori_loop(0, n_iter, step, state)
+    if settle is None:
+        return jax.lax.fori_loop(0, n_iter, step, state)
+
+    def more(carry) -> jax.Array:
+        i, s = carry
+        return (i < n_iter) & ~settled(s, settle)
+
+    return jax.lax.while_loop(more, lambda carry: (carry[0] + 1, step(0, carry[1])), (0, state))[1]
 
 
 def solve_spd(matrix, rhs):
