@@ -41,7 +41,7 @@ def _data(n: int, seed: int = 0, truth: dict = TRUTH):
     return y, counts
 
 
-def bench_ours(y, counts, n_iter: int, repeats: int = 5, settle: float | None = 1e-4):
+def bench_ours(y, counts, n_iter: int, repeats: int = 5, settle: float | None = FitSpec().settle):
     n = counts.shape[0]
     args = (
         jnp.log(jnp.asarray(C, jnp.float32)),

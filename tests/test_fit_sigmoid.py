@@ -121,8 +121,10 @@ def test_a_large_batch_split_into_blocks_and_threads_equals_small_batches(shared
             y[i : i + 1], w[i : i + 1], r0[i : i + 1], np.zeros(1), spec=spec,
         )  # fmt: skip
         assert bool(small.converged[0]) and bool(big.converged[i])
+        # A lane stops once its next step would move no parameter by more than 1e-3
+        # (FitSpec.settle); rounding in a batch and alone may stop it a step apart.
         for field in ("a", "b", "c_mid"):
-            np.testing.assert_allclose(getattr(big, field)[i], getattr(small, field)[0], rtol=1e-4)
+            np.testing.assert_allclose(getattr(big, field)[i], getattr(small, field)[0], rtol=1e-3)
 
 
 def test_converges_when_midpoint_is_in_the_last_third_of_the_data():

@@ -2,7 +2,7 @@
 
 `levenberg_marquardt(residual_and_jac, theta0, *args, n_iter, settle)` runs at most `n_iter`
 damped Gauss-Newton steps. Under `vmap` a loop runs until its slowest lane stops, so a batch
-stops once every lane has settled (`settled`: stationary to `settle`, or stuck), and lanes
+stops once every lane has settled (`settled`: its next step smaller than `settle`), and lanes
 that settled early keep their parameters while the others go on; `settle=None` runs all
 `n_iter` steps. The loop is written for small dense problems: one residual + Jacobian
 evaluation per iteration, a K x K solve.
@@ -32,6 +32,9 @@ class LMState(NamedTuple):
     grad: jax.Array  # [K] J^T r at theta
     sse: jax.Array  # [] sum of squared residuals at theta
     damping: jax.Array  # []
+    # [] the largest relative change of a parameter the last step proposed, taken or not
+    # (inf where its damping was above 1e-2: not a Gauss-Newton estimate of the distance)
+    step: jax.Array
 
 
 def normal_equations(residual, columns):
@@ -51,15 +54,19 @@ def normal_equations(residual, columns):
 
 
 def settled(s: LMState, tol: float):
-    """Whether an LM state is done: the largest cosine between the residual and a live
-    Jacobian column (`stationarity`, from the normal equations the state carries) below
-    `tol`, the residual at float precision, or the damping at its ceiling (no step lowers the
-    sum of squares any more)."""
+    """Whether an LM state is done: its last step, nearly Gauss-Newton (damping at most
+    1e-2: an estimate of the distance to the optimum), proposed to move no parameter by more
+    than `tol` relative (|d| <= tol (1 + |theta|)), taken or not (at the optimum, rounding
+    rejects steps that small) and the residual is orthogonal to the Jacobian's live columns
+    to within GTOL (`stationarity`, from the normal equations the state carries: what
+    `is_converged` checks); or the residual is at float precision; or the damping is at its
+    ceiling (no step lowers the sum of squares)."""
     col = jnp.diag(s.jtj)
     cos = jnp.abs(s.grad) / jnp.sqrt(col * s.sse + 1e-30)
     live = col > 1e-12 * (jnp.max(col) + 1e-30)
-    stationary = jnp.max(jnp.where(live, cos, 0.0)) < tol
-    return stationary | (s.sse < 1e-20) | (s.damping >= 1e11) | ~jnp.isfinite(s.sse)
+    stationary = jnp.max(jnp.where(live, cos, 0.0)) < GTOL
+    close = (s.step <= tol) & stationary
+    return close | (s.sse < 1e-20) | (s.damping >= 1e11) | ~jnp.isfinite(s.sse)
 
 
 def levenberg_marquardt(residual_and_columns, theta0, *args, n_iter: int = 30,
@@ -75,11 +82,13 @@ def levenberg_marquardt(residual_and_columns, theta0, *args, n_iter: int = 30,
     are carried between iterations, never the [P, K] Jacobian.
     """
     jtj, grad, sse = normal_equations(*residual_and_columns(theta0, *args))
-    state = LMState(theta0, jtj, grad, sse, jnp.asarray(1e-3, theta0.dtype))
+    state = LMState(theta0, jtj, grad, sse, jnp.asarray(1e-3, theta0.dtype),
+                    jnp.asarray(jnp.inf, theta0.dtype))  # fmt: skip
 
     def step(_, s: LMState) -> LMState:
         scale = jnp.diag(s.jtj) + 1e-9
-        candidate = s.theta + solve_spd(s.jtj + s.damping * jnp.diag(scale), -s.grad)
+        d = solve_spd(s.jtj + s.damping * jnp.diag(scale), -s.grad)
+        candidate = s.theta + d
         jtj, grad, sse = normal_equations(*residual_and_columns(candidate, *args))
         accept = jnp.isfinite(sse) & (sse < s.sse)
         pick = lambda new, old: jnp.where(accept, new, old)  # noqa: E731
@@ -89,6 +98,9 @@ def levenberg_marquardt(residual_and_columns, theta0, *args, n_iter: int = 30,
             grad=pick(grad, s.grad),
             sse=pick(sse, s.sse),
             damping=jnp.clip(jnp.where(accept, s.damping / 3.0, s.damping * 4.0), 1e-12, 1e12),
+            step=jnp.where(
+                s.damping <= 1e-2, jnp.max(jnp.abs(d) / (1.0 + jnp.abs(s.theta))), jnp.inf
+            ),
         )
 
     if settle is None:
