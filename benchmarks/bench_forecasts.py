@@ -21,7 +21,8 @@ Noise: binomial from an eval set of 500 or 1,319 problems (drawn per run) plus a
 policy's true pass rate between checkpoints, AR(1) along the run with coefficient 0, 0.5 or
 0.8 and sd 0.01 (drawn per run: "drift" in the table is the mix).
 
-Per family it prints: how often A and B / C_mid are reported identified, the half-run forecast
+Per family it prints: how often A and B / C_mid are reported identified, how often A is bounded
+below only (its profile likelihood: `a_lower`) and how often that bound holds, the half-run forecast
 of the last eval (median |error|, coverage of its 95% interval, median width), the coverage of
 A's interval where A is reported identified, and how often the run is called declining (the
 true-positive rate on the decline family, the false-positive rate on every other). With
@@ -91,6 +92,7 @@ def draw_run(rng, family: str) -> dict:
 def score(family: str, runs: int, n_boot: int, use_size: bool) -> dict[str, float]:
     rng = np.random.default_rng(zlib.crc32(family.encode()))
     a_id, bc_id, a_in, f_err, f_in, f_width, called = [], [], [], [], [], [], []
+    lower, lower_in = [], []  # A bounded below only (profile likelihood); the bound held
     for i in range(runs):
         run = draw_run(rng, family)
         size = run["eval_size"] if use_size else None
@@ -103,6 +105,9 @@ def score(family: str, runs: int, n_boot: int, use_size: bool) -> dict[str, floa
         if ident["a"] and not run["declining"]:
             lo, hi = boot.ci["a"]
             a_in.append(lo <= run["a"] <= hi)
+        lower.append(boot.a_lower is not None)
+        if boot.a_lower is not None and not run["declining"]:
+            lower_in.append(boot.a_lower <= run["a"])
         curve = Curve("run", run["compute"], run["rates"])
         called.append(detect_decline(curve, r0=run["r0"], eval_size=size, seed=i) is not None)
         half = extrapolation_check(
@@ -116,6 +121,8 @@ def score(family: str, runs: int, n_boot: int, use_size: bool) -> dict[str, floa
         "a_identified": float(np.mean(a_id)),
         "bc_identified": float(np.mean(bc_id)),
         "a_cover": float(np.mean(a_in)) if a_in else float("nan"),
+        "a_lower": float(np.mean(lower)),
+        "lower_cover": float(np.mean(lower_in)) if lower_in else float("nan"),
         "f_err": float(np.median(f_err)),
         "f_cover": float(np.mean(f_in)),
         "f_width": float(np.nanmedian(f_width)),
@@ -136,8 +143,8 @@ def main() -> None:
         "half of the compute (interval for the observed eval)"
     )
     print(
-        f"{'family':<12}{'A ident':>9}{'B/Cmid id':>11}{'A cover':>9}{'fcst |err|':>12}"
-        f"{'fcst cover':>12}{'fcst width':>12}{'declining':>11}"
+        f"{'family':<12}{'A ident':>9}{'B/Cmid id':>11}{'A cover':>9}{'A >= lo':>9}"
+        f"{'lo holds':>10}{'fcst |err|':>12}{'fcst cover':>12}{'fcst width':>12}{'declining':>11}"
     )
     start = time.perf_counter()
     with warnings.catch_warnings():
@@ -146,7 +153,8 @@ def main() -> None:
             r = score(family, args.runs, args.boot, not args.no_eval_size)
             print(
                 f"{family:<12}{r['a_identified']:>9.0%}{r['bc_identified']:>11.0%}"
-                f"{r['a_cover']:>9.1%}{r['f_err']:>12.3f}{r['f_cover']:>12.1%}"
+                f"{r['a_cover']:>9.1%}{r['a_lower']:>9.0%}{r['lower_cover']:>10.1%}"
+                f"{r['f_err']:>12.3f}{r['f_cover']:>12.1%}"
                 f"{r['f_width']:>12.3f}{r['declining']:>11.1%}",
                 flush=True,
             )
