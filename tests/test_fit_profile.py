@@ -68,7 +68,7 @@ def test_a_run_that_levelled_off_is_identified_and_its_interval_covers_the_truth
     lo, hi = boot.profile.interval
     assert lo < PLATEAU["a"] < hi and hi - lo < 0.06
     assert boot.ci["a"][0] < PLATEAU["a"] < boot.ci["a"][1]  # the bootstrap's interval
-    assert boot.to_dict()["a_verdict"] == IDENTIFIED
+    assert boot.to_dict()["a_verdict"] == IDENTIFIED and "a_lower" not in boot.to_dict()
 
 
 def test_a_run_still_climbing_gets_a_one_sided_ceiling():
@@ -80,6 +80,7 @@ def test_a_run_still_climbing_gets_a_one_sided_ceiling():
     assert "rule out a lower ceiling, not a higher one" in boot.why_not["a"]
     d = boot.to_dict()
     assert d["a_verdict"] == LOWER and d["a_lower"] == pytest.approx(boot.a_lower)
+    assert d["identified"]["a"] is False
     report = {"runs": [{"run": "r", "points": C.size, **d, "warnings": [],
                         "verdict": "r: ceiling at least"}], "ranking": [], "declining": [],
               "shared_ceiling": [], "margin": 0.02}  # fmt: skip
@@ -153,3 +154,22 @@ def test_the_figure_draws_a_one_sided_ceiling_as_a_floor():
     assert labels[1].startswith("plateau: A=")  # an interval, where identified
     floors = [ln for ln in ax.get_lines() if list(ln.get_ydata()) == [early.a_lower] * 2]
     assert len(floors) == 1
+
+
+def test_fit_json_carries_the_one_sided_bound_and_the_verdict_line(tmp_path, capsys):
+    import json
+
+    from jaxrl_scale.cli import main
+
+    rows = ["compute,pass_rate", f"0,{R0}"]
+    rows += [f"{c},{r}" for c, r in zip(C, _noisy(EARLY), strict=True)]
+    (tmp_path / "early.csv").write_text("\n".join(rows) + "\n")
+    args = ["fit", str(tmp_path / "early.csv"), "--x", "compute", "--y", "pass_rate",
+            "--bootstrap", "300", "--eval-n", "1319"]  # fmt: skip
+    assert main([*args, "--json"]) == 0
+    run = json.loads(capsys.readouterr().out)["runs"][0]
+    assert run["identified"]["a"] is False and run["a_verdict"] == LOWER
+    assert R0 < run["a_lower"] < EARLY["a"] and "ceiling at least" in run["verdict"]
+    assert main(args) == 0
+    text = capsys.readouterr().out
+    assert text.rstrip().splitlines()[-1].startswith("verdict: early: ceiling at least")

@@ -338,7 +338,6 @@ class BootstrapResult:
             identified=self.identified,
             not_identified={k: v for k, v in self.why_not.items() if v is not None},
             a_verdict=self.a_verdict,
-            a_lower=self.a_lower,
             bootstrap_converged=self.converged_fraction,
             level=self.level,
             method=self.method,
@@ -346,6 +345,8 @@ class BootstrapResult:
             noise_sd=self.noise_sd,
             eval_size=self.eval_size,
         )
+        if self.a_lower is not None:  # bounded below only: the one-sided bound
+            out["a_lower"] = self.a_lower
         return out
 
     def predict_ci(self, c, *, observation_noise: bool = False, seed: int = 0):
