@@ -263,8 +263,8 @@ class BootstrapResult:
                 "(at least 90% are needed for an interval)"
             )
             out = dict.fromkeys(("a", "b", "c_mid"), reason)
-            if self.profile is not None:
-                out["a"] = None if self.profile.verdict == IDENTIFIED else self.profile.reason
+            if self.profile is not None and self.profile.verdict != IDENTIFIED:
+                out["a"] = self.profile.reason  # (identified: no interval to give it)
             return out
         lo, hi = self.ci["c_mid"]
         out: dict[str, str | None] = {"a": None, "b": None, "c_mid": None}
@@ -291,6 +291,8 @@ class BootstrapResult:
         """A's verdict: "identified", "lower bound" (A >= `a_lower` at `level`) or "not
         identified"."""
         if self.profile is not None and bool(self.fit.converged):
+            if self.profile.verdict == IDENTIFIED and not self.identifiable:
+                return NOT_IDENTIFIED  # pinned down, but too few refits for an interval
             return self.profile.verdict
         return IDENTIFIED if self.identifiable else NOT_IDENTIFIED
 
@@ -564,6 +566,7 @@ def bootstrap_sigmoid(
     noise_samples, rho, groups, drift = None, 0.0, None, None
     noise_sd = float(point.rmse) * math.sqrt(p / max(p - free, 1))
     profile_var = noise_sd**2
+    profile_dof: int | None = max(p - free, 1)  # the variance read from these residuals
     key = jax.random.key(seed)
     known = eval_size is not None or curve.sd is not None
     extra: dict = {}
@@ -582,6 +585,7 @@ def bootstrap_sigmoid(
             rho, noise_sd = model.mean_rho, model.sd
             drift_var = float(np.sum(model.weight * model.tau**2))
             profile_var = inflated_variance(float(np.mean(sampling_var)), drift_var, rho)
+            profile_dof = None  # the sampling part known
             sampling_sd = np.zeros(width)
             sampling_sd[:p] = np.sqrt(sampling_var)
             key, k_r0 = jax.random.split(key)
@@ -634,8 +638,10 @@ def bootstrap_sigmoid(
         lo, hi = _envelope(np.asarray(v)[keep], kept_groups, level)
         ci[k] = (float(lo), float(hi))
     c_max = float(curve.compute[-1])
-    profile = profile_a(log_c, y, w, point, spec, noise_var=profile_var, level=level,
-                        held_r0=0.0 if r0 is None else float(r0))  # fmt: skip
+    profile = None  # (a one-sided bound needs level > 0.5)
+    if level > 0.5:
+        profile = profile_a(log_c, y, w, point, spec, noise_var=profile_var, level=level,
+                            dof=profile_dof, held_r0=0.0 if r0 is None else float(r0))  # fmt: skip
     return BootstrapResult(
         point, samples, fits.converged, ci, level, method, c_max, rho, noise_sd, a_max,
         noise_samples, groups, c_min=float(curve.compute[0]),

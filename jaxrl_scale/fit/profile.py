@@ -28,6 +28,7 @@ import math
 import jax.numpy as jnp
 import numpy as np
 from scipy.stats import chi2
+from scipy.stats import f as f_dist
 
 from jaxrl_scale.fit.sigmoid_fit import FitResult, FitSpec, fit_batch
 
@@ -66,10 +67,15 @@ def inflated_variance(independent: float, correlated: float, rho: float) -> floa
 
 
 def profile_a(log_c, y, w, point: FitResult, spec: FitSpec, *, noise_var: float,
-              level: float = 0.95, held_r0: float = 0.0) -> Profile:  # fmt: skip
+              level: float = 0.95, held_r0: float = 0.0,
+              dof: int | None = None) -> Profile:  # fmt: skip
     """A's profile for one curve: ln C, rewards and weights [P] (weight 0: padding), the point
     fit, the fit's spec (`fit_r0`, `a_max`, `b_min`), the noise variance per point
-    (`inflated_variance`), a held R0's value."""
+    (`inflated_variance`), a held R0's value. `dof`: the residual degrees of freedom when
+    `noise_var` was estimated from the same residuals, whose thresholds are then F(1, dof)
+    quantiles (chi-square(1) ones for a known noise)."""
+    if not 0.5 < level < 1:
+        raise ValueError(f"level must be in (0.5, 1) for a profile, got {level}")
     a_max = spec.a_max
     present = np.asarray(w) > 0
     ys = np.asarray(y)[present]
@@ -78,6 +84,9 @@ def profile_a(log_c, y, w, point: FitResult, spec: FitSpec, *, noise_var: float,
         return _verdict(NOT_IDENTIFIED, None, None, np.zeros(0), np.zeros(0), level, why)
     r0 = float(point.r0)
     lowest = max(r0, float(ys.min())) + 1e-4
+    if lowest >= a_max - 2e-4:
+        why = f"the evals sit at a_max = {a_max:g}: there is no ceiling below it to rule out"
+        return _verdict(NOT_IDENTIFIED, None, None, np.zeros(0), np.zeros(0), level, why)
     grid = np.unique(np.concatenate([np.linspace(lowest, a_max - 1e-4, GRID), [float(point.a)]]))
     g = grid.size
     held = FitSpec(a_max=a_max, fit_r0=spec.fit_r0, fit_a=False, n_iter=spec.n_iter,
@@ -88,15 +97,23 @@ def profile_a(log_c, y, w, point: FitResult, spec: FitSpec, *, noise_var: float,
                      jnp.asarray(grid, y_g.dtype), spec=held)  # fmt: skip
     total_w = float(np.sum(np.asarray(w)))
     sse = np.asarray(fits.rmse, np.float64) ** 2 * total_w
-    sse = np.where(np.isfinite(sse), sse, np.inf)
-    sse_min = min(float(point.rmse) ** 2 * total_w, float(sse.min()))
+    # A held fit that failed is no evidence: its D is unknown (NaN), never "ruled out".
+    sse = np.where(np.isfinite(sse) & np.asarray(fits.converged), sse, np.nan)
+    sse_min = np.nanmin(np.append(sse, float(point.rmse) ** 2 * total_w))
     deviance = (sse - sse_min) / noise_var
-    best = float(grid[int(np.argmin(deviance))])
-    two = float(chi2.ppf(level, 1))
-    one = float(chi2.ppf(2 * level - 1, 1))
+    if not np.any(np.isfinite(deviance)):
+        why = "no fit with A held converged"
+        return _verdict(NOT_IDENTIFIED, None, None, grid, deviance, level, why)
+    best = float(grid[int(np.nanargmin(deviance))])
+    if dof is None:
+        two, one = float(chi2.ppf(level, 1)), float(chi2.ppf(2 * level - 1, 1))
+    else:
+        two = float(f_dist.ppf(level, 1, max(dof, 1)))
+        one = float(f_dist.ppf(2 * level - 1, 1, max(dof, 1)))
     below, above = grid < best, grid > best
-    ruled_out_below = bool(np.any(deviance[below] > one))
-    closed = bool(np.any(deviance[below] > two)) and bool(np.any(deviance[above] > two))
+    beyond = lambda side, t: bool(np.any(deviance[side] > t))  # noqa: E731 (NaN: False)
+    ruled_out_below = beyond(below, one)
+    closed = beyond(below, two) and beyond(above, two)
     pct = f"{level:.0%}"
     if closed:
         lo = _crossing(grid, deviance, two, best, side=-1)
@@ -106,10 +123,19 @@ def profile_a(log_c, y, w, point: FitResult, spec: FitSpec, *, noise_var: float,
         return _verdict(IDENTIFIED, lo, (lo, hi), grid, deviance, level, why)
     if ruled_out_below:
         lo = _crossing(grid, deviance, one, best, side=-1)
-        why = (f"A >= {lo:.3g} at {pct}: the data rule out a lower ceiling, not a higher one "
-               f"(a ceiling up to a_max = {a_max:g} fits them as well: the run is still "
-               "climbing)")  # fmt: skip
+        if not beyond(above, one):
+            why = (f"A >= {lo:.3g} at {pct}: the data rule out a lower ceiling, not a higher "
+                   f"one (a ceiling up to a_max = {a_max:g} fits them as well: the run is "
+                   "still climbing)")  # fmt: skip
+        else:
+            why = (f"A >= {lo:.3g} at {pct}: the data rule out a lower ceiling; higher ones "
+                   "fit them less well, but not so much less that they are ruled out")  # fmt: skip
         return _verdict(LOWER, lo, None, grid, deviance, level, why)
+    if beyond(above, two):
+        hi = _crossing(grid, deviance, two, best, side=+1)
+        why = (f"the data rule out a ceiling above {hi:.3g} at {pct}, but none below it down "
+               "to where the evals are: they do not show where the rise ends")  # fmt: skip
+        return _verdict(NOT_IDENTIFIED, None, None, grid, deviance, level, why)
     why = (f"every ceiling from {grid[0]:.3g} to a_max = {a_max:g} fits the evals about as "
            "well: they do not rise clearly enough above their noise")  # fmt: skip
     return _verdict(NOT_IDENTIFIED, None, None, grid, deviance, level, why)
@@ -128,6 +154,8 @@ def _crossing(grid, deviance, threshold: float, best: float, *, side: int) -> fl
     prev_a, prev_d = best, 0.0
     for i in order:
         a, d = float(grid[i]), float(deviance[i])
+        if not math.isfinite(d):  # a held fit that failed: skipped
+            continue
         if d > threshold:
             t = (threshold - prev_d) / max(d - prev_d, 1e-12)
             return prev_a + t * (a - prev_a)

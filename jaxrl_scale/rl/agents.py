@@ -146,9 +146,9 @@ class EngineAgents:
     def complete(self) -> bool:
         return bool(self.queued) and self._done(self.queued[0])
 
-    def step(self, params_for_chunk: ParamsForChunk) -> None:
+    def step(self, params_for_chunk: ParamsForChunk) -> bool:
         """One engine run with the newest weights, or (nothing to decode) a short wait for
-        the agents."""
+        the agents; False when there was neither (every agent queued has ended)."""
         if self._fresh is None:
             if self.engine is not None and self.engine.busy:
                 jax.block_until_ready(self.engine.state.done)
@@ -157,12 +157,15 @@ class EngineAgents:
         version, params = self._fresh
         if self.backend.drive(params, version):
             self.version, self._fresh = version, None
-            return
+            return True
         waiting = [r.future for b in self.queued for r in b.runs if not r.future.done()]
+        if not waiting:
+            return False
         cf.wait(waiting, timeout=0.005, return_when=cf.FIRST_COMPLETED)
         self._idle += 1
         if self._idle % 10 == 0:  # every 50 ms or so, newer weights (and a stop) asked for
             self._fresh = None
+        return True
 
     def pop(self):
         """(prompt indices, Rollout on the host, rewards [B] (NaN: not trained), stats, tag)
@@ -336,16 +339,20 @@ class AgentPool:
     def __init__(self, workers: int, name: str):
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._workers = workers
+        self._closed = False  # set by `shutdown` (the owner's thread; read by it alone)
         for i in range(workers):
             threading.Thread(target=self._work, name=f"{name}-{i}", daemon=True).start()
 
     def submit(self, fn, *args) -> cf.Future:
+        if self._closed:
+            raise RuntimeError("the agent pool is shut down")
         future: cf.Future = cf.Future()
         self._queue.put((future, fn, args))
         return future
 
     def shutdown(self) -> None:
         """Cancel what has not started; each thread ends after its agent (or at exit)."""
+        self._closed = True
         while True:
             try:
                 item = self._queue.get_nowait()

@@ -303,11 +303,11 @@ class RolloutWorker:
         """While pipeline_rl's generator thread waits (for the trainer, for room in the
         buffer): for an agent task, one engine run for the batch queued ahead (its agents'
         calls decode meanwhile, with the newest weights), or a few milliseconds' wait for
-        them; whether there was a batch to run. Other tasks: nothing (False)."""
+        them; whether there was anything to do (False once the batch's agents have all
+        ended: the feeder then waits as for any task). Other tasks: nothing (False)."""
         if self.agent is None or not self.continuous.queued:
             return False
-        self.continuous.step(params_for_chunk)
-        return True
+        return self.continuous.step(params_for_chunk)
 
     def assemble(self, scored: Scored, indices, curriculum: dict, seconds: float,
                  meta: list[dict] | None = None) -> Rollouts:  # fmt: skip
