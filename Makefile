@@ -46,6 +46,7 @@ bench: $(VENV)/.installed-test
 	$(BIN)/python benchmarks/bench_serve.py
 	$(BIN)/python benchmarks/bench_agents.py
 	$(BIN)/python benchmarks/bench_agent_learning.py
+	$(BIN)/python benchmarks/bench_declines.py
 
 lint: $(VENV)/.installed-test
 	$(BIN)/ruff check .

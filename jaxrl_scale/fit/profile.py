@@ -49,14 +49,6 @@ class Profile:
     level: float
     reason: str  # the verdict in the data's terms
 
-    def to_dict(self) -> dict:
-        return {
-            "a_verdict": self.verdict,
-            "a_lower": self.lower,
-            "a_profile_ci": None if self.interval is None else list(self.interval),
-            "a_reason": self.reason,
-        }
-
 
 def inflated_variance(independent: float, correlated: float, rho: float) -> float:
     """The noise variance per point a profile divides by: an independent part (the eval's
