@@ -117,6 +117,11 @@ def run(way: str, args, checkpoint: Path, out: Path) -> tuple[float, float]:
         task = Game(wait=args.wait if way == "agent+wait" else 0.0)
     cfg = load_config(ROOT / "configs" / "tiny_arithmetic.yaml", overrides)
     rows = [r for r in train(cfg, out, task=task) if r["step"] >= 2]
+    failed = sum(r.get("agent_errors", 0) + r.get("agent_timeouts", 0) for r in rows)
+    if way != "env" and not any(r["gen_tokens"] for r in rows):
+        raise SystemExit(
+            f"{way}: no agent call was decoded ({failed} agents failed; the warning above says why)"
+        )
     tokens = statistics.median(r["gen_tokens"] / r["gen_seconds"] for r in rows)
     episodes = statistics.median(32 / r["gen_seconds"] for r in rows)
     return tokens, episodes

@@ -39,7 +39,6 @@ from jaxrl_scale.serve.backend import Delta, Generation
 from jaxrl_scale.serve.engine import EngineBackend
 
 PROMPT_LEN = 16
-CONTEXT = 256
 VOCAB = 512  # the tokenizer's 257 ids, rounded up
 
 
@@ -69,8 +68,8 @@ def run_engine(model, tok, args) -> tuple[int, float]:
     graphdef, params = nnx.split(model)
     # The server's engine (EngineBackend): prompt_len half the context, completion columns
     # for a whole context.
-    engine = SlotEngine(graphdef, slots=args.slots, prompt_len=CONTEXT // 2,
-                        n_new=CONTEXT, repeat=1, sampling=Sampling(1.0),
+    engine = SlotEngine(graphdef, slots=args.slots, prompt_len=args.context // 2,
+                        n_new=args.context, repeat=1, sampling=Sampling(1.0),
                         eos_ids=tok.eos_ids, pad_id=tok.pad_id, model_cfg=model.cfg,
                         per_row_sampling=True, top_logprobs=20)  # fmt: skip
     start = time.perf_counter()
@@ -91,7 +90,7 @@ class Served:
     def __init__(self, model, tok, args, backend=None):
         import uvicorn
 
-        self.backend = backend or EngineBackend(model, tok, slots=args.slots, context=CONTEXT,
+        self.backend = backend or EngineBackend(model, tok, slots=args.slots, context=args.context,
                                                 max_queue=4 * args.clients, steps=args.steps,
                                                 warm_up=True)  # fmt: skip
         app = make_app(self.backend, tok, model_name="bench")
@@ -245,7 +244,12 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--steps", type=int, default=8, help="decode steps per engine run")
+    parser.add_argument("--context", type=int, default=256, help="the engine's context")
     args = parser.parse_args()
+    if PROMPT_LEN + args.new > args.context:
+        parser.error(
+            f"--new {args.new} and a {PROMPT_LEN}-token prompt exceed --context {args.context}"
+        )
     model, tok = _model(args)
     jax.monitoring.register_event_duration_secs_listener(_count_compile)
     print(f"jax {jax.__version__} on {jax.devices()[0].device_kind}; {args.clients} clients, "
