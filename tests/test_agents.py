@@ -4,9 +4,11 @@ session URL on the trainer's own slot engine; failures counted, the run going on
 from __future__ import annotations
 
 import json
+import secrets
 import shutil
 import subprocess
 import sys
+import threading
 import time
 
 import numpy as np
@@ -40,7 +42,11 @@ class Sums:
     """An agent task: add two numbers with a calculator tool, in two calls (the second after
     the tool's answer); examples may ask the agent to fail or to hang."""
 
-    def __init__(self, bad: dict | None = None):
+    def __init__(self, bad: dict | None = None, compact: bool = False):
+        # Every other episode's second call sends a compacted history (a new branch).
+        self.compact, self.compacted = compact, set()  # the compacted sessions' URLs
+        self._lock = threading.Lock()  # the agents' threads count their episodes
+        self._episodes = 0
         rng = np.random.default_rng(0)
         rows = [{"a": int(a), "b": int(b)} for a, b in rng.integers(0, 50, (12, 2))]
         for i, what in (bad or {}).items():
@@ -75,6 +81,13 @@ class Sums:
         reply = first.choices[0].message
         messages += [reply.model_dump(exclude_none=True),
                      {"role": "user", "content": str(example["a"] + example["b"])}]  # fmt: skip
+        with self._lock:
+            self._episodes += 1
+            compact = self.compact and self._episodes % 2 == 0
+        if compact:  # a summary in place of the history, unlike any sibling's
+            note = f"Earlier (note {secrets.token_hex(3)}): asked {example['a']} + {example['b']}."
+            messages = [{"role": "system", "content": note}, messages[-1]]
+            self.compacted.add(base_url)
         second = client.chat.completions.create(
             model="policy", messages=messages, tools=tools, max_tokens=8,
             extra_body={"return_token_ids": True},
@@ -84,7 +97,7 @@ class Sums:
 
 
 def test_an_sdk_agent_trains_through_its_session_urls(instruct, tmp_path):
-    task = Sums()
+    task = Sums(compact=True)
     # pipeline_rl, k = 1: the batch ahead opens its sessions while this one runs, its calls
     # held for the next version; this batch's later calls must not wait behind them.
     overrides = [*RUN, f"model.init_from={instruct}", "log.rollouts=3",
@@ -93,7 +106,10 @@ def test_an_sdk_agent_trains_through_its_session_urls(instruct, tmp_path):
     assert [r["step"] for r in rows if "loss" in r] == [1, 2]
     for r in rows[1:]:
         assert r["agent_calls_mean"] == 2 and r["agent_errors"] == 0 == r["agent_timeouts"]
-        assert r["agent_branches"] == 0 and r["episodes_trained"] == 4 and r["gen_tokens"] > 0
+        # Half the episodes compacted their history: a second branch, trained with its
+        # group all the same (the group's prompt is what its samples share).
+        assert r["agent_branches"] == 2 and r["episodes_trained"] == 4 and r["gen_tokens"] > 0
+        assert r["episodes_prompt_mismatch"] == 0
     assert "eval_pass_rate" in rows[-1] and "eval_pass_rate" in rows[0]
     assert max(r["staleness_max"] for r in rows) <= 1
     assert task.plain and set(task.plain) == {"refused"}  # /v1 without a session
@@ -107,20 +123,24 @@ def test_an_sdk_agent_trains_through_its_session_urls(instruct, tmp_path):
     for c in task.calls:  # token in, token out: the second call extends the first's ids
         first, second = c["first"], c["second"]
         kept = first.model_extra["prompt_token_ids"] + first.choices[0].model_extra["token_ids"]
-        assert second.model_extra["prompt_token_ids"][: len(kept)] == kept
         reply = second.choices[0].model_extra["token_ids"]
         sid = c["url"].split("/sessions/")[1].split("/")[0]
+        if c["url"] in task.compacted:  # rendered whole: the second branch, its reply alone
+            assert second.model_extra["prompt_token_ids"][: len(kept)] != kept
+            seen[sid] = (second.model_extra["prompt_token_ids"] + reply, reply, 1)
+            continue
+        assert second.model_extra["prompt_token_ids"][: len(kept)] == kept
         replies = first.choices[0].model_extra["token_ids"] + reply
-        seen[sid] = (second.model_extra["prompt_token_ids"] + reply, replies)
+        seen[sid] = (second.model_extra["prompt_token_ids"] + reply, replies, 0)
     # rollouts.jsonl: the trained sequence is exactly the ids the agent's calls consumed and
     # sampled, the sampled ones (both replies) masked 1.
     samples = [json.loads(line) for line in (tmp_path / "run" / "rollouts.jsonl").open()]
     assert [s["step"] for s in samples] == [1, 1, 1, 2, 2, 2]
     for s in samples:
-        ids, replies = seen[s["session"]]
+        ids, replies, branch = seen[s["session"]]
         assert s["tokens"] == ids and len(s["mask"]) == len(ids) == len(s["logp"])
         assert [t for t, m in zip(s["tokens"], s["mask"], strict=True) if m] == replies
-        assert s["branch"] == 0 and len(s["calls"]) == 2
+        assert s["branch"] == branch and len(s["calls"]) == 2 - branch
         assert s["reward"] in (0.0, 1.0) and isinstance(s["advantage"], float)
         assert all(v >= 0 for v, m in zip(s["versions"], s["mask"], strict=True) if m)
 

@@ -23,7 +23,10 @@ expects. An agent that raises, returns a non-number or outlives `task.agent_time
 session is then closed: its later calls fail), or that made no call: its episode is left out
 of the loss, counted (`agent_errors`, `agent_timeouts`, `agent_idle`), and the run goes on.
 Branches beyond an episode's first (histories the agent edited) are counted
-(`agent_branches`); only the last one trains.
+(`agent_branches`); only the last one trains. A group's rows share the longest common prefix
+of their samples' prompts (`_share_prompt`), so a last branch rendered anew trains beside its
+siblings' (an episode with no token in common with its group is dropped, counted:
+`episodes_prompt_mismatch`).
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ import dataclasses
 import inspect
 import math
 import numbers
+import os
 import queue
 import secrets
 import threading
@@ -178,7 +182,13 @@ class EngineAgents:
                 self.occupancy, self._counts = busy / (self.slots * steps), counts
         episodes, stats = self._episodes(batch)
         self.meta = [ep.meta for ep in episodes]
-        rewards = self.runner.settle_groups(episodes, len(batch.runs) // len(batch.indices))
+        group = len(batch.runs) // len(batch.indices)
+        for start in range(0, len(episodes), group):
+            _share_prompt(episodes[start : start + group])
+        rewards = self.runner.settle_groups(episodes, group)
+        stats["episodes_prompt_mismatch"] = sum(
+            ep.dropped == "episodes_prompt_mismatch" for ep in episodes
+        )
         return batch.indices, self.runner.rollout(episodes), rewards, stats, batch.tag
 
     def _episodes(self, batch: _Batch) -> tuple[list[Episode], dict]:
@@ -381,6 +391,29 @@ def _start_run(pool, sessions: Sessions, url: str, agent, example: dict, index: 
     run = _Run(index, sid)
     run.future = pool.submit(_call_agent, run, agent, f"{url}/sessions/{sid}/v1", secret, example)
     return run
+
+
+def _share_prompt(group: list[Episode]) -> None:
+    """Give a group's episodes one prompt: the longest common prefix of their samples'
+    prompts (the example's opening messages, as rendered), each sample's rest moved to the
+    front of its completion columns, given (mask 0). A sample stays the exact ids its calls
+    consumed and sampled; only where the prompt ends moves. So an episode whose trained branch
+    was rendered anew (an agent that compacted or edited its history: another prompt than its
+    siblings' first call) trains with its group instead of being dropped as a mismatch. With
+    no common token, nothing moves (settle_groups then drops the odd ones, counted)."""
+    live = [ep for ep in group if ep.prompt and ep.dropped is None]
+    if len({tuple(ep.prompt) for ep in live}) < 2:
+        return
+    common = len(os.path.commonprefix([ep.prompt for ep in live]))  # of lists: element-wise
+    if common == 0:
+        return
+    for ep in live:
+        rest = ep.prompt[common:]
+        ep.prompt = ep.prompt[:common]
+        ep.tokens = rest + ep.tokens
+        ep.mask = [0.0] * len(rest) + ep.mask
+        ep.logp = [0.0] * len(rest) + ep.logp
+        ep.versions = [-1] * len(rest) + ep.versions
 
 
 def _late(run: _Run, timeout: float) -> bool:
