@@ -43,10 +43,11 @@ class Sums:
     the tool's answer); examples may ask the agent to fail or to hang."""
 
     def __init__(self, bad: dict | None = None, compact: bool = False):
-        # Every other episode's second call sends a compacted history (a new branch).
+        # One of each example's two episodes sends its second call a compacted history (a
+        # new branch) and is rewarded 1, its sibling 0 (every group is kept).
         self.compact, self.compacted = compact, set()  # the compacted sessions' URLs
-        self._lock = threading.Lock()  # the agents' threads count their episodes
-        self._episodes = 0
+        self._lock = threading.Lock()  # the agents' threads count each example's episodes
+        self._episodes: dict[tuple, int] = {}
         rng = np.random.default_rng(0)
         rows = [{"a": int(a), "b": int(b)} for a, b in rng.integers(0, 50, (12, 2))]
         for i, what in (bad or {}).items():
@@ -82,8 +83,9 @@ class Sums:
         messages += [reply.model_dump(exclude_none=True),
                      {"role": "user", "content": str(example["a"] + example["b"])}]  # fmt: skip
         with self._lock:
-            self._episodes += 1
-            compact = self.compact and self._episodes % 2 == 0
+            key = (example["a"], example["b"])
+            self._episodes[key] = self._episodes.get(key, 0) + 1
+            compact = self.compact and self._episodes[key] % 2 == 0
         if compact:  # a summary in place of the history, unlike any sibling's
             note = f"Earlier (note {secrets.token_hex(3)}): asked {example['a']} + {example['b']}."
             messages = [{"role": "system", "content": note}, messages[-1]]
@@ -93,6 +95,8 @@ class Sums:
             extra_body={"return_token_ids": True},
         )  # fmt: skip
         self.calls.append({"url": base_url, "first": first, "second": second})
+        if self.compact:
+            return float(compact)
         return float(str(example["a"] + example["b"]) in (second.choices[0].message.content or ""))
 
 
@@ -110,13 +114,14 @@ def test_an_sdk_agent_trains_through_its_session_urls(instruct, tmp_path):
         # group all the same (the group's prompt is what its samples share).
         assert r["agent_branches"] == 2 and r["episodes_trained"] == 4 and r["gen_tokens"] > 0
         assert r["episodes_prompt_mismatch"] == 0
+        assert r["agent_branches_trained"] == 2  # their first branches, packed beside them
     assert "eval_pass_rate" in rows[-1] and "eval_pass_rate" in rows[0]
     assert max(r["staleness_max"] for r in rows) <= 1
     assert task.plain and set(task.plain) == {"refused"}  # /v1 without a session
     from test_metrics import _documented_keys
 
     agent_keys = {k for r in rows for k in r if k.startswith("agent_")}
-    assert len(agent_keys) == 6 and agent_keys <= _documented_keys()
+    assert len(agent_keys) == 7 and agent_keys <= _documented_keys()
     urls = [c["url"] for c in task.calls]
     assert len(set(urls)) == len(urls) and all("/sessions/" in u for u in urls)
     seen = {}  # session -> (the ids its second call consumed and sampled, both replies)
@@ -128,6 +133,7 @@ def test_an_sdk_agent_trains_through_its_session_urls(instruct, tmp_path):
         if c["url"] in task.compacted:  # rendered whole: the second branch, its reply alone
             assert second.model_extra["prompt_token_ids"][: len(kept)] != kept
             seen[sid] = (second.model_extra["prompt_token_ids"] + reply, reply, 1)
+            seen[sid, 0] = (kept, first.choices[0].model_extra["token_ids"], 0)  # its first
             continue
         assert second.model_extra["prompt_token_ids"][: len(kept)] == kept
         replies = first.choices[0].model_extra["token_ids"] + reply
@@ -137,10 +143,12 @@ def test_an_sdk_agent_trains_through_its_session_urls(instruct, tmp_path):
     samples = [json.loads(line) for line in (tmp_path / "run" / "rollouts.jsonl").open()]
     assert [s["step"] for s in samples] == [1, 1, 1, 2, 2, 2]
     for s in samples:
-        ids, replies, branch = seen[s["session"]]
+        first_of_two = (s["session"], 0) in seen and s["branch"] == 0
+        ids, replies, branch = seen[(s["session"], 0) if first_of_two else s["session"]]
         assert s["tokens"] == ids and len(s["mask"]) == len(ids) == len(s["logp"])
         assert [t for t, m in zip(s["tokens"], s["mask"], strict=True) if m] == replies
-        assert s["branch"] == branch and len(s["calls"]) == 2 - branch
+        assert s["branch"] == branch
+        assert len(s["calls"]) == (1 if first_of_two or branch else 2)
         assert s["reward"] in (0.0, 1.0) and isinstance(s["advantage"], float)
         assert all(v >= 0 for v, m in zip(s["versions"], s["mask"], strict=True) if m)
 

@@ -100,6 +100,57 @@ def test_a_group_too_long_for_one_row_repeats_its_prompt_and_too_short_a_row_is_
         pack(batch, G, row_len=8)
 
 
+def test_sequences_of_their_own_score_alone_and_count_as_their_rows():
+    """`pack`'s `alone` (an agent episode's other branches): each scores as the model does on
+    it alone (positions from 0, nothing else visible), the completions beside it score as
+    without it, and its sampled tokens weigh as its row's: one sample."""
+    from jaxrl_scale.models.policy import token_logprobs
+    from jaxrl_scale.rl.packing import Alone, packed_logprobs
+
+    batch = _batch()
+    rng = np.random.default_rng(3)
+
+    def branch(seq, n):
+        mask = (rng.uniform(size=n) < 0.6).astype(np.float32)
+        logp = -rng.uniform(0.5, 2.0, n).astype(np.float32) * mask
+        return Alone(seq, rng.integers(1, 16, n).astype(np.int32), mask, logp)
+
+    alone = [branch(0, 7), branch(0, 5), branch(9, 11), branch(4, 30)]  # 30: longer than a row
+    packed, stats = pack(batch, G, row_len=24, alone=alone)
+    plain, _ = pack(batch, G, row_len=24)
+    assert stats.alone == 3 and stats.alone_left == 1
+    model = Policy(CFG, rngs=nnx.Rngs(params=0))
+    got, want = (np.asarray(packed_logprobs(model, x, temperature=0.7)) for x in (packed, plain))
+    sub, pos, seq = (np.asarray(x) for x in (packed.sub, packed.positions, packed.seq))
+    starts = np.argwhere((sub == 1) & (pos == 0) & np.asarray(packed.valid))
+    assert len(starts) == 3
+    own = np.zeros(packed.shape, bool)
+    for r, s0 in starts:
+        a = next(
+            a for a in alone if np.array_equal(packed.tokens[r, s0 : s0 + len(a.tokens)], a.tokens)
+        )
+        span = slice(s0, s0 + len(a.tokens))
+        own[r, span] = True
+        ref = token_logprobs(model, a.tokens[None], temperature=0.7)[0]
+        np.testing.assert_allclose(got[r, span][1:], ref[1:], rtol=1e-5, atol=1e-6)
+        assert (seq[r, span] == a.seq).all() and packed.loss_mask[r, s0] == 0.0
+        np.testing.assert_array_equal(packed.loss_mask[r, span][1:], a.loss_mask[1:])
+        assert (np.asarray(packed.adv)[r, span] == batch.adv[a.seq]).all()
+    for b in range(batch.tokens.shape[0]):  # the completions: as packed without them
+        np.testing.assert_allclose(got[(seq == b) & ~own], want[np.asarray(plain.seq) == b],
+                                   rtol=1e-5, atol=1e-6)  # fmt: skip
+    # "sample" aggregation: 1 / (the row's counted tokens, its branches' included x rows).
+    w = np.asarray(packed_loss_weights(packed.loss_mask, packed.seq, packed.num_seqs, G,
+                                       "cispo", "sample"))  # fmt: skip
+    counted = batch.loss_mask.sum(1)
+    counted[0] += alone[0].loss_mask[1:].sum() + alone[1].loss_mask[1:].sum()
+    counted[9] += alone[2].loss_mask[1:].sum()
+    rows = (counted > 0).sum()
+    for b in (0, 9):
+        np.testing.assert_allclose(w[(seq == b) & (np.asarray(packed.loss_mask) > 0)],
+                                   1.0 / (counted[b] * rows), rtol=1e-6)  # fmt: skip
+
+
 def _run(batch, loss, attention="xla", micro_batches=1, reference=False):
     cfg = dataclasses.replace(CFG, attention=attention, attention_block_size=8)
     graphdef, params = nnx.split(Policy(cfg, rngs=nnx.Rngs(params=0)))

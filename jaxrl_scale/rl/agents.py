@@ -23,10 +23,13 @@ expects. An agent that raises, returns a non-number or outlives `task.agent_time
 session is then closed: its later calls fail), or that made no call: its episode is left out
 of the loss, counted (`agent_errors`, `agent_timeouts`, `agent_idle`), and the run goes on.
 Branches beyond an episode's first (histories the agent edited) are counted
-(`agent_branches`); only the last one trains. A group's rows share the longest common prefix
-of their samples' prompts (`_share_prompt`), so a last branch rendered anew trains beside its
-siblings' (an episode with no token in common with its group is dropped, counted:
-`episodes_prompt_mismatch`).
+(`agent_branches`). The episode's row holds its last branch; its other branches with a sampled
+token (row meta `branches`) are packed beside it as sequences of their own (packing.Alone:
+each sees only itself) whose tokens count as the row's, with its reward and advantage
+(`agent_branches_trained`; packed steps only, train.packing true or auto). A group's rows
+share the longest common prefix of their samples' prompts (`_share_prompt`), so a last branch
+rendered anew trains beside its siblings' (an episode with no token in common with its group
+is dropped, counted: `episodes_prompt_mismatch`).
 """
 
 from __future__ import annotations
@@ -229,6 +232,12 @@ class EngineAgents:
                 ep.truncated = b.ended_with is None  # its last reply ran out of tokens
                 # The calls' (start, reply start, end) in the sample's tokens.
                 ep.meta.update(branch=b.index, calls=[list(c) for c in b.calls])
+                # The other branches with a sampled token: packed beside it, as its tokens.
+                ep.meta["branches"] = [
+                    {"branch": o.index, "ids": o.ids, "mask": o.mask, "logp": o.logp,
+                     "versions": o.versions, "calls": [list(c) for c in o.calls]}
+                    for o in session.branches if o is not b and any(o.mask)
+                ]  # fmt: skip
             if ep.dropped in counts:
                 counts[ep.dropped] += 1
         stats = {

@@ -207,15 +207,19 @@ class PackGeometry:
         return self.matmul_flops * positions + (attention / self.padded_speedup if padded
                                                 else attention)  # fmt: skip
 
-    def pack(self, batch, group_size: int) -> tuple[PackedBatch, dict[str, int]]:
-        """`pack` in these rows, and the metrics row's train_tokens / train_positions."""
+    def pack(self, batch, group_size: int, alone=None) -> tuple[PackedBatch, dict[str, int]]:
+        """`pack` in these rows, and the metrics row's train_tokens / train_positions (with
+        `alone`, also how many of them were packed and left out: `alone`, `alone_left`)."""
         packed, stats = pack(batch, group_size, self.row_len, row_multiple=self.row_multiple,
-                             rows_per_micro=self.rows_per_micro)  # fmt: skip
-        return packed, {
+                             rows_per_micro=self.rows_per_micro, alone=alone)  # fmt: skip
+        out = {
             "train_tokens": stats.train_tokens,
             "train_positions": stats.train_positions,
             "train_packed": 1,
         }
+        if alone is not None:
+            out.update(alone=stats.alone, alone_left=stats.alone_left)
+        return packed, out
 
     def costs(self, batch, group_size: int, padded_positions: int, packed_positions: int):
         """(packed, padded) costs of a batch (`cost`): the positions each computes, and the
@@ -231,12 +235,13 @@ class PackGeometry:
             self.cost(padded_positions, padded_pairs, padded=True),
         )
 
-    def layout(self, batch, group_size: int, padded: dict[str, int]):
+    def layout(self, batch, group_size: int, padded: dict[str, int], alone=None):
         """(the batch the step computes, its metrics): packed, or with `auto` the padded
         `batch` where packing would not save `MIN_SAVING` of the padded step's cost
-        (`costs`, the padded step's fused kernel counted at its speed)."""
-        packed, stats = self.pack(batch, group_size)
-        if self.auto:
+        (`costs`, the padded step's fused kernel counted at its speed). Sequences `alone`
+        (`pack`) exist only packed: a batch with any is packed."""
+        packed, stats = self.pack(batch, group_size, alone)
+        if self.auto and not alone:
             cost = self.costs(batch, group_size, padded["train_positions"],
                               stats["train_positions"])  # fmt: skip
             if cost[0] > (1 - MIN_SAVING) * cost[1]:
@@ -258,6 +263,17 @@ def padded_layout(rollout, group_size: int) -> dict[str, int]:
 
 
 @dataclasses.dataclass(frozen=True)
+class Alone:
+    """A sequence packed as a segment of its own that counts as completion `seq`'s (`pack`):
+    its tokens, where they train, their behaviour log-probs (host arrays of one length)."""
+
+    seq: int
+    tokens: np.ndarray
+    loss_mask: np.ndarray
+    behavior_logp: np.ndarray
+
+
+@dataclasses.dataclass(frozen=True)
 class PackStats:
     """What a packing kept and computed (every count is tokens)."""
 
@@ -267,6 +283,8 @@ class PackStats:
     train_tokens: int  # real prompt and completion tokens in the rows (prompts once per segment)
     segments: int
     prompt_repeats: int  # segments beyond one per group: prompts run again for a split group
+    alone: int = 0  # sequences of their own packed (`pack`'s `alone`)
+    alone_left: int = 0  # ... left out: longer than a row
 
     @property
     def train_positions(self) -> int:
@@ -281,6 +299,7 @@ def pack(
     row_multiple: int = 1,
     rows_per_micro: int | None = None,
     share_prompt: bool = True,
+    alone: list[Alone] | None = None,
 ) -> tuple[PackedBatch, PackStats]:
     """Lay a padded batch (step.Batch of host numpy arrays) out in packed rows of `row_len`.
 
@@ -288,7 +307,13 @@ def pack(
     behind one copy of their prompt (`share_prompt`; else one prompt per completion), and the
     row count is rounded up by `step_rows(.., row_multiple, rows_per_micro)`. Completions
     without tokens (length 0) have nothing to score and take no space. Raises ValueError
-    naming the sequence when a prompt and one of its completions do not fit in a row."""
+    naming the sequence when a prompt and one of its completions do not fit in a row.
+
+    `alone`: sequences that belong to completion b's sample without continuing its prompt (an
+    agent episode's other branches, rl/agents.py), each packed first-fit too as a segment of
+    its own (its tokens see only each other, positions from 0), its tokens counted as b's
+    (`seq`: b's token counts, sequence ratio and aggregation weight include them) with b's
+    advantage. One that does not fit in a row is left out (`PackStats.alone_left`)."""
     prompt_tokens = np.asarray(batch.prompt_tokens)
     prompt_mask = np.asarray(batch.prompt_mask, bool)
     tokens = np.asarray(batch.tokens)
@@ -301,11 +326,27 @@ def pack(
     # First-fit decreasing over completions, longest first: each goes to the first row with
     # room for it, plus its prompt when the row holds none of its group yet. A row's
     # completions of one group then form one segment behind one copy of their prompt.
-    order = sorted(np.flatnonzero(lengths), key=lambda b: -lengths[b])
+    alone = [a for a in alone or () if len(a.tokens)]
+    if alone and batch.routes is not None:
+        raise ValueError("packed sequences of their own carry no recorded experts (routes)")
+    left = [a for a in alone if len(a.tokens) > row_len]
+    alone = [a for a in alone if len(a.tokens) <= row_len]
+    items = [(int(lengths[b]), 0, int(b)) for b in np.flatnonzero(lengths)]
+    items += [(len(a.tokens), 1, i) for i, a in enumerate(alone)]
     used: list[int] = []
     placed: list[dict[int, list[int]]] = []  # per row: group -> its completions there
-    for b in order:
-        g, n = b // group_size, int(lengths[b])
+    own: list[list[int]] = []  # per row: the `alone` sequences there
+    for n, kind, b in sorted(items, key=lambda item: -item[0]):
+        if kind == 1:  # a sequence of its own: no prompt to share
+            r = next((r for r in range(len(placed)) if used[r] + n <= row_len), len(placed))
+            if r == len(placed):
+                used.append(0)
+                placed.append({})
+                own.append([])
+            used[r] += n
+            own[r].append(b)
+            continue
+        g = b // group_size
         l_p = int(prompt_len[g])
         if l_p + n > row_len:
             raise ValueError(
@@ -320,6 +361,7 @@ def pack(
             r, cost = len(placed), l_p + n
             used.append(0)
             placed.append({})
+            own.append([])
         used[r] += cost
         placed[r].setdefault(g, []).append(int(b))
     segments = [  # (group, completions) of each row, in group and completion order
@@ -381,17 +423,35 @@ def pack(
                 if routes is not None:
                     out["routes"][r, span] = routes[b, length : length + n]
                 pos += n
+        for k, i in enumerate(own[r], start=len(row_segments)):
+            a = alone[i]
+            n = len(a.tokens)
+            span = slice(pos, pos + n)
+            out["tokens"][r, span] = a.tokens
+            out["positions"][r, span] = np.arange(n)
+            out["seg"][r, span] = k
+            out["sub"][r, span] = 1  # no prompt (sub 0) in its segment: it sees only itself
+            # Token 0 has no context here: it is scored from itself and never trained.
+            out["prev"][r, span] = np.concatenate([[pos], np.arange(pos, pos + n - 1)])
+            out["seq"][r, span] = a.seq
+            out["loss_mask"][r, span] = np.concatenate([[0.0], a.loss_mask[1:]])
+            out["behavior_logp"][r, span] = a.behavior_logp
+            out["adv"][r, span] = adv[a.seq]
+            pos += n
         out["valid"][r, :pos] = True
-        out["seg"][r, pos:] = len(row_segments)  # padding: a segment of its own, after the last
+        # Padding: a segment of its own, after the last.
+        out["seg"][r, pos:] = len(row_segments) + len(own[r])
         real += pos
-    n_segments = sum(len(row) for row in segments)
+    n_segments = sum(len(row) for row in segments) + len(alone)
     stats = PackStats(
         rows=rows,
         bucket=bucket,
         row_len=row_len,
         train_tokens=real,
         segments=n_segments,
-        prompt_repeats=n_segments - len({g for row in segments for g, _ in row}),
+        prompt_repeats=n_segments - len(alone) - len({g for row in segments for g, _ in row}),
+        alone=len(alone),
+        alone_left=len(left),
     )
     return PackedBatch(**out, num_seqs=b_total), stats
 

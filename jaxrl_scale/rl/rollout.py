@@ -50,7 +50,7 @@ from jaxrl_scale.rl.compute import batch_flops
 from jaxrl_scale.rl.curriculum import Curriculum
 from jaxrl_scale.rl.episodes import EngineEpisodes, EpisodeRunner
 from jaxrl_scale.rl.generator import EngineBatches, WaveGenerator, batch_chunks, wave_prompts
-from jaxrl_scale.rl.packing import PackedBatch, PackGeometry, padded_layout
+from jaxrl_scale.rl.packing import Alone, PackedBatch, PackGeometry, padded_layout
 from jaxrl_scale.rl.pipeline import ParamsForChunk
 from jaxrl_scale.rl.step import Batch
 from jaxrl_scale.tasks import Scorer, make_scorer
@@ -150,6 +150,7 @@ class RolloutWorker:
             _warn_unknown_characters(self.tok, encoded)
         row_shards = sharding.batch_ways(mesh)  # packed rows (train.packing), else None
         self.packing = PackGeometry.of(cfg, longest, row_shards) if cfg.train.packing else None
+        self._warned_branches = False  # (assemble's caller's thread)
         self.waves = WaveGenerator(
             cfg, graphdef, self.tok, self.interruption, mesh=gen_mesh or mesh,
             own_devices=gen_mesh is not None, longest_prompt=longest,
@@ -321,7 +322,22 @@ class RolloutWorker:
             scored.rewards, cfg.train.group_size, normalize=cfg.loss.normalize,
             baseline=cfg.loss.baseline,
         )  # fmt: skip
-        batch, layout = _trainer_batch(ro, adv, keep, cfg.train.group_size, self.packing)
+        branches = None  # an agent task's rows: each row's other branches (rl/agents.py)
+        if meta is not None:
+            meta = [dict(m) for m in meta]
+            branches = [m.pop("branches", []) for m in meta]
+        alone = _alone(branches, keep) if branches is not None else None
+        if alone and self.packing is None and not self._warned_branches:
+            self._warned_branches = True
+            warnings.warn(
+                "an agent's other branches train in packed steps only (train.packing: true or "
+                "auto); with train.packing false only each episode's last branch trains "
+                "(agent_branches_trained counts those that did)", stacklevel=2,
+            )  # fmt: skip
+        batch, layout = _trainer_batch(ro, adv, keep, cfg.train.group_size, self.packing, alone)
+        if branches is not None:
+            layout["agent_branches_trained"] = layout.pop("alone", 0)
+            layout.pop("alone_left", None)
         stats = {
             **scored.stats,
             **layout,  # train_tokens, train_positions
@@ -331,7 +347,8 @@ class RolloutWorker:
         }
         samples = None
         if cfg.log.rollouts:
-            samples = _samples(self.tok, ro, scored.rewards, adv, cfg.log.rollouts, meta)
+            samples = _samples(self.tok, ro, scored.rewards, adv, cfg.log.rollouts, meta,
+                               branches)  # fmt: skip
         return Rollouts(batch, np.asarray(indices), scored.versions, stats, curriculum, samples)
 
     def _curriculum_snapshot(self) -> dict[str, np.ndarray]:
@@ -369,15 +386,19 @@ class RolloutWorker:
         return held_out_row(scores, counts, examples)
 
 
-def _samples(tok, ro: Rollout, rewards, adv, n: int, meta: list[dict] | None) -> list[dict]:
-    """The first `n` rows as rollouts.jsonl writes them: `tokens` the sequence's ids (prompt,
-    then completion), `mask` as long, 1 exactly where a sampled id trains, `logp` and
+def _samples(tok, ro: Rollout, rewards, adv, n: int, meta: list[dict] | None,
+             branches: list[list[dict]] | None = None) -> list[dict]:  # fmt: skip
+    """The first `n` samples as rollouts.jsonl writes them: `tokens` the sequence's ids
+    (prompt, then completion), `mask` as long, 1 exactly where a sampled id trains, `logp` and
     `versions` alike (0 and -1 off the mask), `reward` (null: left out of the loss) and
-    `advantage`, the `text`; plus the row's `meta` (an agent's session, branch, calls)."""
+    `advantage`, the `text`; plus the row's `meta` (an agent's session, branch, calls), then
+    the row's other `branches` (an agent's), each a sample with the row's reward."""
     ro = jax.tree.map(distributed.to_host, ro)
     adv = np.asarray(distributed.to_host(adv))
     out = []
-    for i in range(min(n, len(rewards))):
+    for i in range(len(rewards)):
+        if len(out) >= n:
+            break
         prompt = ro.prompt_tokens[i][ro.prompt_mask[i].astype(bool)].tolist()
         k = int(ro.lengths[i])
         tokens = prompt + ro.completion_tokens[i, :k].tolist()
@@ -394,7 +415,33 @@ def _samples(tok, ro: Rollout, rewards, adv, n: int, meta: list[dict] | None) ->
         if meta is not None:
             sample.update(meta[i])
         out.append(sample)
-    return out
+        for b in (branches or [[]] * len(rewards))[i]:
+            out.append({
+                "tokens": b["ids"], "mask": b["mask"], "logp": b["logp"],
+                "versions": b["versions"], "reward": sample["reward"],
+                "advantage": sample["advantage"],
+                "text": tok.decode(b["ids"], skip_special_tokens=False),
+                **{k: v for k, v in sample.items() if k in ("session",)},
+                "branch": b["branch"], "calls": b["calls"],
+            })  # fmt: skip
+    return out[:n]
+
+
+def _alone(branches: list[list[dict]], keep) -> list[Alone]:
+    """The other branches of the kept rows (`keep`), as packed sequences of their own
+    (packing.Alone) counted as their row's."""
+    keep = np.asarray(distributed.to_host(keep))
+    return [
+        Alone(
+            i,
+            np.asarray(b["ids"], np.int32),
+            np.asarray(b["mask"], np.float32),
+            np.asarray(b["logp"], np.float32),
+        )  # fmt: skip
+        for i, row in enumerate(branches)
+        if keep[i]
+        for b in row
+    ]
 
 
 def agent_of(cfg: ExperimentConfig, task):
@@ -583,14 +630,16 @@ def sampling_sd(scores) -> float:
     return float(np.sqrt(np.sum(np.var(scores, axis=1, ddof=1)) / k) / n)
 
 
-def _trainer_batch(ro, adv, keep, group_size: int, packing: PackGeometry | None):
+def _trainer_batch(ro, adv, keep, group_size: int, packing: PackGeometry | None, alone=None):
     """(the batch the trainer computes, on the host; its row's train_tokens /
-    train_positions / train_packed): packed in `packing`'s rows (`PackGeometry.layout`), or
-    padded."""
+    train_positions / train_packed): packed in `packing`'s rows (`PackGeometry.layout`, with
+    the sequences `alone`), or padded (without them)."""
     ro = jax.tree.map(distributed.to_host, ro)
     batch = Batch.from_rollout(ro, adv, keep, xp=np)
     padded = padded_layout(ro, group_size)
-    return (batch, padded) if packing is None else packing.layout(batch, group_size, padded)
+    if packing is None:
+        return batch, padded
+    return packing.layout(batch, group_size, padded, alone)
 
 
 # --------------------------------------------------------------------------- checkpointed batches
