@@ -47,6 +47,7 @@ bench: $(VENV)/.installed-test
 	$(BIN)/python benchmarks/bench_agents.py
 	$(BIN)/python benchmarks/bench_agent_learning.py
 	$(BIN)/python benchmarks/bench_declines.py
+	$(BIN)/python benchmarks/bench_real_curves.py
 
 lint: $(VENV)/.installed-test
 	$(BIN)/ruff check .
