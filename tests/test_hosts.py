@@ -688,10 +688,11 @@ def test_multi_turn_episodes_run_on_a_generator_job(tmp_path, processes):
 
 
 def test_agents_run_and_are_served_on_their_generator_job(tmp_path, processes):
-    """An agent task by import path across hosts: the generator group runs the agents and
-    serves their sessions on its own engine (the trainer's process runs none), for the
-    batches and the held-out evaluation; their counts and sessions reach the trainer's rows
-    and rollouts.jsonl."""
+    """An agent task by import path across hosts, on a generator group of two processes
+    (a jax.distributed job of its own, its mesh over both): the group's leader runs the
+    agents and serves their sessions on the group's engine, the follower makes the same
+    engine calls (the trainer's process runs none), for the batches and the held-out
+    evaluation; their counts and sessions reach the trainer's rows and rollouts.jsonl."""
     instruct = tmp_path / "instruct"
     instruct.mkdir()
     for f in (HF_FIXTURES / "qwen2").iterdir():
@@ -714,19 +715,25 @@ def test_agents_run_and_are_served_on_their_generator_job(tmp_path, processes):
     trainer_log, gen_log = tmp_path / "trainer.log", tmp_path / "gen.log"
     env = dict(PYTHONPATH=fixtures, SUMS_AGENT_LOG=str(calls))
     trainer = processes.start(_env("trainer", **env), args, trainer_log)
-    gen = processes.start(_env("generator", JAXRL_GROUP="0", **env), args, gen_log)
-    _finish(trainer, 300, trainer_log, gen_log)
+    gens = []
+    for i in range(2):
+        job = dict(JAXRL_COORDINATOR=f"127.0.0.1:{port + 10}", JAXRL_NUM_PROCESSES="2",
+                   JAXRL_PROCESS_ID=str(i), **env)  # fmt: skip
+        log = gen_log if i == 0 else tmp_path / "gen1.log"
+        gens.append(processes.start(_env("generator", JAXRL_GROUP="0", **job), args,
+                                    log))  # fmt: skip
+    _finish(trainer, 300, trainer_log, gen_log, tmp_path / "gen1.log")
     rows = read_metrics(out)
     assert "eval_pass_rate" in rows[0] and "eval_pass_rate" in rows[-1]
     trained = [r for r in rows if r["step"] > 0]
     assert [r["step"] for r in trained] == [1, 2]
     for r in trained:
         assert r["agent_calls_mean"] == 2 and r["agent_errors"] == 0 == r["agent_timeouts"]
-        assert r["episodes_trained"] == 4 and r["generator_processes"] == 1
+        assert r["episodes_trained"] == 4 and r["generator_processes"] == 2
         assert r["gen_batching"] == "continuous" and r["staleness_max"] <= 1
     made = [json.loads(line) for line in calls.read_text().splitlines()]
     # 2 batches x 4 episodes, 2 evaluations x 4 examples: every one on the generator job
-    assert len(made) >= 16 and {m["pid"] for m in made} == {gen.pid}
+    assert len(made) >= 16 and {(m["pid"], m["process"]) for m in made} == {(gens[0].pid, "0")}
     assert all(m["role"] == "generator" and "/sessions/" in m["url"] for m in made)
     samples = [json.loads(line) for line in (out / "rollouts.jsonl").open()]
     assert [s["step"] for s in samples] == [1, 1, 2, 2]

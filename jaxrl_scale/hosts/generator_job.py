@@ -492,11 +492,10 @@ def run_generator(cfg: ExperimentConfig, group: int) -> int:
     if agent is not None:
         check_agent_run(cfg, tok, hasattr(task, "make_env"))
     if hasattr(task, "make_env") or agent is not None:  # the episode budget bounds contexts
-        if processes.size > 1:
+        if processes.size > 1 and agent is None:
             raise ConfigError(
-                "hosts: a generator group of several processes runs single-turn tasks (a "
-                "multi-turn task's environments, and an agent task's sessions, answer one "
-                "process)"
+                "hosts: a generator group of several processes runs single-turn and agent "
+                "tasks (a multi-turn task's environments answer one process)"
             )
         longest = cfg.task.max_episode_tokens
     else:
@@ -575,9 +574,10 @@ def run_generator(cfg: ExperimentConfig, group: int) -> int:
                 engine.close()
             engine = None
             if agent is not None:  # its sessions served here, by this group's engine
+                # Several processes: the leader runs the agents and serves their sessions.
                 engine = EngineAgents(cfg, graphdef, tok, task, agent, mesh=mesh,
                                       slots=cfg.sampler.slots or batch_rows, curriculum=None,
-                                      examples=task.train_examples)  # fmt: skip
+                                      examples=task.train_examples, group=processes)  # fmt: skip
             elif on_engine and episodes is not None:  # episodes, as a colocated run's
                 engine = EngineEpisodes(cfg, graphdef, tok, episodes, mesh=mesh,
                                         slots=cfg.sampler.slots or batch_rows,
@@ -717,8 +717,11 @@ def _engine_run(cfg, scorer, engine: EngineBatches | EngineEpisodes, weights: We
     engine.step(params_for_chunk)
     if not engine.complete():
         return None
-    if isinstance(engine, EngineEpisodes | EngineAgents):  # (groups of one process)
-        _, ro, rewards, stats, (work, queued_at) = engine.pop()
+    if isinstance(engine, EngineEpisodes | EngineAgents):  # (agents: any group)
+        popped = engine.pop()
+        if popped is None:  # a follower of the group's leader, which sends the batch
+            return None
+        _, ro, rewards, stats, (work, queued_at) = popped
         scored = score_episodes(cfg, ro, rewards, stats, reference=bool(cfg.loss.kl_coef))
         scored.stats.update(slot_occupancy=engine.occupancy, gen_engine=1)
         meta = engine.meta if isinstance(engine, EngineAgents) else None

@@ -84,18 +84,27 @@ class _Batch:
 class EngineAgents:
     """A run's agent episodes on a slot engine of `slots` rows (see the module docstring).
     The same interface as `EngineEpisodes` (`next`, `in_flight`, `cursor`, `release`,
-    `occupancy`); owned by the feeding thread."""
+    `occupancy`); owned by the feeding thread.
+
+    `group`: a generator group of several processes (hosts/generator_job.Group), its mesh
+    over all their devices. Its leader runs the agents and serves their sessions; every
+    decision (a batch complete, fresh weights, each engine turn's submits and cancels) is
+    the leader's, `share`d in order, and the followers make the same engine calls (their
+    parts of the same programs) and nothing else."""
 
     def __init__(self, cfg, graphdef, tok, task, agent, *, mesh, slots: int, curriculum,
-                 examples):  # fmt: skip
+                 examples, group=None):  # fmt: skip
         self.cfg, self.graphdef, self.tok, self.task, self.agent = cfg, graphdef, tok, task, agent
         self.mesh, self.slots, self.curriculum, self.examples = mesh, slots, curriculum, examples
+        several = group is not None and group.size > 1
+        self._share = group.share if several else None
+        self.follower = several and not group.leader
         self.runner = EpisodeRunner(cfg, task, tok, None, None)  # settles groups, makes rows
         s = cfg.sampler
         self.sessions = Sessions(sampling=(s.temperature, s.top_p))
         self.backend: EngineBackend | None = None  # built with the first weights
         self.server: Background | None = None
-        self.pool = AgentPool(cfg.task.agent_workers, "jaxrl-agent")
+        self.pool = None if self.follower else AgentPool(cfg.task.agent_workers, "jaxrl-agent")
         self.queued: list[_Batch] = []
         self.version = -1
         self.chunk = 0
@@ -121,6 +130,8 @@ class EngineAgents:
             prompt_len=t.prompt_tokens or None, max_queue=max(64, 4 * self.slots),
             steps=self.cfg.sampler.admit_every, mesh=self.mesh, model_name=MODEL, thread=False,
         )  # fmt: skip
+        if self.follower:  # the leader serves the group's sessions
+            return
         # A key no one has: only the session routes serve (a local process cannot sample
         # from the training engine through /v1).
         self.server = Background(make_app(self.backend, self.tok, sessions=self.sessions,
@@ -132,6 +143,9 @@ class EngineAgents:
         examples = self.examples if examples is None else examples
         repeat = repeat or self.cfg.train.group_size
         batch = _Batch(np.asarray(indices), [], tag, time.perf_counter())
+        if self.follower:  # the batch's place in line; its agents run on the leader
+            self.queued.append(batch)
+            return batch
         for i in indices:
             for _ in range(repeat):
                 batch.runs.append(_start_run(self.pool, self.sessions, self.server.url,
@@ -151,18 +165,26 @@ class EngineAgents:
         return all(run.future.done() or run.timed_out for run in batch.runs)
 
     def complete(self) -> bool:
-        return bool(self.queued) and self._done(self.queued[0])
+        done = bool(self.queued) and (self.follower or self._done(self.queued[0]))
+        return done if self._share is None else self._share(done)  # the leader's
 
     def step(self, params_for_chunk: ParamsForChunk) -> bool:
         """One engine run with the newest weights, or (nothing to decode) a short wait for
         the agents; False when there was neither (every agent queued has ended)."""
-        if self._fresh is None:
+        fresh = self._fresh is None
+        if self._share is not None:
+            fresh = self._share(fresh)  # the leader's: weights are asked for in step
+        if fresh:
             if self.engine is not None and self.engine.busy:
                 jax.block_until_ready(self.engine.state.done)
             self._fresh = params_for_chunk(self.chunk)
             self.chunk += 1
         version, params = self._fresh
-        if self.backend.drive(params, version):
+        if self.follower:
+            if self.backend.follow(params, version, self._share):
+                self.version = version
+            return True
+        if self.backend.drive(params, version, self._share):
             self.version, self._fresh = version, None
             return True
         waiting = [r.future for b in self.queued for r in b.runs if not r.future.done()]
@@ -178,6 +200,8 @@ class EngineAgents:
         """(prompt indices, Rollout on the host, rewards [B] (NaN: not trained), stats, tag)
         of the oldest queued batch, once `complete`."""
         batch = self.queued.pop(0)
+        if self.follower:  # its rows are the leader's to send
+            return None
         if self.engine is not None:
             counts = (self.engine.steps, self.engine.slot_steps)
             steps, busy = (now - then for now, then in zip(counts, self._counts, strict=True))
@@ -280,7 +304,8 @@ class EngineAgents:
     def evaluate(self, params, examples) -> tuple[np.ndarray, dict]:
         """`evaluate_agents` of `params` on `examples`, with this run's agent and slots."""
         return evaluate_agents(self.cfg, self.graphdef, self.tok, self.task, self.agent, params,
-                               examples, mesh=self.mesh, slots=self.slots)  # fmt: skip
+                               examples, mesh=self.mesh, slots=self.slots, share=self._share,
+                               follower=self.follower)  # fmt: skip
 
     def release(self) -> None:
         """Nothing to free between batches: the engine serves its sessions for the run's life."""
@@ -297,20 +322,32 @@ class EngineAgents:
             self.backend.close()
         if self.server is not None:
             self.server.close()
-        self.pool.shutdown()
+        if self.pool is not None:
+            self.pool.shutdown()
 
 
-def evaluate_agents(cfg, graphdef, tok, task, agent, params, examples, *, mesh, slots: int):
+def evaluate_agents(cfg, graphdef, tok, task, agent, params, examples, *, mesh, slots: int,
+                    share=None, follower: bool = False):  # fmt: skip
     """[examples, k] rewards of `k` = train.eval_samples agent episodes of each held-out
     example with `params` (fixed; train.eval_temperature), a failed episode 0, and the
     counts. On an engine, server and sessions of its own, with a thread of its own: the
-    training engine belongs to the feeding thread, which may be generating meanwhile."""
+    training engine belongs to the feeding thread, which may be generating meanwhile.
+    `share` (a generator group of several processes, `EngineAgents`): the engine is driven
+    from this thread instead, the leader's turns shared; a `follower` makes the same engine
+    calls and returns zeros (the leader's scores are the group's)."""
     t, k = cfg.task, cfg.train.eval_samples
     backend = EngineBackend(
         nnx.merge(graphdef, params), tok, slots=slots, context=t.max_episode_tokens,
         prompt_len=t.prompt_tokens or None, max_queue=max(64, 4 * slots),
-        steps=cfg.sampler.admit_every, mesh=mesh, model_name=MODEL,
+        steps=cfg.sampler.admit_every, mesh=mesh, model_name=MODEL, thread=share is None,
     )  # fmt: skip
+    if follower:
+        try:
+            while not share(None):  # the leader's: every episode has ended
+                backend.follow(params, -1, share)
+        finally:
+            backend.close()
+        return np.zeros((len(examples), k)), {"agent_errors": 0, "agent_timeouts": 0}
     sessions = Sessions(sampling=(cfg.train.eval_temperature, 1.0))
     server = Background(
         make_app(backend, tok, sessions=sessions, api_key=secrets.token_urlsafe(24))
@@ -327,6 +364,13 @@ def evaluate_agents(cfg, graphdef, tok, task, agent, params, examples, *, mesh, 
                     run.future.cancel()
                     sessions.close(run.session, keep=True)
             waiting = [r.future for r in runs if not (r.future.done() or r.timed_out)]
+            if share is not None:  # the group's engine turns come from this thread
+                share(not waiting)
+                if not waiting:
+                    break
+                if not backend.drive(params, -1, share):
+                    cf.wait(waiting, timeout=0.005, return_when=cf.FIRST_COMPLETED)
+                continue
             if not waiting:
                 break
             cf.wait(waiting, timeout=0.1, return_when=cf.FIRST_COMPLETED)

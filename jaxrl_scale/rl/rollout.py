@@ -130,6 +130,12 @@ class RolloutWorker:
         self.agent = agent_of(cfg, task)
         if self.agent is not None:  # its episodes are its calls: rl/agents.py
             check_agent_run(cfg, self.tok, self.episodic)
+            if self.multiprocess and not cfg.hosts.generator_groups:
+                raise ConfigError(
+                    "hosts.generator_groups: an agent task on several trainer processes runs "
+                    "its agents on a generator group (one process of it serves the sessions); "
+                    "set hosts.generator_groups >= 1"
+                )
         if self.episodic and cfg.model.router_replay:
             raise ConfigError(
                 "model.router_replay: a multi-turn task's episodes record no experts (their "

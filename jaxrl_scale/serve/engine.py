@@ -91,6 +91,9 @@ class EngineBackend:
         self._ids = itertools.count()
         self._choices: dict[int, _Choice] = {}  # engine request id -> choice (engine thread)
         self._progress: list = []  # driven: the last run's peek, sent during the next run
+        # Driven with `share` (a generator group of several processes): the engine calls of
+        # this turn (submits, cancels), for the group's followers to make alike (`follow`).
+        self._ops: list | None = None
         self._thread = None
         if thread:
             self._thread = threading.Thread(target=self._loop, name="jaxrl-serve-engine",
@@ -149,18 +152,45 @@ class EngineBackend:
 
     # ------------------------------------------------------------------ driven
 
-    def drive(self, params, version: int) -> bool:
+    def drive(self, params, version: int, share=None) -> bool:
         """Without an engine thread: one turn on this thread (the engine's owner), with
         `params`, its tokens tagged `version`: what the event loop handed over is taken, the
         engine runs a few steps, the last run's tokens are sent. False when there was
-        nothing to do."""
+        nothing to do. `share` (a generator group's leader: its value reaches the group's
+        followers, rl/agents.py): the turn's engine calls are shared before the engine runs,
+        None when there is no turn; each follower makes them alike (`follow`)."""
         with self._lock:
             inbox, self._inbox = self._inbox, []
         engine = self.engine
         if not (inbox or engine.would_run(version) or self._progress):
+            if share is not None:
+                share(None)
             return False  # (prompts held for a newer version, at most)
-        self._progress = self._turn(inbox, self._progress, params, version)
+        self._progress = self._turn(inbox, self._progress, params, version, share)
         self._count()
+        return True
+
+    def follow(self, params, version: int, share) -> bool:
+        """A generator group's follower: the leader's turn (`drive` with `share`; `share`
+        here returns the leader's value): the same engine calls, the same run and peek, so
+        every process issues the same programs; what they make is the leader's to send.
+        False when the leader had no turn."""
+        turn = share(None)
+        if turn is None:
+            return False
+        engine = self.engine
+        for op in turn["ops"]:
+            if op[0] == "cancel":
+                engine.cancel(op[1])
+                continue
+            _, rid, head, max_new, given, temperature, top_p, words, not_before = op
+            engine.submit(rid, head, max_new=max_new, given=given,
+                          sampling=RowSampling(temperature, top_p, tuple(words)),
+                          not_before=not_before)  # fmt: skip
+        if engine.busy or engine.pending:
+            engine.run(params, version, turn["steps"])
+        if engine.busy:
+            engine.peek(window=self.steps, top=turn["top"])
         return True
 
     # ------------------------------------------------------------------ engine thread
@@ -191,10 +221,11 @@ class EngineBackend:
             del inbox
             self._count()
 
-    def _turn(self, inbox: list, progress: list, params, version: int) -> list:
+    def _turn(self, inbox: list, progress: list, params, version: int, share=None) -> list:
         """Hand over `inbox`, run the engine with `params` (tokens tagged `version`), send the
-        last run's `progress`; returns this run's."""
+        last run's `progress`; returns this run's. `share`: see `drive`."""
         engine = self.engine
+        self._ops = [] if share is not None else None
         try:
             arriving = any(kind == "submit" for kind, _ in inbox)
             for kind, item in inbox:
@@ -213,11 +244,15 @@ class EngineBackend:
             if arriving and engine.busy + engine.pending < self.slots:
                 steps = max(1, self.steps // 4)
             busy = engine.busy or engine.pending
+            top = self._tops()  # (before the run: a choice it ends is read once more at most)
+            if share is not None:
+                share({"ops": self._ops, "steps": steps, "top": top})
+                self._ops = None
             finished = engine.run(params, version, steps) if busy else []
             out = self._stream(progress)
             out += [d for f in finished if (d := self._finish(f)) is not None]
             Generation.push_all(out)
-            return engine.peek(window=self.steps, top=self._tops()) if engine.busy else []
+            return engine.peek(window=self.steps, top=top) if engine.busy else []
         except Exception as e:  # noqa: BLE001 - the engine broke: every request learns it
             log.exception("the engine failed")
             self._fail_all(e)
@@ -244,12 +279,18 @@ class EngineBackend:
             self.engine.submit(rid, head, max_new=len(given) + r.max_new, given=given,
                                sampling=sampling, not_before=r.not_before)  # fmt: skip
             self._choices[rid] = _Choice(generation, index, len(given))
+            if self._ops is not None:
+                self._ops.append(["submit", rid, [int(t) for t in head], len(given) + r.max_new,
+                                  [int(t) for t in given], r.temperature, r.top_p,
+                                  list(words), r.not_before])  # fmt: skip
 
     def _cancel(self, generation: Generation, indices: list[int]) -> None:
         for rid, c in list(self._choices.items()):
             if c.generation is generation and c.index in indices:
                 self.engine.cancel(rid)
                 del self._choices[rid]
+                if self._ops is not None:
+                    self._ops.append(["cancel", rid])
 
     def _delta(self, c: _Choice, first: int, tokens, logp, top_ids, top_logp, versions,
                finish=None) -> Delta:  # fmt: skip
