@@ -115,13 +115,14 @@ def test_an_sdk_agent_trains_through_its_session_urls(instruct, tmp_path):
         assert r["agent_branches"] == 2 and r["episodes_trained"] == 4 and r["gen_tokens"] > 0
         assert r["episodes_prompt_mismatch"] == 0
         assert r["agent_branches_trained"] == 2  # their first branches, packed beside them
+        assert r["agent_branches_left"] == 0
     assert "eval_pass_rate" in rows[-1] and "eval_pass_rate" in rows[0]
     assert max(r["staleness_max"] for r in rows) <= 1
     assert task.plain and set(task.plain) == {"refused"}  # /v1 without a session
     from test_metrics import _documented_keys
 
     agent_keys = {k for r in rows for k in r if k.startswith("agent_")}
-    assert len(agent_keys) == 7 and agent_keys <= _documented_keys()
+    assert len(agent_keys) == 8 and agent_keys <= _documented_keys()
     urls = [c["url"] for c in task.calls]
     assert len(set(urls)) == len(urls) and all("/sessions/" in u for u in urls)
     seen = {}  # session -> (the ids its second call consumed and sampled, both replies)

@@ -139,6 +139,16 @@ def test_sequences_of_their_own_score_alone_and_count_as_their_rows():
     for b in range(batch.tokens.shape[0]):  # the completions: as packed without them
         np.testing.assert_allclose(got[(seq == b) & ~own], want[np.asarray(plain.seq) == b],
                                    rtol=1e-5, atol=1e-6)  # fmt: skip
+    np.testing.assert_array_equal(unpack(packed.tokens, packed, N), batch.tokens)
+    # Where a completion and its own sequences fit in one row, they share it (a micro-step,
+    # a slice of rows, holds all of its tokens); where not, they are placed apart, counted.
+    wide, wide_stats = pack(batch, G, row_len=40, alone=alone[:3])
+    assert wide_stats.alone == 3 and wide_stats.alone_split == 0
+    for b in (0, 9):
+        assert len({r for r, _ in np.argwhere(np.asarray(wide.seq) == b)}) == 1
+    assert stats.alone_split == (alone[0].tokens.size + alone[1].tokens.size
+                                 + batch.mask[0].sum() + batch.prompt_mask[0].sum() > 24) + (
+        alone[2].tokens.size + batch.mask[9].sum() + batch.prompt_mask[9].sum() > 24)  # fmt: skip
     # "sample" aggregation: 1 / (the row's counted tokens, its branches' included x rows).
     w = np.asarray(packed_loss_weights(packed.loss_mask, packed.seq, packed.num_seqs, G,
                                        "cispo", "sample"))  # fmt: skip

@@ -190,8 +190,12 @@ class EngineAgents:
         waiting = [r.future for b in self.queued for r in b.runs if not r.future.done()]
         if not waiting:
             return False
-        cf.wait(waiting, timeout=0.005, return_when=cf.FIRST_COMPLETED)
-        self._idle += 1
+        if self._share is None:
+            cf.wait(waiting, timeout=0.005, return_when=cf.FIRST_COMPLETED)
+            self._idle += 1
+        else:  # a group: each step is shared, so fewer and longer ones (a call wakes it)
+            self.backend.wait(0.05)
+            self._idle += 10
         if self._idle % 10 == 0:  # every 50 ms or so, newer weights (and a stop) asked for
             self._fresh = None
         return True
@@ -369,7 +373,7 @@ def evaluate_agents(cfg, graphdef, tok, task, agent, params, examples, *, mesh, 
                 if not waiting:
                     break
                 if not backend.drive(params, -1, share):
-                    cf.wait(waiting, timeout=0.005, return_when=cf.FIRST_COMPLETED)
+                    backend.wait(0.05)  # (each turn is shared: a call wakes it)
                 continue
             if not waiting:
                 break
@@ -452,21 +456,25 @@ def _share_prompt(group: list[Episode]) -> None:
     front of its completion columns, given (mask 0). A sample stays the exact ids its calls
     consumed and sampled; only where the prompt ends moves. So an episode whose trained branch
     was rendered anew (an agent that compacted or edited its history: another prompt than its
-    siblings' first call) trains with its group instead of being dropped as a mismatch. With
-    no common token, nothing moves (settle_groups then drops the odd ones, counted)."""
-    live = [ep for ep in group if ep.prompt and ep.dropped is None]
-    if len({tuple(ep.prompt) for ep in live}) < 2:
+    siblings' first call) trains with its group instead of being dropped as a mismatch. The
+    prefix is that of the live samples that begin as the group's most common prompt does; a
+    sample that begins otherwise (no token in common) is left for settle_groups to drop,
+    counted; every sample that begins with the prefix moves, a dropped one too (its row in
+    rollouts.jsonl stays whole)."""
+    prompts = [tuple(ep.prompt) for ep in group if ep.prompt and ep.dropped is None]
+    if len(set(prompts)) < 2:
         return
-    common = len(os.path.commonprefix([ep.prompt for ep in live]))  # of lists: element-wise
-    if common == 0:
-        return
-    for ep in live:
-        rest = ep.prompt[common:]
-        ep.prompt = ep.prompt[:common]
-        ep.tokens = rest + ep.tokens
-        ep.mask = [0.0] * len(rest) + ep.mask
-        ep.logp = [0.0] * len(rest) + ep.logp
-        ep.versions = [-1] * len(rest) + ep.versions
+    shared = max(dict.fromkeys(prompts), key=prompts.count)  # the first, on a tie
+    near = [list(p) for p in prompts if p[0] == shared[0]]
+    common = len(os.path.commonprefix(near))  # of lists: element-wise; >= 1
+    for ep in group:
+        if len(ep.prompt) > common and tuple(ep.prompt[:common]) == shared[:common]:
+            rest = ep.prompt[common:]
+            ep.prompt = ep.prompt[:common]
+            ep.tokens = rest + ep.tokens
+            ep.mask = [0.0] * len(rest) + ep.mask
+            ep.logp = [0.0] * len(rest) + ep.logp
+            ep.versions = [-1] * len(rest) + ep.versions
 
 
 def _late(run: _Run, timeout: float) -> bool:

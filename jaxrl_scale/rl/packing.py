@@ -285,6 +285,7 @@ class PackStats:
     prompt_repeats: int  # segments beyond one per group: prompts run again for a split group
     alone: int = 0  # sequences of their own packed (`pack`'s `alone`)
     alone_left: int = 0  # ... left out: longer than a row
+    alone_split: int = 0  # completions whose sequences of their own went to other rows
 
     @property
     def train_positions(self) -> int:
@@ -310,10 +311,13 @@ def pack(
     naming the sequence when a prompt and one of its completions do not fit in a row.
 
     `alone`: sequences that belong to completion b's sample without continuing its prompt (an
-    agent episode's other branches, rl/agents.py), each packed first-fit too as a segment of
-    its own (its tokens see only each other, positions from 0), its tokens counted as b's
-    (`seq`: b's token counts, sequence ratio and aggregation weight include them) with b's
-    advantage. One that does not fit in a row is left out (`PackStats.alone_left`)."""
+    agent episode's other branches, rl/agents.py), each a segment of its own (its tokens see
+    only each other, positions from 0), its tokens counted as b's (`seq`: b's token counts,
+    sequence ratio and aggregation weight include them) with b's advantage. They go in b's
+    row, so one micro-step holds all of b's tokens; where b and its sequences do not fit in
+    one row, they are placed first-fit on their own (`PackStats.alone_split`: a sequence
+    ratio is then taken per micro-step over the part each holds). One longer than a row is
+    left out (`PackStats.alone_left`)."""
     prompt_tokens = np.asarray(batch.prompt_tokens)
     prompt_mask = np.asarray(batch.prompt_mask, bool)
     tokens = np.asarray(batch.tokens)
@@ -331,8 +335,23 @@ def pack(
         raise ValueError("packed sequences of their own carry no recorded experts (routes)")
     left = [a for a in alone if len(a.tokens) > row_len]
     alone = [a for a in alone if len(a.tokens) <= row_len]
-    items = [(int(lengths[b]), 0, int(b)) for b in np.flatnonzero(lengths)]
-    items += [(len(a.tokens), 1, i) for i, a in enumerate(alone)]
+    # A completion and its sequences of their own go to one row where they fit together, so
+    # a micro-step (a slice of rows) holds all of a sequence's tokens (GSPO's sequence ratio,
+    # the sequence mismatch mask); where they do not, the others are placed on their own.
+    theirs: dict[int, list[int]] = {}
+    for i, a in enumerate(alone):
+        theirs.setdefault(int(a.seq), []).append(i)
+    extra = {b: sum(len(alone[i].tokens) for i in ids) for b, ids in theirs.items()}
+    items, split = [], 0
+    for b in np.flatnonzero(lengths):
+        b = int(b)
+        together = int(prompt_len[b // group_size]) + int(lengths[b]) + extra.get(b, 0)
+        if b in theirs and together > row_len:
+            items += [(len(alone[i].tokens), 1, i) for i in theirs.pop(b)]
+            split += 1
+        items.append((int(lengths[b]) + (extra[b] if b in theirs else 0), 0, b))
+    items += [(len(alone[i].tokens), 1, i) for b, ids in theirs.items() if not lengths[b]
+              for i in ids]  # fmt: skip
     used: list[int] = []
     placed: list[dict[int, list[int]]] = []  # per row: group -> its completions there
     own: list[list[int]] = []  # per row: the `alone` sequences there
@@ -362,6 +381,8 @@ def pack(
             used.append(0)
             placed.append({})
             own.append([])
+        if b in theirs:  # its sequences of their own: in this row, behind the segments
+            own[r].extend(theirs[b])  # (n counted them)
         used[r] += cost
         placed[r].setdefault(g, []).append(int(b))
     segments = [  # (group, completions) of each row, in group and completion order
@@ -452,6 +473,7 @@ def pack(
         prompt_repeats=n_segments - len(alone) - len({g for row in segments for g, _ in row}),
         alone=len(alone),
         alone_left=len(left),
+        alone_split=split,
     )
     return PackedBatch(**out, num_seqs=b_total), stats
 
@@ -488,10 +510,16 @@ def packed_logprobs(
 
 def unpack(values_rs, batch: PackedBatch, new_tokens: int) -> np.ndarray:
     """Per-token values [R, S] of a packed batch back in the padded layout [B, N] (0 where no
-    token was packed): for tests and for reading a packed step's per-token outputs."""
+    token was packed): for tests and for reading a packed step's per-token outputs. Tokens
+    of sequences of their own (`pack`'s `alone`: segments without a prompt) are left out."""
     values_rs, seq = np.asarray(values_rs), np.asarray(batch.seq)
+    seg, sub, valid = (np.asarray(x) for x in (batch.seg, batch.sub, batch.valid))
+    own = np.zeros(seq.shape, bool)
+    for r in range(seq.shape[0]):
+        prompted = np.unique(seg[r][(sub[r] == 0) & valid[r]])
+        own[r] = valid[r] & ~np.isin(seg[r], prompted)
     out = np.zeros((batch.num_seqs, new_tokens), values_rs.dtype)
     for b in range(batch.num_seqs):
-        where = seq == b
+        where = (seq == b) & ~own
         out[b, : int(where.sum())] = values_rs[where]  # a row's tokens sit in order in one row
     return out

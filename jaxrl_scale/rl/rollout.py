@@ -343,7 +343,7 @@ class RolloutWorker:
         batch, layout = _trainer_batch(ro, adv, keep, cfg.train.group_size, self.packing, alone)
         if branches is not None:
             layout["agent_branches_trained"] = layout.pop("alone", 0)
-            layout.pop("alone_left", None)
+            layout["agent_branches_left"] = layout.pop("alone_left", 0)  # longer than a row
         stats = {
             **scored.stats,
             **layout,  # train_tokens, train_positions

@@ -143,7 +143,9 @@ class EngineBackend:
             self._thread.join(timeout)
         else:  # driven: the owner's thread, which owns the engine, is this one
             error = ShuttingDown("the server shut down")
-            self._fail_all(error)
+            # The engine is discarded: its rows are left as they are (no program runs
+            # here that a generator group's followers would not run too).
+            self._fail_all(error, cancel=False)
             with self._lock:
                 inbox, self._inbox = self._inbox, []
             for kind, item in inbox:  # taken, never submitted: they learn it too
@@ -169,6 +171,13 @@ class EngineBackend:
         self._progress = self._turn(inbox, self._progress, params, version, share)
         self._count()
         return True
+
+    def wait(self, timeout: float) -> None:
+        """Driven: wait until the event loop hands something over (a request, a
+        cancellation), at most `timeout` seconds."""
+        with self._lock:
+            if not (self._inbox or self._closed):
+                self._wake.wait(timeout)
 
     def follow(self, params, version: int, share) -> bool:
         """A generator group's follower: the leader's turn (`drive` with `share`; `share`
@@ -332,10 +341,11 @@ class EngineBackend:
                                                   versions)))  # fmt: skip
         return out
 
-    def _fail_all(self, error: BaseException) -> None:
+    def _fail_all(self, error: BaseException, cancel: bool = True) -> None:
         for rid, c in list(self._choices.items()):
-            with contextlib.suppress(Exception):  # failing every request is all that is left
-                self.engine.cancel(rid)
+            if cancel:
+                with contextlib.suppress(Exception):  # failing every request is all there is
+                    self.engine.cancel(rid)
             c.generation.push(error)
         self._choices.clear()
 
