@@ -27,8 +27,6 @@ import math
 
 import jax.numpy as jnp
 import numpy as np
-from scipy.stats import chi2
-from scipy.stats import f as f_dist
 
 from jaxrl_scale.fit.sigmoid_fit import FitResult, FitSpec, fit_batch
 
@@ -97,6 +95,9 @@ def profile_a(log_c, y, w, point: FitResult, spec: FitSpec, *, noise_var: float,
         why = "no fit with A held converged"
         return _verdict(NOT_IDENTIFIED, None, None, grid, deviance, level, why)
     best = float(grid[int(np.nanargmin(deviance))])
+    from scipy.stats import chi2  # (scipy.stats: half a second to import; here, not at start)
+    from scipy.stats import f as f_dist
+
     if dof is None:
         two, one = float(chi2.ppf(level, 1)), float(chi2.ppf(2 * level - 1, 1))
     else:

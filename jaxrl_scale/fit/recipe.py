@@ -21,7 +21,6 @@ import dataclasses
 import math
 
 import numpy as np
-from scipy import stats
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,6 +35,8 @@ class RecipeCeiling:
 
 
 def _z(level: float) -> float:
+    from scipy import stats  # (half a second to import: here, not at start)
+
     return float(stats.norm.ppf((1 + level) / 2))
 
 
@@ -56,6 +57,8 @@ def recipe_ceiling(
         return RecipeCeiling(name, float(a[0]), (math.nan, math.nan), 1, math.nan, se, level)
     between = float(np.var(a, ddof=1))
     se = math.sqrt(between / seeds)
+    from scipy import stats  # (half a second to import: here, not at start)
+
     half = float(stats.t.ppf((1 + level) / 2, seeds - 1)) * se
     mean = float(a.mean())
     lo, hi = max(0.0, mean - half), min(a_max, mean + half)
@@ -92,6 +95,8 @@ def compare_ceilings(first: RecipeCeiling, second: RecipeCeiling) -> CeilingDiff
     if v1 + v2 == 0:  # every seed of both recipes reached the same ceiling
         return CeilingDifference((first.name, second.name), diff, (diff, diff), first.level)
     dof = (v1 + v2) ** 2 / (v1**2 / (first.seeds - 1) + v2**2 / (second.seeds - 1))
+    from scipy import stats  # (half a second to import: here, not at start)
+
     half = float(stats.t.ppf((1 + first.level) / 2, dof)) * math.sqrt(v1 + v2)
     return CeilingDifference(
         (first.name, second.name), diff, (diff - half, diff + half), first.level

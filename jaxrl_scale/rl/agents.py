@@ -46,6 +46,7 @@ import secrets
 import threading
 import time
 from collections.abc import Mapping
+from typing import TYPE_CHECKING
 
 import jax
 import numpy as np
@@ -53,10 +54,11 @@ from flax import nnx
 
 from jaxrl_scale.rl.episodes import Episode, EpisodeRunner
 from jaxrl_scale.rl.pipeline import ParamsForChunk
-from jaxrl_scale.serve.app import make_app
 from jaxrl_scale.serve.engine import EngineBackend
-from jaxrl_scale.serve.server import Background
 from jaxrl_scale.serve.sessions import Sessions
+
+if TYPE_CHECKING:
+    from jaxrl_scale.serve.server import Background
 
 MODEL = "policy"  # the model id the sessions serve (`/models`)
 
@@ -132,6 +134,10 @@ class EngineAgents:
         )  # fmt: skip
         if self.follower:  # the leader serves the group's sessions
             return
+        # (FastAPI and uvicorn: imported where a server starts, not by every run)
+        from jaxrl_scale.serve.app import make_app
+        from jaxrl_scale.serve.server import Background
+
         # A key no one has: only the session routes serve (a local process cannot sample
         # from the training engine through /v1).
         self.server = Background(make_app(self.backend, self.tok, sessions=self.sessions,
@@ -352,6 +358,9 @@ def evaluate_agents(cfg, graphdef, tok, task, agent, params, examples, *, mesh, 
         finally:
             backend.close()
         return np.zeros((len(examples), k)), {"agent_errors": 0, "agent_timeouts": 0}
+    from jaxrl_scale.serve.app import make_app
+    from jaxrl_scale.serve.server import Background
+
     sessions = Sessions(sampling=(cfg.train.eval_temperature, 1.0))
     server = Background(
         make_app(backend, tok, sessions=sessions, api_key=secrets.token_urlsafe(24))
