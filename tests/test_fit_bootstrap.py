@@ -32,10 +32,11 @@ def test_same_seed_same_intervals_other_seed_differs():
 
 
 def test_coverage_of_a_over_200_synthetic_curves():
-    """95% intervals for A contain the truth in 90-98% of 200 noisy curves (1% noise)."""
+    """95% intervals for A contain the truth in 90-98% of 200 noisy curves (1% noise); 400
+    resamples each (measured: 0.970 of the 200 covered, 0.975 with 1,000)."""
     hits = 0
     for trial in range(200):
-        lo, hi = bootstrap_sigmoid(C, _noisy(1000 + trial), n=1000, seed=trial).ci["a"]
+        lo, hi = bootstrap_sigmoid(C, _noisy(1000 + trial), n=400, seed=trial).ci["a"]
         hits += lo <= TRUTH["a"] <= hi
     assert 0.90 <= hits / 200 <= 0.98, hits / 200
 
