@@ -688,8 +688,8 @@ def test_multi_turn_episodes_run_on_a_generator_job(tmp_path, processes):
 
 
 def test_agents_run_and_are_served_on_their_generator_job(tmp_path, processes):
-    """An agent task by import path across hosts, on a generator group of two processes
-    (a jax.distributed job of its own, its mesh over both): the group's leader runs the
+    """An agent task by import path across hosts, on a generator group of two processes of
+    one device each (a jax.distributed job of its own, its mesh over both): the leader runs the
     agents and serves their sessions on the group's engine, the follower makes the same
     engine calls (the trainer's process runs none), for the batches and the held-out
     evaluation; their counts and sessions reach the trainer's rows and rollouts.jsonl."""
@@ -720,7 +720,10 @@ def test_agents_run_and_are_served_on_their_generator_job(tmp_path, processes):
         job = dict(JAXRL_COORDINATOR=f"127.0.0.1:{port + 10}", JAXRL_NUM_PROCESSES="2",
                    JAXRL_PROCESS_ID=str(i), **env)  # fmt: skip
         log = gen_log if i == 0 else tmp_path / "gen1.log"
-        gens.append(processes.start(_env("generator", JAXRL_GROUP="0", **job), args,
+        # One device each (as one process per GPU): the leader lays a version out only after
+        # telling the follower which (it waited in that program for a follower still waiting
+        # to be told, before).
+        gens.append(processes.start(_env("generator", devices=1, JAXRL_GROUP="0", **job), args,
                                     log))  # fmt: skip
     _finish(trainer, 300, trainer_log, gen_log, tmp_path / "gen1.log")
     rows = read_metrics(out)

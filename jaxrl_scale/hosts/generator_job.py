@@ -234,16 +234,18 @@ class Weights:
                 raise SystemExit(f"generator group {self.group} process "
                                  f"{jax.process_index()}: {e}") from e  # fmt: skip
         try:
-            got = self._get(version=version, at_least=at_least)
+            # Laid out after the others are told: laying it out is a program over every
+            # process's devices, which a follower joins only once it knows the version.
+            have = self._get(version=version, at_least=at_least, lay_out=False)[0]
         except (Stopped, Rejoin, TrainerLost, PermanentFailure) as e:
             group.share({"raise": type(e).__name__, "message": str(e)})
             raise
         with self._cond:
             newest = self._newest
-        group.share({"version": got[0], "newest": newest})
-        return got
+        group.share({"version": have, "newest": newest})
+        return have, self._laid(have)
 
-    def _get(self, *, version: int | None = None, at_least: int = -1):
+    def _get(self, *, version: int | None = None, at_least: int = -1, lay_out: bool = True):
         deadline = time.monotonic() + self.timeout
         with self._cond:
             self._want = version
@@ -275,9 +277,18 @@ class Weights:
             for old in [v for v in self._held if v < have]:
                 del self._held[old]  # no chunk decodes with it any more
             self._tell_held()
-            if isinstance(self._held[have], _Rows):  # here, on the decoding thread
-                self._held[have] = self.client.lay_out(self._held[have].leaves)
-            return have, self._held[have]
+        return have, (self._laid(have) if lay_out else None)
+
+    def _laid(self, have: int):
+        """Version `have` (held, in use) in the parameters' layout: laid out here, on the
+        decoding thread, the first time it is asked for."""
+        with self._cond:
+            held = self._held[have]
+        if isinstance(held, _Rows):
+            held = self.client.lay_out(held.leaves)
+            with self._cond:
+                self._held[have] = held
+        return held
 
     def _everyones(self) -> set[int]:
         """The versions held here and, in a group of several processes, by every follower
