@@ -225,7 +225,8 @@ class Weights:
             with self._cond:
                 self._newest = told["newest"]
             try:
-                return self._get(version=told["version"])
+                have = self._get(version=told["version"])
+                return have, self._laid(have)
             except PermanentFailure as e:  # the leader reads it and tells the hub
                 distributed.publish(_BROKEN, str(e))
                 raise SystemExit(f"generator group {self.group} process "
@@ -236,7 +237,7 @@ class Weights:
         try:
             # Laid out after the others are told: laying it out is a program over every
             # process's devices, which a follower joins only once it knows the version.
-            have = self._get(version=version, at_least=at_least, lay_out=False)[0]
+            have = self._get(version=version, at_least=at_least)
         except (Stopped, Rejoin, TrainerLost, PermanentFailure) as e:
             group.share({"raise": type(e).__name__, "message": str(e)})
             raise
@@ -245,7 +246,9 @@ class Weights:
         group.share({"version": have, "newest": newest})
         return have, self._laid(have)
 
-    def _get(self, *, version: int | None = None, at_least: int = -1, lay_out: bool = True):
+    def _get(self, *, version: int | None = None, at_least: int = -1) -> int:
+        """The version to decode with (held here, and in use from now on; `_laid` gives
+        its parameters)."""
         deadline = time.monotonic() + self.timeout
         with self._cond:
             self._want = version
@@ -277,7 +280,7 @@ class Weights:
             for old in [v for v in self._held if v < have]:
                 del self._held[old]  # no chunk decodes with it any more
             self._tell_held()
-        return have, (self._laid(have) if lay_out else None)
+        return have
 
     def _laid(self, have: int):
         """Version `have` (held, in use) in the parameters' layout: laid out here, on the

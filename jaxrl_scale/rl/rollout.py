@@ -421,14 +421,13 @@ def _samples(tok, ro: Rollout, rewards, adv, n: int, meta: list[dict] | None,
         if meta is not None:
             sample.update(meta[i])
         out.append(sample)
-        for b in (branches or [[]] * len(rewards))[i]:
+        for b in branches[i] if branches is not None else ():
             out.append({
                 "tokens": b["ids"], "mask": b["mask"], "logp": b["logp"],
                 "versions": b["versions"], "reward": sample["reward"],
                 "advantage": sample["advantage"],
                 "text": tok.decode(b["ids"], skip_special_tokens=False),
-                **{k: v for k, v in sample.items() if k in ("session",)},
-                "branch": b["branch"], "calls": b["calls"],
+                "session": sample.get("session"), "branch": b["branch"], "calls": b["calls"],
             })  # fmt: skip
     return out[:n]
 
