@@ -5,7 +5,8 @@ drained, joined, and the trainer is SIGKILLed once and resumed.
     python benchmarks/bench_soak.py [--steps 400] [--kills 8] [--trainers 2] [--groups 3] \
         [--group-processes 2]
 
-What happens, at random moments drawn from --seed (the run must outlast them: --steps):
+What happens, at random moments drawn from --seed (0.5-2.5 s or 2-6 steps apart; the run
+must outlast them: --steps):
 - group 0 starts with its weight pulls held open (JAXRL_PULL_DELAY): it is SIGKILLed while a
   pull is under way (the trainer processes have offered their blocks), then started again;
 - --kills - 1 more SIGKILLs of a random group at a random moment, each started again;
@@ -157,6 +158,15 @@ class Drill:
         steps = [json.loads(x)["step"] for x in path.read_text().splitlines() if x.strip()]
         return max(steps, default=0)
 
+    def pace(self, seconds: float, steps: int) -> None:
+        """Wait `seconds`, or less once the trainer has trained `steps` more (a fast machine
+        runs through its steps while a slow one is still starting groups: the faults come
+        closer together there, so that the run outlasts them on either)."""
+        start, deadline = self.step(), time.monotonic() + seconds
+        time.sleep(min(0.3, seconds))
+        while time.monotonic() < deadline and self.step() < start + steps:
+            time.sleep(0.05)
+
     def wait_for(self, predicate, what: str) -> None:
         deadline = time.monotonic() + self.timeout
         while not predicate():
@@ -212,8 +222,8 @@ def soak(out: Path, *, steps: int, kills: int, trainers: int, groups: int, seed:
         counts["killed_in_pull"] += 1
         say(f"killed group 0 during a weight pull (step {drill.step()}, "
             f"{time.monotonic() - start:.0f} s)")  # fmt: skip
-        # The faults, in an order drawn from the seed, each at a random moment 0.5-2.5 s
-        # after the one before (the run must outlast them: --steps).
+        # The faults, in an order drawn from the seed, each 0.5-2.5 s after the one before or
+        # 2-6 steps, whichever comes first (the run must outlast them: --steps).
         events = ["kill"] * (kills - 1) + ["stop", "trainer", "join", "drain"]
         rng.shuffle(events)
         events.remove("drain")
@@ -225,10 +235,15 @@ def soak(out: Path, *, steps: int, kills: int, trainers: int, groups: int, seed:
                     if p.poll() is None and "joined the trainer" in log.read_text()]  # fmt: skip
 
         for event in events:
-            time.sleep(rng.uniform(0.5, 2.5))
-            assert all(p.poll() is None for p, _ in drill.trainer_procs), (
-                f"the run ended before the faults did ({event} was next): raise --steps"
-            )
+            drill.pace(rng.uniform(0.5, 2.5), rng.randint(2, 6))
+            for p, log in drill.trainer_procs:
+                assert p.poll() in (None, 0), (
+                    f"a trainer exited {p.returncode} ({event} was next):\n"
+                    f"{log.read_text()[-3000:]}"
+                )
+                assert p.poll() is None, (
+                    f"the run ended before the faults did ({event} was next): raise --steps"
+                )
             if event == "drain":  # a group still starting has no SIGTERM handler yet
                 drill.wait_for(lambda: bool(joined()), "a joined group to drain")
             g = rng.choice(joined() or list(drill.groups))
@@ -243,7 +258,8 @@ def soak(out: Path, *, steps: int, kills: int, trainers: int, groups: int, seed:
                 drill.groups[g][0].send_signal(signal.SIGCONT)
                 counts["stopped"] += 1
             elif event == "trainer":  # after a checkpoint; every process, then all again
-                drill.wait_for(lambda: any((out / "run" / "checkpoints").glob("[0-9]*")),
+                drill.wait_for(lambda: any(d.name.isdigit() for d in  # saved, not saving
+                                           (out / "run" / "checkpoints").glob("[0-9]*")),
                                "a checkpoint")  # fmt: skip
                 for p, _ in drill.trainer_procs:
                     p.send_signal(signal.SIGKILL)

@@ -916,7 +916,7 @@ def test_a_run_survives_the_fault_soak(tmp_path):
     bench_soak = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench_soak)
     env = _env("trainer")
-    counts = bench_soak.soak(tmp_path, steps=160, kills=5, trainers=1, groups=3, seed=0, env=env)
+    counts = bench_soak.soak(tmp_path, steps=240, kills=5, trainers=1, groups=3, seed=0, env=env)
     assert counts["kills"] == 5 and counts["killed_in_pull"] == 1
     assert counts["trainer_kills"] == counts["stopped"] == counts["joined"] == 1
     assert counts["lost"] >= 1  # the stopped group, at least (killed ones are silent too)
