@@ -104,7 +104,7 @@ def test_no_converged_resample_gives_no_interval_rather_than_an_error():
 def test_noise_model_matches_the_restricted_likelihood_written_out():
     """The tridiagonal shortcut equals the REML posterior computed the long way: residuals
     projected onto the complement of the Jacobian, Q' R Q formed and factorised explicitly."""
-    from jaxrl_scale.fit.bootstrap import noise_model
+    from jaxrl_scale.fit.noise import noise_model
 
     rng = np.random.default_rng(3)
     p, k = 12, 3
@@ -134,7 +134,7 @@ def test_noise_model_matches_the_restricted_likelihood_written_out():
 
 
 def test_noise_model_reads_drift_as_correlation():
-    from jaxrl_scale.fit.bootstrap import noise_model
+    from jaxrl_scale.fit.noise import noise_model
 
     jac = np.stack([np.ones(40), np.linspace(0, 1, 40)], axis=1)  # a line absorbs level + trend
     drift = np.sin(np.linspace(0, 6 * np.pi, 40))  # slow: successive errors alike

@@ -92,7 +92,8 @@ def test_evals_that_do_not_rise_identify_nothing():
     flat = np.clip(R0 + 0.015 * np.random.default_rng(3).standard_normal(C.size), 0, 1)
     boot = _boot(flat)
     assert boot.a_verdict == NOT_IDENTIFIED and boot.a_lower is None
-    assert "do not rise clearly enough above their noise" in boot.why_not["a"]
+    # They hold a level (fit/level.py) at R0, which bounds nothing the model does not.
+    assert boot.on_level and "no rise to read a ceiling from" in boot.why_not["a"]
 
 
 def test_one_sided_bounds_cover_the_truth():

@@ -5,7 +5,7 @@ import pytest
 
 from jaxrl_scale.config import ConfigError, ForecastConfig
 from jaxrl_scale.fit.data import curve_from_rows
-from jaxrl_scale.fit.forecast import NOT_IDENTIFIABLE, OnlineForecast, fit_forecast
+from jaxrl_scale.fit.forecast import LEVEL, NOT_IDENTIFIABLE, OnlineForecast, fit_forecast
 
 A, B, C_MID, R0 = 0.72, 1.6, 1e12, 0.30
 
@@ -32,11 +32,13 @@ def test_not_identifiable_before_the_inflection_then_converges_to_the_true_ceili
     for step, (c, r) in enumerate(zip(compute, rate, strict=True), start=1):
         fields = forecaster.observe(step, c, r)
         statuses.append((c, fields["forecast_status"], fields))
-    # The first three evaluations are too few; the concave start cannot pin A.
+    # The first three evaluations are too few; the concave start cannot pin A. Its first
+    # evals rise 0.005 in noise of 0.006: they hold a level (R0's) as far as they show, which
+    # bounds nothing, or are a start no ceiling can be read from.
     assert [s for _, s, _ in statuses[:3]] == ["too few points"] * 3
-    early = [s for c, s, _ in statuses[3:] if c < C_MID / 4]
-    assert early and all(s == NOT_IDENTIFIABLE for s in early)
-    assert all("forecast_a" not in f for c, _, f in statuses if c < C_MID / 4)
+    early = [(s, f) for c, s, f in statuses[3:] if c < C_MID / 4]
+    assert early and all(s in (NOT_IDENTIFIABLE, LEVEL) for s, _ in early)
+    assert all("forecast_a" not in f and "forecast_a_lower" not in f for _, f in early)
     # Well past the inflection the forecast is identifiable and covers the true ceiling.
     late = [f for c, _, f in statuses if c > 8 * C_MID]
     # A refit whose solver stops short of a stationary point says so and gives no numbers.

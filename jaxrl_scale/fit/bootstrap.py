@@ -20,6 +20,8 @@ import numpy as np
 
 from jaxrl_scale.fit.curves import sigmoid
 from jaxrl_scale.fit.data import clean_curve
+from jaxrl_scale.fit.level import Level, fit_level
+from jaxrl_scale.fit.noise import drift_model, noise_model
 from jaxrl_scale.fit.profile import (
     IDENTIFIED,
     LOWER,
@@ -33,162 +35,9 @@ from jaxrl_scale.fit.sigmoid_fit import B_MIN, FitResult, FitSpec, fit_batch, pa
 PARAMS = ("a", "b", "c_mid", "r0")
 Method = Literal["auto", "pairs", "residual", "block"]
 METHODS = ("auto", "pairs", "residual", "block")
-RHO_GRID = np.linspace(-0.9, 0.97, 80)  # AR(1) coefficients "auto" weighs
-
-
-@dataclasses.dataclass(frozen=True)
-class NoiseModel:
-    """What a fit's residuals say about its evaluation noise, modelled as AR(1) along the run:
-    e_t = rho * e_{t-1} + innovation, with marginal sd sigma.
-
-    `weight` is the posterior of rho over `rho` (the grid) given the residuals, with sigma
-    integrated out; given rho, sigma^2 is `scale * dof / chi2(dof)`. Built by `noise_model`.
-    """
-
-    rho: np.ndarray  # [G] grid of AR(1) coefficients
-    weight: np.ndarray  # [G] posterior probability of each
-    scale: np.ndarray  # [G] sigma^2 estimate at each rho
-    dof: int  # residual degrees of freedom: points minus the fit's rank
-
-    @property
-    def mean_rho(self) -> float:
-        return float(np.sum(self.weight * self.rho))
-
-    @property
-    def sd(self) -> float:
-        """Posterior-mean estimate of the noise's marginal sd."""
-        return float(np.sqrt(np.sum(self.weight * self.scale)))
-
-
-def _ar1_solve(x, rho):
-    """R(rho)^-1 x for the AR(1) correlation matrix R_ij = rho^|i-j| (tridiagonal inverse):
-    x [P, ...], rho [G] -> [G, P, ...]."""
-    r = rho.reshape((-1,) + (1,) * x.ndim)
-    out = np.array(np.broadcast_to((1 + r * r) * x, (rho.size,) + x.shape))
-    out[:, 0], out[:, -1] = x[0], x[-1]
-    out[:, 1:] -= r * x[:-1]
-    out[:, :-1] -= r * x[1:]
-    return out / (1 - r * r)
-
-
-def noise_model(residuals, jacobian, grid=RHO_GRID, *, prior: str = "jeffreys") -> NoiseModel:
-    """The posterior of an AR(1) noise model from a fit's residuals [P] (in run order) and its
-    Jacobian [P, K] at the fit.
-
-    Restricted (REML) likelihood of the linearised model: the residuals live in the P - K
-    dimensions the fit cannot absorb, so a smooth fit that soaks up the slow part of correlated
-    noise does not make it look independent. With a prior pi(rho) over `grid` and 1/sigma^2 on
-    sigma^2, p(rho | e) is proportional to
-        pi(rho) |R|^-1/2 |J' R^-1 J|^-1/2 q(rho)^-(P-K)/2,
-        q = e' R^-1 e - (J' R^-1 e)' (J' R^-1 J)^-1 J' R^-1 e,
-    and sigma^2 | rho is q / chi2(P - K). A short run says little about rho, so the posterior is
-    wide and the intervals drawn from it are wide: that is the honest price of few points.
-
-    `prior`: "jeffreys" (the default), the AR(1) reference prior pi(rho) ~ (1 - rho^2)^-1/2,
-    or "flat". Measured (benchmarks/bench_calibration.py): with the flat prior, a 10-eval run
-    with AR(1) 0.8 noise rarely shows how strong its drift is and its 95% interval for A
-    covered 85.5%; the Jeffreys prior, which gives strong persistence its due weight, 91%.
-    """
-    e = np.asarray(residuals, np.float64)
-    jac = np.asarray(jacobian, np.float64)
-    p = e.size
-    sv = np.linalg.svd(jac, compute_uv=False)
-    keep = sv > 1e-9 * max(sv[0], 1e-300)
-    if not keep.all():  # a direction the fit cannot move: drop it (an orthonormal basis)
-        u = np.linalg.svd(jac, full_matrices=False)[0]
-        jac = u[:, keep]
-    dof = p - jac.shape[1]
-    if dof < 1:
-        raise ValueError(f"{p} points and {jac.shape[1]} fitted parameters leave no noise estimate")
-    re, rj = _ar1_solve(e, grid), _ar1_solve(jac, grid)  # [G, P], [G, P, K]
-    jrj = np.einsum("pk,gpl->gkl", jac, rj)
-    jre = np.einsum("pk,gp->gk", jac, re)
-    quad = np.einsum("p,gp->g", e, re) - np.einsum(
-        "gk,gk->g", jre, np.linalg.solve(jrj, jre[..., None])[..., 0]
-    )
-    quad = np.maximum(quad, 1e-300)
-    log_det = (p - 1) * np.log1p(-grid * grid) + np.linalg.slogdet(jrj)[1]
-    if prior not in ("jeffreys", "flat"):
-        raise ValueError(f"noise_model: prior must be 'jeffreys' or 'flat', got {prior!r}")
-    log_prior = -0.5 * np.log1p(-grid * grid) if prior == "jeffreys" else 0.0
-    log_post = log_prior - 0.5 * log_det - 0.5 * dof * np.log(quad)
-    weight = np.exp(log_post - log_post.max())
-    return NoiseModel(np.asarray(grid, float), weight / weight.sum(), quad / dof, dof)
-
-
-@dataclasses.dataclass(frozen=True)
-class DriftModel:
-    """Evaluation noise with a known sampling part: e = sampling + drift, where the sampling
-    noise is independent with known variances `sampling_var` [P] (binomial from the eval set's
-    size, or the run's logged `eval_sampling_sd`) and the drift of the policy between
-    checkpoints is AR(1) with coefficient rho and sd tau, both unknown.
-
-    `weight` is the posterior over the (rho, tau) grid (flattened, [G]). Built by
-    `drift_model`."""
-
-    rho: np.ndarray  # [G]
-    tau: np.ndarray  # [G]
-    weight: np.ndarray  # [G]
-    sampling_var: np.ndarray  # [P]
-
-    @property
-    def mean_rho(self) -> float:
-        return float(np.sum(self.weight * self.rho))
-
-    @property
-    def sd(self) -> float:
-        """Posterior-mean marginal sd of one eval's noise (sampling and drift)."""
-        return float(np.sqrt(np.mean(self.sampling_var) + np.sum(self.weight * self.tau**2)))
-
-
-DRIFT_RHO_GRID = np.linspace(-0.6, 0.97, 32)
-DRIFT_TAU_GRID = np.concatenate([[0.0], np.geomspace(0.05, 8.0, 24)])  # x the sampling sd
-
-
-def drift_model(residuals, jacobian, sampling_var) -> DriftModel:
-    """The posterior of the drift (rho, tau) given a fit's residuals [P] (in run order), its
-    Jacobian [P, K] and the known sampling variances [P].
-
-    Restricted (REML) likelihood of the linearised model, as in `noise_model`, with the
-    covariance diag(sampling_var) + tau^2 R(rho). Priors: the AR(1) reference prior
-    (1 - rho^2)^-1/2 on rho and a half-Cauchy on tau whose scale is the sampling sd (a priori
-    the drift is as likely under that size as over it). Knowing the sampling part is what
-    lets a short run rule out a large drift: its residuals cannot be much smaller than the
-    sampling noise, and a drift that would make them much larger is not seen.
-    """
-    e = np.asarray(residuals, np.float64)
-    jac = np.asarray(jacobian, np.float64)
-    v = np.asarray(sampling_var, np.float64)
-    p = e.size
-    u, sv, _ = np.linalg.svd(jac, full_matrices=False)
-    jac = u[:, sv > 1e-9 * max(sv[0], 1e-300)]  # an orthonormal basis of what the fit can move
-    if p - jac.shape[1] < 1:
-        raise ValueError(f"{p} points and {jac.shape[1]} fitted parameters leave no noise estimate")
-    scale = float(np.sqrt(np.mean(v)))
-    rho, tau = (g.ravel() for g in np.meshgrid(DRIFT_RHO_GRID, scale * DRIFT_TAU_GRID))
-    lag = np.abs(np.arange(p)[:, None] - np.arange(p)[None, :])
-    cov = np.diag(v)[None] + (tau**2)[:, None, None] * rho[:, None, None] ** lag[None]
-    chol = np.linalg.cholesky(cov)  # [G, P, P]
-    we = np.linalg.solve(chol, np.broadcast_to(e[:, None], (rho.size, p, 1)))[..., 0]
-    wj = np.linalg.solve(chol, np.broadcast_to(jac, (rho.size, *jac.shape)))
-    jtj = np.einsum("gpk,gpl->gkl", wj, wj)
-    jte = np.einsum("gpk,gp->gk", wj, we)
-    quad = np.einsum("gp,gp->g", we, we) - np.einsum(
-        "gk,gk->g", jte, np.linalg.solve(jtj, jte[..., None])[..., 0]
-    )
-    log_det = 2 * np.sum(np.log(np.diagonal(chol, axis1=1, axis2=2)), axis=1)
-    log_lik = -0.5 * (log_det + np.linalg.slogdet(jtj)[1] + quad)
-    # Prior mass of each grid cell: the density times the cell's width along tau.
-    mids = np.sqrt(DRIFT_TAU_GRID[1:] * DRIFT_TAU_GRID[:-1])
-    mids[0] = DRIFT_TAU_GRID[1] / 2  # the cell of tau = 0 reaches half way to the next point
-    edges = np.concatenate([[0.0], mids, [np.inf]])
-    cdf = 2 / np.pi * np.arctan(edges)  # half-Cauchy, unit scale (tau in sampling-sd units)
-    tau_mass = np.tile(np.diff(cdf), (DRIFT_RHO_GRID.size, 1)).T.ravel()
-    rho_prior = (1 - rho**2) ** -0.5
-    rho_prior = rho_prior / np.sum(rho_prior[: DRIFT_RHO_GRID.size])
-    log_post = log_lik + np.log(tau_mass) + np.log(rho_prior)
-    weight = np.exp(log_post - log_post.max())
-    return DriftModel(rho, tau, weight / weight.sum(), v)
+# With A identified by its profile, this many converged refits still give A an interval (the
+# envelope with the profile's); B and C_mid need 90%.
+PROFILE_REFITS = 0.5
 
 
 @dataclasses.dataclass(frozen=True)
@@ -224,6 +73,24 @@ class BootstrapResult:
     # A's profile likelihood (profile.py): whether the data pin A down, bound it from below
     # only, or neither. None: no fit to profile (too few points).
     profile: Profile | None = None
+    # Where the sigmoid does not describe the evals (no point fit, too few points for an
+    # interval, or a ceiling its profile leaves open on both sides): the level the evals
+    # after R0 hold (level.py), or why they hold none (a trend). None: the sigmoid fitted.
+    flat: Level | None = None
+    r0_held: bool = False  # R0 was given (the step-0 eval), not fitted
+
+    @property
+    def level_bounds_a(self) -> bool:
+        """Whether the level says more of A than the model does: A > R0 holds anyway, so a
+        level at a held R0 bounds nothing."""
+        return self.on_level and (not self.r0_held or self.flat.lower > float(self.fit.r0))
+
+    @property
+    def on_level(self) -> bool:
+        """Whether the evals hold a level rather than rise: the sigmoid does not describe them
+        (no point fit, no spare point, or A open on both sides) and they show no trend. Then
+        forecasts are the level's and A >= its lower bound."""
+        return self.flat is not None and self.flat.holds
 
     @property
     def converged_fraction(self) -> float:
@@ -241,6 +108,19 @@ class BootstrapResult:
         resamples).
         """
         fmt = lambda v: f"{v:.4g}"  # noqa: E731
+        if self.on_level:
+            flat = self.flat
+            a = (f"A >= {flat.lower:.3f} at {self.level:.0%}: {flat.reason}; a sigmoid never "
+                 "falls, so its ceiling is at least the level, and a higher one is not ruled "
+                 "out")  # fmt: skip
+            if not self.level_bounds_a:
+                a = (f"{flat.reason}, no higher than R0 = {float(self.fit.r0):.3f}: there is "
+                     "no rise to read a ceiling from")  # fmt: skip
+            return {
+                "a": a,
+                "b": "the evals show no rise to place B and C_mid",
+                "c_mid": "the evals show no rise to place B and C_mid",
+            }  # fmt: skip
         if not bool(self.fit.converged):
             reason = "the fit did not converge"
             c_mid, a, r0 = float(self.fit.c_mid), float(self.fit.a), float(self.fit.r0)
@@ -256,6 +136,8 @@ class BootstrapResult:
                 )
             elif a >= self.a_max - 1e-3:
                 reason += f": A runs to its bound a_max = {self.a_max}"
+            if self.flat is not None:  # (a trend: no level either)
+                reason += f"; nor do they hold a level: {self.flat.reason}"
             return dict.fromkeys(("a", "b", "c_mid"), reason)
         if self.converged_fraction < 0.9:
             reason = (
@@ -264,7 +146,9 @@ class BootstrapResult:
             )
             out = dict.fromkeys(("a", "b", "c_mid"), reason)
             if self.profile is not None and self.profile.verdict != IDENTIFIED:
-                out["a"] = self.profile.reason  # (identified: no interval to give it)
+                out["a"] = self.profile.reason
+            elif self.profile is not None and self.converged_fraction >= PROFILE_REFITS:
+                out["a"] = None  # A's interval joins the profile's (bootstrap_sigmoid)
             return out
         lo, hi = self.ci["c_mid"]
         out: dict[str, str | None] = {"a": None, "b": None, "c_mid": None}
@@ -290,6 +174,8 @@ class BootstrapResult:
     def a_verdict(self) -> str:
         """A's verdict: "identified", "lower bound" (A >= `a_lower` at `level`) or "not
         identified"."""
+        if self.on_level:
+            return LOWER if self.level_bounds_a else NOT_IDENTIFIED
         if self.profile is not None and bool(self.fit.converged):
             if self.profile.verdict == IDENTIFIED and not self.identifiable:
                 return NOT_IDENTIFIED  # pinned down, but too few refits for an interval
@@ -312,7 +198,7 @@ class BootstrapResult:
         None): the data rule out a lower ceiling, not a higher one."""
         if self.a_verdict != LOWER:
             return None
-        return self.profile.lower
+        return self.flat.lower if self.level_bounds_a else self.profile.lower
 
     @property
     def identified(self) -> dict[str, bool]:
@@ -349,6 +235,8 @@ class BootstrapResult:
         )
         if self.a_lower is not None:  # bounded below only: the one-sided bound
             out["a_lower"] = self.a_lower
+        if self.flat is not None:  # no sigmoid fit: the level the evals hold, or why none
+            out["level"] = self.flat.to_dict()
         return out
 
     def predict_ci(self, c, *, observation_noise: bool = False, seed: int = 0):
@@ -358,8 +246,13 @@ class BootstrapResult:
         With `observation_noise`, the interval is for a new *measurement* at `c` (the curve's
         uncertainty plus evaluation noise: each resample's own noise sd for "auto", else the
         point fit's), which is what a forecast of an observed eval point must cover.
+        Evals that hold a level (`on_level`): the level's, the same at every `c`.
         """
         c = jnp.asarray(c, float)
+        if self.on_level:
+            lo, hi = self.flat.predict if observation_noise else self.flat.interval
+            return (jnp.full(c.shape, lo), jnp.full(c.shape, self.flat.mean),
+                    jnp.full(c.shape, hi))  # fmt: skip
         keep = np.asarray(self.converged)
         mid = self.fit.predict(c)
         if not keep.any():  # no resample converged: there is no interval to give
@@ -574,7 +467,8 @@ def bootstrap_sigmoid(
         residuals = np.asarray(y - fitted)[:p]
         jac = _jacobian(point, curve.compute, spec.fit_r0)
         if not (np.isfinite(residuals).all() and np.isfinite(jac).all()) or p <= free:
-            return _no_interval(point, n, level, method, curve, a_max)
+            flat = _level(curve, eval_size, level, a_max, seed)
+            return _no_interval(point, n, level, method, curve, a_max, flat, r0 is not None)
         if known:
             if eval_size is not None:
                 rate = np.clip(np.asarray(fitted)[:p], 0.5 / eval_size, 1 - 0.5 / eval_size)
@@ -642,14 +536,60 @@ def bootstrap_sigmoid(
     if level > 0.5:
         profile = profile_a(log_c, y, w, point, spec, noise_var=profile_var, level=level,
                             dof=profile_dof, held_r0=0.0 if r0 is None else float(r0))  # fmt: skip
+    # A sigmoid that did not fit, whose ceiling the likelihood leaves open on both sides, or
+    # that fits no better than a level, says nothing the level does not: the level its evals
+    # hold is the run's model (where they show no trend).
+    undescribed = (
+        not bool(point.converged) or profile is None or profile.verdict == NOT_IDENTIFIED
+        or not _rises(curve.reward, float(point.rmse), r0, profile_var, profile_dof, level)
+    )  # fmt: skip
+    converged = float(np.mean(keep))
+    if profile is not None and profile.verdict == IDENTIFIED and PROFILE_REFITS <= converged < 0.9:
+        # The refits that fail are B and C_mid running off (a rise before the first eval),
+        # not A: its interval is the envelope of the converged refits' and the profile's.
+        ci["a"] = (min(ci["a"][0], profile.interval[0]), max(ci["a"][1], profile.interval[1]))
     return BootstrapResult(
         point, samples, fits.converged, ci, level, method, c_max, rho, noise_sd, a_max,
         noise_samples, groups, c_min=float(curve.compute[0]),
-        y_mean=float(np.mean(curve.reward)), profile=profile, **extra,
+        y_mean=float(np.mean(curve.reward)), profile=profile,
+        flat=_level(curve, eval_size, level, a_max, seed) if undescribed else None,
+        r0_held=r0 is not None,
+        **extra,
     )  # fmt: skip
 
 
-def _no_interval(point, n, level, method, curve, a_max) -> BootstrapResult:
+def _rises(y, rmse: float, r0, noise_var: float, dof: int | None, level: float) -> bool:
+    """Whether the sigmoid fits the evals (and a held R0, its value at compute 0) better than
+    one level does, by more than noise explains: a likelihood-ratio test with the noise
+    variance per point `noise_var` (chi-square, or F with `dof` where the variance was read
+    from the same residuals), on the parameters the sigmoid adds (B and C_mid, and R0 where
+    fitted)."""
+    y = np.asarray(y, np.float64)
+    sse_sigmoid = rmse**2 * y.size
+    values = y if r0 is None else np.append(y, float(r0))
+    sse_level = float(np.sum((values - values.mean()) ** 2))
+    extra = 2 + (r0 is None)
+    if not (math.isfinite(noise_var) and noise_var > 0 and math.isfinite(sse_sigmoid)):
+        return True  # (no noise to judge by: the sigmoid stands)
+    from scipy.stats import chi2  # (scipy.stats: half a second to import; here, not at start)
+    from scipy.stats import f as f_dist
+
+    statistic = (sse_level - sse_sigmoid) / noise_var
+    if dof is None:
+        return statistic > float(chi2.ppf(level, extra))
+    return statistic / extra > float(f_dist.ppf(level, extra, max(dof, 1)))
+
+
+def _level(curve, eval_size, level, a_max, seed) -> Level | None:
+    """The level the evals hold, with the sampling noise known as the fit knew it: for a
+    curve the sigmoid does not describe. R0 is not one of the evals: a run that rose before
+    its first eval holds its level above R0, one whose RL does nothing at it."""
+    return fit_level(curve.compute, curve.reward, eval_size=eval_size, eval_sd=curve.sd,
+                     a_max=a_max, level=level, seed=seed)  # fmt: skip
+
+
+def _no_interval(point, n, level, method, curve, a_max, flat=None,
+                 r0_held=False) -> BootstrapResult:  # fmt: skip
     """A fit with no spare point (or a non-finite one) says nothing about its noise: no
     resample counts as converged and every interval is NaN."""
     samples = {k: jnp.full((n,), jnp.nan) for k in PARAMS}
@@ -657,5 +597,6 @@ def _no_interval(point, n, level, method, curve, a_max) -> BootstrapResult:
     c_max = float(curve.compute[-1])
     return BootstrapResult(
         point, samples, jnp.zeros((n,), bool), ci, level, method, c_max, a_max=a_max,
-        c_min=float(curve.compute[0]), y_mean=float(np.mean(curve.reward)),
+        c_min=float(curve.compute[0]), y_mean=float(np.mean(curve.reward)), flat=flat,
+        r0_held=r0_held,
     )  # fmt: skip

@@ -21,6 +21,7 @@ import numpy as np
 from scipy.optimize import isotonic_regression
 
 from jaxrl_scale.fit.data import Curve
+from jaxrl_scale.fit.noise import drift_model, noise_model
 
 ALPHA = 0.05
 N_NULL = 4000
@@ -68,8 +69,6 @@ def _statistic(y: np.ndarray, h: int) -> tuple[np.ndarray, np.ndarray]:
 def _noise_draws(rng, residuals, jac, sampling_var, n: int):
     """(rho [n], innovation sd of drift [n], sampling sd [n, P] or 0) drawn from the noise
     posterior of a fit's residuals."""
-    from jaxrl_scale.fit.bootstrap import drift_model, noise_model
-
     if sampling_var is None:
         model = noise_model(residuals, jac)
         pick = rng.choice(model.rho.size, size=n, p=model.weight)

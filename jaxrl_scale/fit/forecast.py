@@ -14,7 +14,10 @@ bending over, A is not pinned down (many ceilings fit a curve that is still conc
 row says `forecast_status: "not identifiable yet"`, carries no numbers and gives the reason
 (`forecast_reason`, which also says when a status seen before was lost). A run whose evals
 fell after a peak by more than their noise allows is `forecast_status: "declining"`
-(`forecast.stop_when_declining` stops it).
+(`forecast.stop_when_declining` stops it). A run whose evals hold a level with no rise (the
+sigmoid has nothing to fit: fit/level.py) is `forecast_status: "level"`: the level's forecast
+at the budget (`forecast_at_budget` and its interval) and `forecast_a_lower`, the level's
+one-sided bound, since a ceiling is at least what a run holds.
 
 Each fit pads the curve to a bucket of 8, 16, 32, ... points (weight-0 padding), so a run
 compiles the bootstrap a handful of times, not once per evaluation.
@@ -37,13 +40,16 @@ from jaxrl_scale.fit.report import identified_label, verdict_line
 
 NOT_IDENTIFIABLE = "not identifiable yet"
 DECLINING = "declining"
+LEVEL = "level"  # no rise: the evals hold a level (the forecast is the level's)
 
 
 @dataclasses.dataclass(frozen=True)
 class Forecast:
-    """One refit of the eval curve. Numbers are None unless `status == "ok"`."""
+    """One refit of the eval curve. Numbers are None unless `status == "ok"` (and the
+    forecast at the budget with "level")."""
 
-    status: str  # "ok" | "declining" | "not identifiable yet" | "too few points" | "fit failed"
+    status: str  # "ok" | "level" | "declining" | "not identifiable yet" | "too few points" |
+    # "fit failed"
     points: int  # evaluations fitted (after step 0)
     budget: float  # compute the pass rate is predicted at
     reason: str | None = None  # why A is not identified (or the decline), when not "ok"
@@ -87,6 +93,12 @@ class Forecast:
                 forecast_decline_drop=self.decline.drop,
                 forecast_decline_p=self.decline.p_value,
             )
+        if self.status == LEVEL:
+            out.update(
+                forecast_at_budget=self.at_budget,
+                forecast_at_budget_lo=self.at_budget_ci[0],
+                forecast_at_budget_hi=self.at_budget_ci[1],
+            )
         if self.ok:
             out.update(
                 forecast_a=self.a,
@@ -103,7 +115,11 @@ class Forecast:
 
     def describe(self) -> str:
         """What the forecast says, ending with its one-line verdict."""
-        if not self.ok:
+        if self.status == LEVEL:
+            lo, hi = self.at_budget_ci
+            text = (f"forecast: level ({self.points} evals): at budget {self.at_budget:.3f} "
+                    f"[{lo:.3f}, {hi:.3f}]: {self.reason}")  # fmt: skip
+        elif not self.ok:
             why = f": {self.reason}" if self.reason else ""
             text = f"forecast: {self.status} ({self.points} evals){why}"
         else:
@@ -160,6 +176,14 @@ def fit_forecast(
         return Forecast(
             DECLINING, points, budget, decline.message("the run"), identified, decline,
             verdict=verdict_line("the run", boot, decline), **said,
+        )  # fmt: skip
+    if boot.on_level:  # no rise: the level's forecast, the same at any budget
+        lo, mid, hi = (
+            float(np.asarray(v)) for v in boot.predict_ci(budget, observation_noise=True)
+        )
+        return Forecast(
+            LEVEL, points, budget, boot.why_not["a"], identified, at_budget=mid,
+            at_budget_ci=(lo, hi), verdict=verdict_line("the run", boot), **said,
         )  # fmt: skip
     if not boot.identifiable:
         return Forecast(

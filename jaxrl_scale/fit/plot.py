@@ -76,8 +76,13 @@ def draw_fits(
         inside = grid <= c_fit_end
         a_lo, a_hi = boot.ci["a"]
         label = f"{curve.name}: A={float(boot.fit.a):.3f} [{a_lo:.3f}, {a_hi:.3f}]"
+        if boot.on_level:  # no rise: the level (mid) and its band, the model drawn
+            lo_mu, hi_mu = boot.flat.interval
+            label = f"{curve.name}: level {boot.flat.mean:.3f} [{lo_mu:.3f}, {hi_mu:.3f}], no rise"
         if boot.a_lower is not None:  # bounded below only: the bound, drawn as a floor
             label = f"{curve.name}: A >= {boot.a_lower:.3f} (one-sided, {boot.level:.0%})"
+            if boot.on_level:
+                label += f", level {boot.flat.mean:.3f}"
             ax.axhline(boot.a_lower, color=color, linestyle=(0, (1, 3)), linewidth=1.2)
             ax.annotate("ceiling >=", (grid[-1], boot.a_lower), color=color, fontsize=7,
                         ha="right", va="bottom")  # fmt: skip

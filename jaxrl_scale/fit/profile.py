@@ -72,8 +72,13 @@ def profile_a(log_c, y, w, point: FitResult, spec: FitSpec, *, noise_var: float,
     if not bool(point.converged) or not math.isfinite(noise_var) or noise_var <= 0:
         why = "the fit did not converge" if not bool(point.converged) else "no noise estimate"
         return _verdict(NOT_IDENTIFIED, None, None, np.zeros(0), np.zeros(0), level, why)
-    r0 = float(point.r0)
-    lowest = max(r0, float(ys.min())) + 1e-4
+    # The grid reaches below the lowest eval by six noise sds: where every eval sits near
+    # the ceiling (a run that rose before its first eval), ceilings under the evals are what
+    # the data rule out. A held R0 is a floor (R0 < A); a fitted one moves below a held A.
+    lowest = float(ys.min()) - 6 * math.sqrt(noise_var)
+    if not spec.fit_r0:
+        lowest = max(lowest, float(held_r0))
+    lowest = max(lowest, 0.0) + 1e-4
     if lowest >= a_max - 2e-4:
         why = f"the evals sit at a_max = {a_max:g}: there is no ceiling below it to rule out"
         return _verdict(NOT_IDENTIFIED, None, None, np.zeros(0), np.zeros(0), level, why)

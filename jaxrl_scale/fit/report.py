@@ -49,6 +49,14 @@ def verdict_line(name: str, boot: BootstrapResult, decline: Decline | None = Non
                     "little")  # fmt: skip
         return (f"{name}: ceiling {a:.3f} [{lo:.3f}, {hi:.3f}] at {level}, up to "
                 f"{gain_left:.3f} above where it is now: more compute still pays")  # fmt: skip
+    if boot.on_level:
+        flat = boot.flat
+        held = f"{name}: holds {flat.mean:.3f} [{flat.interval[0]:.3f}, {flat.interval[1]:.3f}]"
+        if not boot.level_bounds_a:
+            return (f"{held}, where it started (R0 {float(boot.fit.r0):.3f}), with no rise: "
+                    "more compute on this recipe has bought nothing so far")  # fmt: skip
+        return (f"{held} with no rise, so its ceiling is at least {flat.lower:.3f} ({level}); "
+                "more compute on this recipe has bought nothing so far")  # fmt: skip
     if verdict == LOWER:
         return (f"{name}: ceiling at least {boot.a_lower:.3f} ({level}); the run is still "
                 "climbing: train on (nothing bounds the ceiling from above yet)")  # fmt: skip
