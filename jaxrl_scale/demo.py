@@ -80,7 +80,9 @@ def format_summary(s: dict) -> str:
         )
     width = max(len(k) for k, _ in rows)
     lines = [f"  {k.ljust(width)}  {v}" for k, v in rows]
-    if not s["identifiable"]:
+    if s.get("held_level", {}).get("holds"):
+        lines.append("  warning: the evals hold a level with no rise; A is not pinned down")
+    elif not s["identifiable"]:
         lines.append("  warning: the curve did not pass its inflection; A is not pinned down")
     return "\n".join(lines)
 

@@ -93,7 +93,8 @@ def test_a_flat_run_is_forecast_by_its_level(held):
     assert (lo, hi) == pytest.approx(boot.flat.predict) and lo < p < hi
     assert mid == pytest.approx(boot.flat.mean)
     d = boot.to_dict()
-    assert d["level"]["holds"] and d["level"]["points"] == c.size  # (R0 is not one)
+    assert d["held_level"]["holds"] and d["held_level"]["points"] == c.size  # (R0 not one)
+    assert d["level"] == 0.95 and d["held_level"]["level"] == 0.95
     line = verdict_line("run", boot)
     if held:
         assert boot.a_verdict == NOT_IDENTIFIED and boot.a_lower is None

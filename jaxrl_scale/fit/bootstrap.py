@@ -108,7 +108,7 @@ class BootstrapResult:
         resamples).
         """
         fmt = lambda v: f"{v:.4g}"  # noqa: E731
-        if self.on_level:
+        if self.on_level and (self.level_bounds_a or not self._profile_speaks):
             flat = self.flat
             a = (f"A >= {flat.lower:.3f} at {self.level:.0%}: {flat.reason}; a sigmoid never "
                  "falls, so its ceiling is at least the level, and a higher one is not ruled "
@@ -174,8 +174,10 @@ class BootstrapResult:
     def a_verdict(self) -> str:
         """A's verdict: "identified", "lower bound" (A >= `a_lower` at `level`) or "not
         identified"."""
-        if self.on_level:
-            return LOWER if self.level_bounds_a else NOT_IDENTIFIED
+        if self.level_bounds_a:
+            return LOWER
+        if self.on_level and not self._profile_speaks:
+            return NOT_IDENTIFIED
         if self.profile is not None and bool(self.fit.converged):
             if self.profile.verdict == IDENTIFIED and not self.identifiable:
                 return NOT_IDENTIFIED  # pinned down, but too few refits for an interval
@@ -199,6 +201,13 @@ class BootstrapResult:
         if self.a_verdict != LOWER:
             return None
         return self.flat.lower if self.level_bounds_a else self.profile.lower
+
+    @property
+    def _profile_speaks(self) -> bool:
+        """Whether A's profile gives a verdict of its own (a converged fit it identifies or
+        bounds), which a level that bounds nothing leaves standing."""
+        return (self.profile is not None and bool(self.fit.converged)
+                and self.profile.verdict != NOT_IDENTIFIED)  # fmt: skip
 
     @property
     def identified(self) -> dict[str, bool]:
@@ -236,7 +245,7 @@ class BootstrapResult:
         if self.a_lower is not None:  # bounded below only: the one-sided bound
             out["a_lower"] = self.a_lower
         if self.flat is not None:  # no sigmoid fit: the level the evals hold, or why none
-            out["level"] = self.flat.to_dict()
+            out["held_level"] = self.flat.to_dict()
         return out
 
     def predict_ci(self, c, *, observation_noise: bool = False, seed: int = 0):
@@ -539,8 +548,8 @@ def bootstrap_sigmoid(
     # A sigmoid that did not fit, whose ceiling the likelihood leaves open on both sides, or
     # that fits no better than a level, says nothing the level does not: the level its evals
     # hold is the run's model (where they show no trend).
-    undescribed = (
-        not bool(point.converged) or profile is None or profile.verdict == NOT_IDENTIFIED
+    undescribed = not bool(point.converged) or profile is not None and (
+        profile.verdict == NOT_IDENTIFIED
         or not _rises(curve.reward, float(point.rmse), r0, profile_var, profile_dof, level)
     )  # fmt: skip
     converged = float(np.mean(keep))

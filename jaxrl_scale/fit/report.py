@@ -53,7 +53,8 @@ def verdict_line(name: str, boot: BootstrapResult, decline: Decline | None = Non
         flat = boot.flat
         held = f"{name}: holds {flat.mean:.3f} [{flat.interval[0]:.3f}, {flat.interval[1]:.3f}]"
         if not boot.level_bounds_a:
-            return (f"{held}, where it started (R0 {float(boot.fit.r0):.3f}), with no rise: "
+            return (f"{held}, at or below where it started (R0 {float(boot.fit.r0):.3f}), with "
+                    "no rise: "
                     "more compute on this recipe has bought nothing so far")  # fmt: skip
         return (f"{held} with no rise, so its ceiling is at least {flat.lower:.3f} ({level}); "
                 "more compute on this recipe has bought nothing so far")  # fmt: skip
