@@ -91,8 +91,7 @@ def main() -> None:
                                            n_boot=args.boot, seed=i, r0=d["r0"],
                                            eval_size=d["size"])  # fmt: skip
             except CurveDataError as e:  # too few evals in the first half to fit
-                half, too_few = None, too_few + 1
-                print(f"{c['name'][:43]:<44} no half-run forecast: {e}")
+                half, too_few, why = None, too_few + 1, str(e).split(": ", 1)[-1]
             boot = bootstrap_sigmoid(d["compute"], d["rates"], n=args.boot, seed=i, r0=d["r0"],
                                      eval_size=d["size"])  # fmt: skip
             verdict = boot.a_verdict
@@ -112,6 +111,8 @@ def main() -> None:
                 false_calls += called
             verdicts.append(boot.a_verdict)
             if half is None:
+                print(f"{c['name'][:43]:<44}{d['size'] or '-':>5}{d['rates'].size:>6}"
+                      f"  no half-run forecast ({why}){verdict:>22}")  # fmt: skip
                 continue
             errs.append(abs(half.error))
             cover.append(half.covered)  # an interval that could not be made covers nothing
