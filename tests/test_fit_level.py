@@ -118,22 +118,30 @@ def test_the_online_forecast_of_a_flat_run_says_level():
     assert "forecast: level" in f.describe() and "where it started" in row["forecast_verdict"]
 
 
+ROSE_EARLY = dict(a=0.79, b=2.0, r0=0.42)  # and C_mid at or before the first eval
+
+
+def _rose_early(c_mid: float, seed: int):
+    """Evals at 5, 10, ..., 40 of a run whose rise was mostly over by the first (R0 held):
+    the evals and their bootstrap."""
+    c = np.arange(5.0, 45.0, 5.0)
+    y = np.random.default_rng(seed).binomial(N, np.asarray(sigmoid(c, c_mid=c_mid, **ROSE_EARLY)))
+    y = y / N
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return y, bootstrap_sigmoid(c, y, n=300, r0=ROSE_EARLY["r0"], eval_size=N)
+
+
 def test_a_run_that_rose_before_its_first_eval_has_its_ceiling_identified():
     """Evals near the ceiling from the first on (most of the rise came before it, R0 far
     below): the profile looks below the lowest eval too, where ceilings are ruled out, so A
     is identified from both sides and its interval covers the truth. (Its grid started at the
     lowest eval before: a plateau of evals left the lower side open, "not identified".)"""
-    rng = np.random.default_rng(7)
-    c = np.arange(5.0, 45.0, 5.0)
-    truth = dict(a=0.79, b=2.0, c_mid=2.0, r0=0.42)
-    y = rng.binomial(N, np.asarray(sigmoid(c, **truth))) / N
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        boot = bootstrap_sigmoid(c, y, n=300, r0=0.42, eval_size=N)
+    y, boot = _rose_early(c_mid=2.0, seed=7)
     assert boot.profile.a.min() < y.min() - 0.05  # the grid reaches below the evals
     assert boot.a_verdict == IDENTIFIED, boot.why_not["a"]
     lo, hi = boot.profile.interval
-    assert lo < truth["a"] < hi
+    assert lo < ROSE_EARLY["a"] < hi
 
 
 def test_the_figure_draws_a_level_and_its_floor():
@@ -158,16 +166,10 @@ def test_a_ceiling_the_profile_pins_down_keeps_its_interval_when_refits_of_the_r
     """A rise before the first eval (C_mid at 1, evals from 5): about a fifth of the refits
     fail, B and C_mid running off, which used to cost A its verdict. A is identified, its
     interval the envelope of the converged refits' and the profile's, and it covers."""
-    rng = np.random.default_rng(8)
-    c = np.arange(5.0, 45.0, 5.0)
-    truth = dict(a=0.79, b=2.0, c_mid=1.0, r0=0.42)
-    y = rng.binomial(N, np.asarray(sigmoid(c, **truth))) / N
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        boot = bootstrap_sigmoid(c, y, n=300, r0=0.42, eval_size=N)
+    _, boot = _rose_early(c_mid=1.0, seed=8)
     assert 0.5 <= boot.converged_fraction < 0.9 and boot.profile.verdict == IDENTIFIED
     assert boot.a_verdict == IDENTIFIED and boot.identified == {"a": True, "b": False,
                                                                 "c_mid": False}  # fmt: skip
     lo, hi = boot.ci["a"]
     assert lo <= boot.profile.interval[0] and boot.profile.interval[1] <= hi
-    assert lo < truth["a"] < hi
+    assert lo < ROSE_EARLY["a"] < hi
