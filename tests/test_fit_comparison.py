@@ -116,6 +116,18 @@ def test_compare_ranks_by_a_and_refits_only_close_pairs():
     assert lo <= 0.52 <= hi
 
 
+def test_a_run_that_holds_a_level_ranks_by_its_level():
+    """Five evals of 500 problems at 0.5 with no step 0 (a distilled start that RL leaves
+    where it was) against a run climbing to 0.6: the flat run's sigmoid is a curve through
+    the noise with a ceiling of 0.84; it holds 0.50, and ranks below the climbing run."""
+    c = np.geomspace(300, 30000, 5)
+    flat = clean_curve(c, np.random.default_rng(5).binomial(500, 0.5, size=5) / 500, name="flat")
+    cmp = compare_runs([_curve("climbing", 0.6, 1.9, 2000.0, 2), flat], n_boot=300)
+    boot = cmp.boots["flat"]
+    assert boot.on_level and float(boot.fit.a) > 0.7 and boot.flat.mean < 0.55
+    assert cmp.ranking == ["climbing", "flat"]
+
+
 def test_extrapolation_check_fits_early_points_and_scores_the_last():
     truth = dict(a=0.61, b=1.92, c_mid=2542.0, r0=0.30)
     y = np.asarray(sigmoid(C, **truth)) + 0.005 * np.random.default_rng(7).standard_normal(C.size)

@@ -61,7 +61,7 @@ class SharedCeiling:
 @dataclasses.dataclass(frozen=True)
 class Comparison:
     boots: dict[str, BootstrapResult]  # per run, in the order given
-    ranking: list[str]  # by fitted A, highest first
+    ranking: list[str]  # by fitted A (a level run: its level), highest first
     shared: list[SharedCeiling]  # pairs whose A differ by less than the margin
     margin: float
 
@@ -187,7 +187,9 @@ def compare_runs(
         c.name: bootstrap_sigmoid(c.compute, c.reward, n=n_boot, seed=seed, r0=c.r0, a_max=a_max)
         for c in curves
     }
-    ceiling = {name: float(b.fit.a) for name, b in boots.items()}
+    # A run that holds a level with no rise ranks by that level (its sigmoid's A is a curve
+    # through the noise, or no fit at all).
+    ceiling = {name: b.flat.mean if b.on_level else float(b.fit.a) for name, b in boots.items()}
     ranking = sorted(names, key=lambda n: -ceiling[n])
     by_name = {c.name: c for c in curves}
     shared = [
