@@ -173,3 +173,28 @@ def test_a_ceiling_the_profile_pins_down_keeps_its_interval_when_refits_of_the_r
     lo, hi = boot.ci["a"]
     assert lo <= boot.profile.interval[0] and boot.profile.interval[1] <= hi
     assert lo < ROSE_EARLY["a"] < hi
+
+
+def test_jaxrl_scale_fit_ranks_a_level_run_by_its_level(tmp_path, capsys):
+    """`jaxrl-scale fit --json` on a flat run (five 500-problem evals at 0.5, no step 0;
+    its sigmoid draws a ceiling of 0.84 through the noise) and one climbing to 0.6: the flat
+    run carries `held_level`, is ranked (not "did not converge") and ranks by its level,
+    below the climbing run; no shared ceiling is fitted with it."""
+    import json
+
+    from jaxrl_scale.cli import main
+
+    c = np.geomspace(300, 30000, 5)
+    flat = np.random.default_rng(5).binomial(N, 0.5, size=5) / N
+    climbing = np.asarray(sigmoid(np.geomspace(300, 30000, 12), 0.6, 1.9, 2000.0, 0.3))
+    for name, xs, ys in (("flat", c, flat), ("climbing", np.geomspace(300, 30000, 12), climbing)):
+        rows = ["compute,pass_rate", *(f"{x},{y}" for x, y in zip(xs, ys, strict=True))]
+        (tmp_path / f"{name}.csv").write_text("\n".join(rows) + "\n")
+    args = ["fit", str(tmp_path / "flat.csv"), str(tmp_path / "climbing.csv"), "--x", "compute",
+            "--y", "pass_rate", "--bootstrap", "300", "--json"]  # fmt: skip
+    assert main(args) == 0
+    report = json.loads(capsys.readouterr().out)
+    run = {r["run"]: r for r in report["runs"]}["flat"]
+    assert run["held_level"]["holds"] and run["a"] > 0.7 and run["held_level"]["mean"] < 0.55
+    assert report["ranking"] == ["climbing", "flat"] and report["shared_ceiling"] == []
+    assert "no rise" in run["verdict"]

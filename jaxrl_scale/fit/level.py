@@ -54,12 +54,16 @@ class Level:
 
     @property
     def holds(self) -> bool:
-        """Whether the data allow a level: no slope at p < TREND_ALPHA."""
-        return self.trend_p >= TREND_ALPHA
+        """Whether the data give a level: no slope at p < TREND_ALPHA, and a lower bound above
+        0 (evals too noisy to place one say nothing)."""
+        return self.trend_p >= TREND_ALPHA and self.lower > 0
 
     @property
     def reason(self) -> str:
         lo, hi = self.interval
+        if self.trend_p >= TREND_ALPHA and not self.holds:
+            return (f"the evals are too noisy to place a level ({self.mean:.3f}, [{lo:.3f}, "
+                    f"{hi:.3f}] at {self.level:.0%})")  # fmt: skip
         if not self.holds:
             return (f"the evals move (a slope in log compute at p = {self.trend_p:.2g}) without "
                     "the rise a sigmoid describes")  # fmt: skip
@@ -110,6 +114,11 @@ def fit_level(compute, reward, *, eval_size: int | None = None, eval_sd=None,
         model, trend = noise_model(y - y.mean(), ones), noise_model(off_line, line)
         covs = _covariances(np.zeros(p), model.rho, np.ones_like(model.rho))
         trend_covs = _covariances(np.zeros(p), trend.rho, np.sqrt(trend.scale))
+    # Evals drift together or not at all: a negative correlation (alternating errors, which
+    # would make a mean look precise) is not a noise a run's evals have; the grids' rho < 0
+    # cells are dropped.
+    covs, trend_covs = covs[model.rho >= 0], trend_covs[trend.rho >= 0]
+    model, trend = _nonnegative(model), _nonnegative(trend)
     beta, cov = _gls(covs, ones, y)
     mu_hat, mu_var = beta[:, 0], cov[:, 0, 0]  # (without known noise: in units of sigma^2)
     slope, slope_cov = _gls(trend_covs, line, y)
@@ -150,6 +159,16 @@ def fit_level(compute, reward, *, eval_size: int | None = None, eval_sd=None,
         points=p,
         level=level,
     )
+
+
+def _nonnegative(model):
+    """The posterior on its rho >= 0 cells only (a NoiseModel's or DriftModel's grid arrays
+    cut to them, the weight renormalised)."""
+    keep = model.rho >= 0
+    grid = [n for n in ("rho", "tau", "scale", "weight") if hasattr(model, n)]
+    cut = {n: getattr(model, n)[keep] for n in grid}
+    cut["weight"] = cut["weight"] / cut["weight"].sum()
+    return dataclasses.replace(model, **cut)
 
 
 def _log_compute(compute) -> np.ndarray:

@@ -252,18 +252,23 @@ def fit_files(
         runs.append(_run_entry(curve, boot, predict_at, extrapolation, decline))
         plotted.append((curve, boot, c_cut))
     for e in runs:
-        if not _fitted(e):
+        if not _fitted(e) and not _level(e):
             e["warnings"].append(
                 f"{e['run']}: the fit did not converge (A [{_fmt(e['a_ci'][0])}, "
                 f"{_fmt(e['a_ci'][1])}]), so it is neither ranked nor compared; more "
                 "evaluations over more compute would help (train.eval_every, more steps)"
             )
+    # A run that holds a level ranks by it (its sigmoid, if any, is a curve through noise).
+    ceiling = lambda e: e["held_level"]["mean"] if _level(e) else e["a"]  # noqa: E731
     ranking = sorted(
-        (e for e in runs if e["declining"] is None and _fitted(e)), key=lambda e: -e["a"]
+        (e for e in runs if e["declining"] is None and (_fitted(e) or _level(e))),
+        key=lambda e: -ceiling(e),
     )
     shared = []
     for i, first in enumerate(ranking):
         for second in ranking[i + 1 :]:
+            if _level(first) or _level(second):  # a level has no ceiling to share
+                continue
             if abs(first["a"] - second["a"]) < margin:
                 by_name = {c.name: c for c in fitted}
                 s = shared_ceiling(
@@ -276,7 +281,7 @@ def fit_files(
         "runs": runs,
         "ranking": [e["run"] for e in ranking],
         "declining": [e["run"] for e in runs if e["declining"] is not None],
-        "not_converged": [e["run"] for e in runs if not _fitted(e)],
+        "not_converged": [e["run"] for e in runs if not _fitted(e) and not _level(e)],
         "eval_size": eval_size,
         "margin": margin,
         "shared_ceiling": shared,
@@ -286,6 +291,11 @@ def fit_files(
 
         report["plot"] = str(plot_fits(plotted, plot, predict_at=predict_at, xlabel=x, ylabel=y))
     return report
+
+
+def _level(entry: dict[str, Any]) -> bool:
+    """Whether a run's evals hold a level with no rise (fit/level.py)."""
+    return bool(entry.get("held_level", {}).get("holds"))
 
 
 def _fitted(entry: dict[str, Any]) -> bool:
