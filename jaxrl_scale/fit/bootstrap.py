@@ -88,8 +88,9 @@ class BootstrapResult:
     @property
     def on_level(self) -> bool:
         """Whether the evals hold a level rather than rise: the sigmoid does not describe them
-        (no point fit, no spare point, or A open on both sides) and they show no trend. Then
-        forecasts are the level's and A >= its lower bound."""
+        (no point fit, no spare point, A open on both sides, or no better fit than a level)
+        and they show no trend. Then forecasts are the level's, and A >= its lower bound where
+        that says more than R0 does (`level_bounds_a`)."""
         return self.flat is not None and self.flat.holds
 
     @property
