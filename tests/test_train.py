@@ -144,8 +144,10 @@ def test_pipeline_with_a_slow_side_stays_within_k_and_finishes(slow, tmp_path, c
     else:  # the trainer waits for every batch
         assert np.median([r["trainer_idle_fraction"] for r in rows[2:]]) > 0.5
         if batching == "static":  # which it gets fresh; the slot engine starts the next
-            # batch's rows while this one's finish (up to k versions before they are trained)
-            assert max(r["staleness_max"] for r in rows) <= 1
+            # batch's rows while this one's finish (up to k versions before they are trained).
+            # Not while step 1 compiles: the generator may run up to k batches ahead then (a
+            # CI runner whose compiles came from the persistent cache saw 2 at step 3).
+            assert max(r["staleness_max"] for r in rows[4:]) <= 1
 
 
 def test_a_threaded_run_checkpoints_the_curriculum_of_what_it_trained(tmp_path):
