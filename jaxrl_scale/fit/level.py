@@ -106,19 +106,16 @@ def fit_level(compute, reward, *, eval_size: int | None = None, eval_sd=None,
         else:
             v = np.maximum(np.asarray(eval_sd, np.float64), 1e-6) ** 2
         model, trend = drift_model(y - y.mean(), ones, v), drift_model(off_line, line, v)
+        model, trend = _nonnegative(model), _nonnegative(trend)
         covs, trend_covs = (
             _covariances(v, model.rho, model.tau),
             _covariances(v, trend.rho, trend.tau),
         )
     else:
         model, trend = noise_model(y - y.mean(), ones), noise_model(off_line, line)
+        model, trend = _nonnegative(model), _nonnegative(trend)
         covs = _covariances(np.zeros(p), model.rho, np.ones_like(model.rho))
         trend_covs = _covariances(np.zeros(p), trend.rho, np.sqrt(trend.scale))
-    # Evals drift together or not at all: a negative correlation (alternating errors, which
-    # would make a mean look precise) is not a noise a run's evals have; the grids' rho < 0
-    # cells are dropped.
-    covs, trend_covs = covs[model.rho >= 0], trend_covs[trend.rho >= 0]
-    model, trend = _nonnegative(model), _nonnegative(trend)
     beta, cov = _gls(covs, ones, y)
     mu_hat, mu_var = beta[:, 0], cov[:, 0, 0]  # (without known noise: in units of sigma^2)
     slope, slope_cov = _gls(trend_covs, line, y)
@@ -162,7 +159,9 @@ def fit_level(compute, reward, *, eval_size: int | None = None, eval_sd=None,
 
 
 def _nonnegative(model):
-    """The posterior on its rho >= 0 cells only (a NoiseModel's or DriftModel's grid arrays
+    """Evals drift together or not at all: a negative correlation (alternating errors, which
+    would make a mean look precise) is not a noise a run's evals have. The posterior on its
+    rho >= 0 cells only (a NoiseModel's or DriftModel's grid arrays
     cut to them, the weight renormalised)."""
     keep = model.rho >= 0
     grid = [n for n in ("rho", "tau", "scale", "weight") if hasattr(model, n)]
