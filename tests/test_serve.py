@@ -1057,3 +1057,27 @@ def test_streamed_text_is_the_whole_decode_and_garbage_bytes_cost_a_short_window
     assert max(windows) <= 8
     assert choice.text.replace("\ufffd", "") == "🙂"
     assert choice.text.count("\ufffd") == tokenizer.decode(ids).count("\ufffd")
+
+
+def test_a_byte_level_tokenizer_streams_its_decode_whatever_the_ids(tokenizer):
+    """Byte-level (Qwen3's vocabulary): random ids (bytes that form no character, special and
+    added tokens, whole characters) in deltas of random sizes come out as the tokenizer's own
+    decode of them; each token's offset is where its text starts, and its bytes are the
+    ones `decode` reads."""
+    assert tokenizer.byte_level
+    rng = np.random.default_rng(1)
+    for _ in range(200):
+        ids = rng.integers(0, tokenizer.vocab_size, rng.integers(1, 40)).tolist()
+        choice = ChoiceText(tokenizer)
+        at = 0
+        while at < len(ids):
+            k = int(rng.integers(1, 6))
+            part = ids[at : at + k]
+            at += k
+            done = "length" if at >= len(ids) else None
+            choice.add(Delta(0, tuple(part), (-1.0,) * len(part), finish=done))
+        assert choice.text == tokenizer.decode(ids)
+        assert choice.offsets == sorted(choice.offsets) and len(choice.offsets) == len(ids)
+        for skip in (True, False):
+            raw = b"".join(tokenizer.token_bytes(t, skip_special_tokens=skip) for t in ids)
+            assert raw.decode("utf-8", "replace") == tokenizer.decode(ids, skip_special_tokens=skip)

@@ -19,6 +19,17 @@ from jaxrl_scale.models.chat import ChatTemplate
 CHAR_SPECIALS = ("<pad>", "<eos>")
 
 
+def _byte_level_alphabet() -> dict[str, int]:
+    """Byte-level BPE's character for each byte (printable bytes stand for themselves, the
+    others for 256 and up, in order), inverted: character -> byte."""
+    kept = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
+    extra = iter(range(256, 512))
+    return {(chr(b) if b in kept else chr(next(extra))): b for b in range(256)}
+
+
+BYTE_OF = _byte_level_alphabet()
+
+
 class Tokenizer:
     """`encode(text) -> ids`, `decode(ids) -> text`, plus the special ids a sampler needs."""
 
@@ -38,6 +49,14 @@ class Tokenizer:
         self.pad_id = self.eos_ids[0] if pad_id is None else int(pad_id)
         self.bos_id = bos_id
         self.chat_template = chat_template
+        # Byte-level BPE (Qwen, Llama-3): each id decodes to bytes of its own, and a text is
+        # their concatenation read as UTF-8 (a server's detokenizer appends a token's bytes
+        # instead of decoding a window of ids twice per token: serve/text.py).
+        self.byte_level = type(backend.decoder).__name__ == "ByteLevel"
+        self._special = {i for i, t in backend.get_added_tokens_decoder().items() if t.special}
+        # id -> bytes, filled as ids are met. Servers on several threads may share it: each
+        # writer sets an item to the same value, and a dict item set is atomic.
+        self._pieces: dict[int, bytes] = {}
 
     @property
     def vocab_size(self) -> int:
@@ -48,6 +67,27 @@ class Tokenizer:
 
     def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = True) -> str:
         return self.backend.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
+
+    def token_bytes(self, token: int, *, skip_special_tokens: bool = True) -> bytes:
+        """The bytes id `token` adds to a decoded text. For a byte-level tokenizer its
+        characters' bytes (part of one UTF-8 character, maybe), a special token's none where
+        `skip_special_tokens`; the bytes of any run of ids, read as UTF-8 with U+FFFD for
+        what is not, are `decode` of the run. Otherwise the UTF-8 of the id's text alone."""
+        token = int(token)
+        if skip_special_tokens and token in self._special:
+            return b""
+        piece = self._pieces.get(token)
+        if piece is None:
+            text = self.backend.id_to_token(token)
+            if self.byte_level and text is not None:  # a character outside the byte
+                # alphabet (an added token's) is its own UTF-8, as the decoder reads it
+                piece = b"".join(
+                    bytes((BYTE_OF[ch],)) if ch in BYTE_OF else ch.encode() for ch in text
+                )
+            else:
+                piece = self.decode([token], skip_special_tokens=False).encode()
+            self._pieces[token] = piece
+        return piece
 
     def apply_chat_template(
         self,

@@ -246,8 +246,6 @@ class _Served:
     sessions: Sessions | None = None  # agents' sessions (serve/sessions.py)
     token_texts: dict[int, str] = dataclasses.field(default_factory=dict)
 
-    token_raw: dict[int, list[int]] = dataclasses.field(default_factory=dict)
-
     def token_text(self, token: int) -> str:
         text = self.token_texts.get(token)
         if text is None:
@@ -260,27 +258,7 @@ class _Served:
         """The token's own bytes: for a byte-level BPE piece (Qwen, Llama-3) the bytes its
         characters stand for, which may be part of one UTF-8 character (its text alone
         would be U+FFFD); else its text's UTF-8."""
-        raw = self.token_raw.get(token)
-        if raw is None:
-            piece = self.tokenizer.backend.id_to_token(token) or ""
-            byte_level = "ByteLevel" in type(self.tokenizer.backend.decoder).__name__
-            if byte_level and piece and all(ch in _BYTE_OF for ch in piece):
-                raw = [_BYTE_OF[ch] for ch in piece]
-            else:
-                raw = list(self.token_text(token).encode())
-            self.token_raw[token] = raw
-        return raw
-
-
-def _byte_level_alphabet() -> dict[str, int]:
-    """Byte-level BPE's character for each byte (printable bytes stand for themselves, the
-    others for 256 and up, in order), inverted: character -> byte."""
-    kept = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
-    extra = iter(range(256, 512))
-    return {(chr(b) if b in kept else chr(next(extra))): b for b in range(256)}
-
-
-_BYTE_OF = _byte_level_alphabet()
+        return list(self.tokenizer.token_bytes(token, skip_special_tokens=False))
 
 
 def make_app(

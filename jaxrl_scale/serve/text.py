@@ -1,13 +1,16 @@
 """A choice's text as its tokens arrive: detokenized incrementally, cut at stop strings.
 
-Incremental detokenizing decodes a short window of ids twice per token (the window with and
-without the new token) instead of the whole completion, as TGI and vLLM do: a tokenizer's
-decoder may change how earlier tokens read (leading spaces), and a token may end inside a
-UTF-8 character (decoded as U+FFFD until the character's last byte arrives).
+A byte-level tokenizer's (Qwen, Llama-3) text is its ids' bytes read as UTF-8: each token's
+bytes go through an incremental UTF-8 decoder, which holds a character's first bytes until its
+last arrives. Other tokenizers' decoders may change how earlier tokens read (leading spaces):
+for them a short window of ids is decoded twice per token (the window with and without the new
+token) instead of the whole completion, as TGI and vLLM do, and a token that ends inside a
+UTF-8 character (U+FFFD) waits for the character's last byte.
 """
 
 from __future__ import annotations
 
+import codecs
 from collections.abc import Sequence
 
 from jaxrl_scale.serve.backend import Delta
@@ -24,6 +27,10 @@ class ChoiceText:
 
     def __init__(self, tokenizer, stops: Sequence[str] = ()):
         self._decode = tokenizer.decode
+        # Byte-level: each token's bytes, read on by one UTF-8 decoder (invalid bytes come out
+        # as U+FFFD, as the tokenizer's decode gives them).
+        self._bytes = tokenizer.token_bytes if getattr(tokenizer, "byte_level", False) else None
+        self._utf8 = codecs.getincrementaldecoder("utf-8")("replace")
         self.stops = [s for s in stops if s]
         self._longest = max(map(len, self.stops), default=0)
         self.ids: list[int] = []
@@ -48,15 +55,17 @@ class ChoiceText:
             if delta.versions is not None:
                 self.versions.append(delta.versions[k])
             before = len(self.text)
-            self.text += self._step(
-                final=delta.finish is not None and k == len(delta.token_ids) - 1
-            )
+            final = delta.finish is not None and k == len(delta.token_ids) - 1
+            if self._bytes is not None:
+                self.text += self._utf8.decode(self._bytes(token), final)
+            else:
+                self.text += self._step(final=final)
             if self._cut(before):
                 self.finish = "stop"
                 return True
         if delta.finish is not None:
             if not delta.token_ids:  # nothing new to decode, but a held character ends here
-                self.text += self._step(final=True)
+                self.text += self._utf8.decode(b"", True) if self._bytes else self._step(final=True)
             self.finish = delta.finish
         return False
 
