@@ -9,7 +9,10 @@ coefficient 0, 0.5 or 0.8 drawn per run, as bench_forecasts.py's runs), and the 
 binomial on `eval size` problems (the fitter is told the size). Healthy runs (drop 0)
 measure the false-alarm rate, which should stay at or under 5%.
 Prints the fraction of runs called declining per (eval size, evals, evals after the peak,
-drop), `--runs` runs each.
+drop), `--runs` runs each, and below each row ("best") the power of the most powerful test
+there could be (Neyman-Pearson) for the same runs, one told the level before the fall, where
+the fall starts, its shape and the noise's covariance (sampling and drift): what no test of
+real evals can beat, since it knows what a real test has to estimate.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import time
 import warnings
 
 import numpy as np
+from scipy.stats import norm
 
 from jaxrl_scale.fit import sigmoid
 from jaxrl_scale.fit.data import Curve
@@ -43,7 +47,20 @@ def draw(rng, evals: int, size: int, drop: float, after: int):
         for t in range(1, evals):
             drift[t] = rho * drift[t - 1] + np.sqrt(1 - rho**2) * DRIFT_SD * rng.standard_normal()
     rates = rng.binomial(size, np.clip(mean + drift, 0, 1)) / size
-    return compute, rates, rng.binomial(size, r0) / size
+    return compute, rates, rng.binomial(size, r0) / size, (mean, rho)
+
+
+def best_power(mean: np.ndarray, rho: float, size: int, drop: float, after: int) -> float:
+    """The Neyman-Pearson test's power at level 0.05 for this run: the fall s over the last
+    `after` evals, against a level known exactly, under the evals' covariance (binomial
+    sampling at the true rates plus the AR(1) drift): Phi(sqrt(s' Sigma^-1 s) - z_0.95)."""
+    if not drop:
+        return 0.05
+    s = drop * np.arange(1, after + 1) / after
+    rate = np.clip(mean[-after:], 0.0, 1.0)
+    lags = np.abs(np.subtract.outer(np.arange(after), np.arange(after)))
+    cov = np.diag(rate * (1 - rate) / size) + (DRIFT_SD**2 * rho**lags if rho else 0.0)
+    return float(norm.cdf(np.sqrt(s @ np.linalg.solve(cov, s)) - norm.ppf(0.95)))
 
 
 def main() -> None:
@@ -60,18 +77,21 @@ def main() -> None:
         for size in args.eval_sizes:
             for evals in args.evals:
                 for after in AFTER:
-                    cells = []
+                    cells, best = [], []
                     for drop in DROPS:
                         rng = np.random.default_rng([size, evals, after, int(drop * 100)])
-                        called = 0
+                        called, power = 0, 0.0
                         for i in range(args.runs):
-                            c, y, r0 = draw(rng, evals, size, drop, after)
+                            c, y, r0, (mean, rho) = draw(rng, evals, size, drop, after)
                             found = detect_decline(Curve("run", c, y), r0=r0, eval_size=size,
                                                    seed=i)  # fmt: skip
                             called += found is not None
+                            power += best_power(mean, rho, size, drop, after)
                         cells.append(called / args.runs)
+                        best.append(power / args.runs)
                     print(f"{size:>9}{evals:>7}{after:>7}"
                           + "".join(f"{v:>8.0%}" for v in cells), flush=True)  # fmt: skip
+                    print(f"{'best':>23}" + "".join(f"{v:>8.0%}" for v in best), flush=True)
     print(f"({time.perf_counter() - start:.0f} s)")
 
 
