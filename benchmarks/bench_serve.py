@@ -11,7 +11,9 @@ submitted up front, reading the rows' progress as the server's engine thread doe
 own as clients are; on this machine's cores beside the server). Prints for each repeat:
 generated tokens/s of both and http / engine (goal >= 0.85), time to first token with 1
 client and with `--clients`, requests/s, and the programs compiled while serving (0: the
-server warmed up); then the medians; then the HTTP layer alone: tokens/s through a backend
+server warmed up); then the medians; each for the HTTP server in a process of its own
+(`jaxrl-scale serve`'s default, serve/remote.py) and on a thread of the engine's process
+(`--http-in-process`); then the HTTP layer alone: tokens/s through a backend
 that costs nothing, the most this server streams on this machine's CPU.
 """
 
@@ -108,6 +110,44 @@ class Served:
     def close(self):
         self.server.should_exit = True
         self.thread.join(15)
+        self.backend.close()
+
+
+class SplitServed:
+    """`jaxrl-scale serve`'s default: the app in a process of its own (serve/remote.py's
+    Front) over the sockets, the engine here behind the Relay (its loop on a thread)."""
+
+    def __init__(self, model, tok, args):
+        from jaxrl_scale.serve.remote import Front
+
+        self.backend = EngineBackend(model, tok, slots=args.slots, context=args.context,
+                                     max_queue=4 * args.clients, steps=args.steps,
+                                     warm_up=True)  # fmt: skip
+        sock = socket.create_server(("127.0.0.1", 0))
+        self.port = sock.getsockname()[1]
+        sock.close()
+        self.front = Front(self.backend, tok, model_name="bench", slots=args.slots,
+                           max_queue=4 * args.clients, host="127.0.0.1",
+                           port=self.port)  # fmt: skip
+        self.thread = threading.Thread(target=self.front.relay.serve,
+                                       args=(lambda: self.front.proc.poll() is not None,),
+                                       daemon=True)  # fmt: skip
+        self.thread.start()
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                socket.create_connection(("127.0.0.1", self.port), timeout=1).close()
+                break
+            except OSError:
+                if time.monotonic() > deadline or self.front.proc.poll() is not None:
+                    raise RuntimeError("the front process did not start") from None
+                time.sleep(0.1)
+
+    def close(self):
+        self.front.proc.terminate()
+        self.front.proc.wait(30)
+        self.thread.join(15)
+        self.front.close()
         self.backend.close()
 
 
@@ -245,6 +285,10 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--steps", type=int, default=8, help="decode steps per engine run")
     parser.add_argument("--context", type=int, default=256, help="the engine's context")
+    parser.add_argument("--http", nargs="+", choices=("process", "thread"),
+                        default=["process", "thread"],
+                        help="where the HTTP server runs: a process of its own (serve's "
+                        "default), a thread of the engine's (--http-in-process)")  # fmt: skip
     args = parser.parse_args()
     if PROMPT_LEN + args.new > args.context:
         parser.error(
@@ -254,34 +298,40 @@ def main() -> None:
     jax.monitoring.register_event_duration_secs_listener(_count_compile)
     print(f"jax {jax.__version__} on {jax.devices()[0].device_kind}; {args.clients} clients, "
           f"{args.slots} slots, up to {args.new} tokens each")  # fmt: skip
-    served = Served(model, tok, args)
-    run_engine(model, tok, args)  # compile both paths first
-    run_http(served, args, args.clients)
-    ratios, ttft1, ttft_n, rps = [], [], [], []
-    try:
-        for r in range(args.repeats):
-            e_tokens, e_s = run_engine(model, tok, args)
-            before = _COMPILES[0]
-            h_tokens, h_s, firsts = run_http(served, args, args.clients)
-            _, _, one = run_http(served, args, 1)
-            compiled = _COMPILES[0] - before
-            ratio = (h_tokens / h_s) / (e_tokens / e_s)
-            ratios.append(ratio)
-            ttft1.append(one[0])
-            ttft_n.append(statistics.median(firsts))
-            rps.append(args.clients / h_s)
-            print(f"repeat {r}: engine {e_tokens / e_s:8.0f} tok/s ({e_tokens} tokens), http "
-                  f"{h_tokens / h_s:8.0f} tok/s ({h_tokens} tokens), http/engine {ratio:.3f}; "
-                  f"TTFT 1 client {one[0] * 1e3:.0f} ms, {args.clients} clients median "
-                  f"{ttft_n[-1] * 1e3:.0f} ms; {rps[-1]:.1f} requests/s; {compiled} programs "
-                  f"compiled while serving")  # fmt: skip
-    finally:
-        served.close()
-    print(
-        f"median: http/engine {statistics.median(ratios):.3f} (goal >= 0.85); TTFT 1 client "
-        f"{statistics.median(ttft1) * 1e3:.0f} ms, {args.clients} clients "
-        f"{statistics.median(ttft_n) * 1e3:.0f} ms; {statistics.median(rps):.1f} requests/s"
-    )
+    run_engine(model, tok, args)  # compile the engine's path first
+    for where in args.http:
+        served = Served(model, tok, args) if where == "thread" else SplitServed(model, tok, args)
+        place = {
+            "thread": "a thread of the engine's process (--http-in-process)",
+            "process": "a process of its own (jaxrl-scale serve's default)",
+        }[where]
+        print(f"-- the HTTP server on {place}")
+        run_http(served, args, args.clients)  # (the first burst: any compile left)
+        ratios, ttft1, ttft_n, rps = [], [], [], []
+        try:
+            for r in range(args.repeats):
+                e_tokens, e_s = run_engine(model, tok, args)
+                before = _COMPILES[0]
+                h_tokens, h_s, firsts = run_http(served, args, args.clients)
+                _, _, one = run_http(served, args, 1)
+                compiled = _COMPILES[0] - before
+                ratio = (h_tokens / h_s) / (e_tokens / e_s)
+                ratios.append(ratio)
+                ttft1.append(one[0])
+                ttft_n.append(statistics.median(firsts))
+                rps.append(args.clients / h_s)
+                print(f"repeat {r}: engine {e_tokens / e_s:8.0f} tok/s ({e_tokens} tokens), http "
+                      f"{h_tokens / h_s:8.0f} tok/s ({h_tokens} tokens), http/engine "
+                      f"{ratio:.3f}; TTFT 1 client {one[0] * 1e3:.0f} ms, {args.clients} clients "
+                      f"median {ttft_n[-1] * 1e3:.0f} ms; {rps[-1]:.1f} requests/s; {compiled} "
+                      f"programs compiled while serving")  # fmt: skip
+        finally:
+            served.close()
+        print(
+            f"median ({where}): http/engine {statistics.median(ratios):.3f} (goal >= 0.85); "
+            f"TTFT 1 client {statistics.median(ttft1) * 1e3:.0f} ms, {args.clients} clients "
+            f"{statistics.median(ttft_n) * 1e3:.0f} ms; {statistics.median(rps):.1f} requests/s"
+        )
     # The HTTP layer alone, with long completions: what the server can stream at most.
     long = argparse.Namespace(**{**vars(args), "new": 1024})
     served = Served(model, tok, long, backend=_Instant(args.steps, context=PROMPT_LEN + 1024))

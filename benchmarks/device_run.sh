@@ -18,8 +18,9 @@ run() {
     timeout "$limit" python "$@" > "$OUT/$name.log" 2>&1
     echo "$name rc=$? ${SECONDS}s-$start" >> "$OUT/summary.txt"
 }
-run serve_small 100 benchmarks/bench_serve.py --repeats 3
-run serve_large 130 benchmarks/bench_serve.py --hidden 1024 --layers 16 --new 192 --repeats 3
+# bench_serve measures the HTTP server in its own process and on a thread, so runs twice.
+run serve_large 200 benchmarks/bench_serve.py --hidden 1024 --layers 16 --new 192 --repeats 2
+run serve_small 150 benchmarks/bench_serve.py --repeats 2
 run model_05b 120 benchmarks/bench_model.py --qwen05b --repeats 5
 run agents 100 benchmarks/bench_agents.py --steps 4
-tail -n 5 "$OUT"/*.log
+grep -h -E "^median|^-- |http layer|tok/s|MFU" "$OUT"/*.log | tail -n 40

@@ -179,6 +179,12 @@ def _parser() -> argparse.ArgumentParser:
         "every one before serving)",
     )
     serve.add_argument(
+        "--http-in-process",
+        action="store_true",
+        help="run the HTTP server on a thread of the engine's process (default: a process of "
+        "its own, so that the two do not share one interpreter lock)",
+    )
+    serve.add_argument(
         "--served-model-name",
         default=None,
         metavar="NAME",

@@ -5,8 +5,10 @@ sits beside the commands (it reads runs and configs); serve/ itself stands below
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+import time
 from pathlib import Path
 from typing import Any
 
@@ -111,7 +113,48 @@ def serve(args) -> int:
     except ValueError as e:  # e.g. slots that do not split over the mesh's batch axes
         raise ConfigError(f"--slots / --set mesh.*: {e}") from None
     try:
-        run_server(make_app(backend, tokenizer, api_key=api_key), args.host, args.port)
+        if args.http_in_process:
+            run_server(make_app(backend, tokenizer, api_key=api_key), args.host, args.port)
+            return 0
+        return _serve_split(backend, tokenizer, name, slots, api_key, args)
     finally:
         backend.close()
-    return 0
+
+
+def _serve_split(backend, tokenizer, name: str, slots: int, api_key, args) -> int:
+    """The HTTP server in a process of its own (serve/remote.py), this process relaying its
+    requests to `backend` until the front exits: after SIGTERM / SIGINT (passed on to it:
+    it answers what is open within its grace, then exits), or by itself (its exit status)."""
+    import signal
+
+    from jaxrl_scale.serve.remote import Front
+    from jaxrl_scale.serve.server import GRACE_S, SHUTDOWN_S
+
+    log = logging.getLogger("jaxrl_scale.serve")
+    signalled: list[float] = []
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: signalled.append(time.monotonic()))
+    front = Front(backend, tokenizer, model_name=name, slots=slots, max_queue=args.max_queue,
+                  host=args.host, port=args.port, api_key=api_key)  # fmt: skip
+    passed_on = False
+
+    def stop() -> bool:
+        nonlocal passed_on
+        if signalled and not passed_on:
+            passed_on = True
+            with contextlib.suppress(ProcessLookupError):
+                front.proc.send_signal(signal.SIGTERM)
+        if signalled and time.monotonic() - signalled[0] > GRACE_S + 3:
+            front.proc.kill()  # it had its grace to answer what was open
+        return front.proc.poll() is not None
+
+    try:
+        front.relay.serve(stop)
+        code = front.proc.wait(timeout=SHUTDOWN_S)
+    finally:
+        front.close()
+    if signalled:
+        return 0
+    if code:
+        log.error("the HTTP server's process exited with status %s", code)
+    return code if code >= 0 else 1  # (killed by a signal: -signal)

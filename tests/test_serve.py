@@ -8,6 +8,7 @@ One server per backend per module; every wait has a timeout.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
 import json
 import os
@@ -20,6 +21,7 @@ import threading
 import time
 from collections import deque
 
+import httpx
 import numpy as np
 import openai
 import pytest
@@ -270,6 +272,35 @@ def engine(checkpoint):
     yield server
     server.close()
     backend.close()
+
+
+@pytest.fixture(scope="module")
+def remote(checkpoint, tmp_path_factory):
+    """The two sides of `jaxrl-scale serve`'s split over their sockets: the engine behind a
+    Relay (its loop on a thread here, the engine process's main thread there) and the app
+    over a RemoteBackend."""
+    from jaxrl_scale.models.hf import load_pretrained
+    from jaxrl_scale.serve.app import make_app
+    from jaxrl_scale.serve.engine import EngineBackend
+    from jaxrl_scale.serve.remote import Relay, RemoteBackend
+
+    model, tok = load_pretrained(checkpoint)
+    engine = EngineBackend(model, tok, slots=4, context=1024, max_queue=64, model_name="tiny")
+    directory = tmp_path_factory.mktemp("relay")
+    relay = Relay(engine, directory)
+    done = threading.Event()
+    loop = threading.Thread(target=relay.serve, args=(done.is_set,), name="relay", daemon=True)
+    loop.start()
+    backend = RemoteBackend(directory, context=1024, model_name="tiny", slots=4, max_queue=64)
+    server = Server(make_app(backend, tok, api_key=KEY), backend)
+    server.tokenizer, server.engine, server.relay = tok, engine, relay
+    yield server
+    server.close()
+    backend.close()
+    loop.join(WAIT_S)  # the front's close ends the relay's loop
+    assert not loop.is_alive()
+    relay.close()
+    engine.close()
 
 
 def chat(server: Server, content: str, **kw):
@@ -808,7 +839,7 @@ async def _load(server: Server) -> dict[str, int]:
     return {k: results.count(k) for k in set(results)}
 
 
-@pytest.mark.parametrize("which", ["scripted", "engine"])
+@pytest.mark.parametrize("which", ["scripted", "engine", "remote"])
 def test_load_every_request_answered_nothing_leaked(which, request):
     server = request.getfixturevalue(which)
     chat(server, "warm up", max_tokens=2)
@@ -827,10 +858,13 @@ def test_load_every_request_answered_nothing_leaked(which, request):
     gc.collect()
     alive = [o for o in gc.get_objects()
              if isinstance(o, (Generation, ChoiceText)) and id(o) not in before]  # fmt: skip
-    assert not alive, alive[:3]
-    if which == "engine":
-        engine = server.backend.engine
-        assert not (engine.prompts or engine.waiting or server.backend._choices)
+    assert not alive, [
+        (o, getattr(o, "_loop", None), getattr(o, "request", None)) for o in alive[:3]
+    ]
+    if which in ("engine", "remote"):
+        backend = server.engine if which == "remote" else server.backend
+        engine = backend.engine
+        assert not (engine.prompts or engine.waiting or backend._choices)
     assert chat(server, "hi", max_tokens=2).choices[0].finish_reason in ("stop", "length")
 
 
@@ -1081,3 +1115,125 @@ def test_a_byte_level_tokenizer_streams_its_decode_whatever_the_ids(tokenizer):
         for skip in (True, False):
             raw = b"".join(tokenizer.token_bytes(t, skip_special_tokens=skip) for t in ids)
             assert raw.decode("utf-8", "replace") == tokenizer.decode(ids, skip_special_tokens=skip)
+
+
+# --------------------------------------------------------------------------- the split server
+
+
+def test_the_split_server_answers_as_the_engine_does(engine, remote):
+    """Through the relay and its sockets: the same seeded tokens, log-probs and ids as the
+    in-process server, streamed or not; a request over the context or with top_logprobs
+    out of range is a 400; past the queue, a 429 with Retry-After."""
+    kw = dict(model="tiny", messages=[{"role": "user", "content": "Tell me a story."}],
+              max_tokens=12, temperature=1.0, seed=5, n=2, logprobs=True, top_logprobs=2,
+              extra_body={"return_token_ids": True})  # fmt: skip
+    here = engine.client().chat.completions.create(**kw)
+    there = remote.client().chat.completions.create(**kw)
+    assert [c.model_extra["token_ids"] for c in there.choices] == [
+        c.model_extra["token_ids"] for c in here.choices
+    ]
+    assert [[t.logprob for t in c.logprobs.content] for c in there.choices] == [
+        [t.logprob for t in c.logprobs.content] for c in here.choices
+    ]
+    streamed = [chunk for chunk in remote.client().chat.completions.create(stream=True, **kw)]
+    text = {0: "", 1: ""}
+    for chunk in streamed:
+        for c in chunk.choices:
+            text[c.index] += c.delta.content or ""
+    assert [text[0], text[1]] == [c.message.content for c in there.choices]
+    with pytest.raises(openai.BadRequestError, match="context"):
+        remote.client().completions.create(model="tiny", prompt="hi", max_tokens=2000)
+    # Four long requests hold the four slots and two wait: with room for two waiting, the
+    # next is refused with a 429.
+    client = remote.client()
+    remote.backend.max_queue = 2
+    streams = [client.completions.create(model="tiny", prompt=[1] * 8, max_tokens=600,
+                                         seed=i, stream=True) for i in range(6)]  # fmt: skip
+    try:
+        assert all(next(iter(s)).choices for s in streams[:4])  # four decoding
+        waited = time.monotonic() + WAIT_S
+        while remote.backend.stats()["queue_length"] < 2:
+            assert time.monotonic() < waited, remote.backend.stats()
+            time.sleep(0.02)
+        with pytest.raises(openai.RateLimitError) as refused:
+            client.completions.create(model="tiny", prompt="hi", max_tokens=2)
+        assert refused.value.response.headers["retry-after"]
+    finally:
+        remote.backend.max_queue = 64
+        for s in streams:
+            s.close()
+    assert wait_idle(remote.backend)["slots_busy"] == 0
+
+
+def _served(checkpoint, *extra: str):
+    """`jaxrl-scale serve` on `checkpoint` (a free port), and its base URL once it serves."""
+    env = {**os.environ, "XLA_FLAGS": xla_flags(1)}
+    command = [sys.executable, "-m", "jaxrl_scale.cli", "serve", "--init-from", str(checkpoint),
+               "--port", "0", "--slots", "2", "--context", "256", "--served-model-name", "tiny",
+               "--no-warm-up", *extra]  # fmt: skip
+    proc = subprocess.Popen(
+        command, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+    lines, deadline = [], time.monotonic() + 3 * WAIT_S
+    while not (m := re.search(r"serving on (http://127\.0\.0\.1:\d+)/v1", "".join(lines))):
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            raise AssertionError("".join(lines) + proc.stdout.read())
+        lines.append(proc.stdout.readline())
+    return proc, m.group(1)
+
+
+def _children(pid: int) -> list[int]:
+    found = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True)
+    return [int(p) for p in found.stdout.split()]
+
+
+def _gone(pid: int, timeout: float) -> bool:
+    """Whether process `pid` has exited (or is a zombie) within `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                if f.read().rsplit(")", 1)[1].split()[0] == "Z":
+                    return True
+        except FileNotFoundError:
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def test_a_killed_side_of_the_split_server_takes_the_other_down(checkpoint):
+    """SIGKILL the engine's process: its HTTP process fails what is open and exits within
+    seconds (no server left answering for a dead engine); SIGKILL the HTTP process: the
+    engine's process exits non-zero, saying so."""
+    proc, base = _served(checkpoint)
+    front = None
+    try:
+        (front,) = _children(proc.pid)
+        client = openai.OpenAI(base_url=f"{base}/v1", api_key="x", max_retries=0, timeout=WAIT_S)
+        stream = client.completions.create(model="tiny", prompt=[1] * 8, max_tokens=200,
+                                           seed=2, stream=True)  # fmt: skip
+        assert next(iter(stream)).choices
+        proc.kill()
+        proc.wait(WAIT_S)
+        assert _gone(front, 15), "the HTTP process outlived its engine"
+        with pytest.raises((openai.APIError, httpx.HTTPError)):
+            for _ in stream:  # the open stream ends with an error, not a hang
+                pass
+    finally:
+        for pid in (proc.pid, front):
+            with contextlib.suppress(ProcessLookupError, TypeError):
+                os.kill(pid, signal.SIGKILL)
+        proc.communicate(timeout=WAIT_S)
+
+    proc, base = _served(checkpoint)
+    try:
+        (front,) = _children(proc.pid)
+        os.kill(front, signal.SIGKILL)
+        out, _ = proc.communicate(timeout=WAIT_S)
+        assert proc.returncode not in (0, None)
+        assert "the HTTP server's process exited" in out, out[-2000:]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate(timeout=WAIT_S)

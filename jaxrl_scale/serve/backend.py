@@ -73,7 +73,7 @@ class Generation:
         """From the backend's thread: a delta, or the exception that ended the request. A
         loop that has closed (its client gone) takes nothing, and that is no error."""
         with contextlib.suppress(RuntimeError):
-            self._loop.call_soon_threadsafe(self._queue.put_nowait, item)
+            self._loop.call_soon_threadsafe(_deliver, [(self, item)])
 
     @staticmethod
     def push_all(items: list[tuple[Generation, Delta]]) -> None:
@@ -139,9 +139,25 @@ def _merged(items: list[Delta]) -> list[Delta]:
     return list(by_choice.values())
 
 
-def _deliver(items: list[tuple[Generation, Delta]]) -> None:
-    for generation, delta in items:
-        generation._queue.put_nowait(delta)
+def _deliver(items: list[tuple[Generation, Delta | BaseException]]) -> None:
+    for generation, item in items:
+        generation._queue.put_nowait(item)
+
+
+def check_request(request: Request, context: int) -> None:
+    """A ValueError naming what a backend of `context` tokens cannot serve in `request`."""
+    if not request.prompt_ids:
+        raise ValueError("the prompt has no tokens")
+    if request.max_new < 1:
+        raise ValueError(f"max_tokens must be >= 1, got {request.max_new}")
+    total = len(request.prompt_ids) + request.max_new
+    if total > context:
+        raise ValueError(
+            f"the prompt's {len(request.prompt_ids)} tokens and max_tokens "
+            f"{request.max_new} make {total}, over the context of {context} tokens"
+        )
+    if not 0 <= request.top_logprobs <= MAX_TOP_LOGPROBS:
+        raise ValueError(f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}]")
 
 
 class Backend(Protocol):

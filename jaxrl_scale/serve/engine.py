@@ -30,6 +30,7 @@ from jaxrl_scale.serve.backend import (
     QueueFull,
     Request,
     ShuttingDown,
+    check_request,
 )
 
 log = logging.getLogger("jaxrl_scale.serve")
@@ -103,18 +104,7 @@ class EngineBackend:
     # ------------------------------------------------------------------ event loop side
 
     def submit(self, request: Request, loop: asyncio.AbstractEventLoop) -> Generation:
-        total = len(request.prompt_ids) + request.max_new
-        if not request.prompt_ids:
-            raise ValueError("the prompt has no tokens")
-        if request.max_new < 1:
-            raise ValueError(f"max_tokens must be >= 1, got {request.max_new}")
-        if total > self.context:
-            raise ValueError(
-                f"the prompt's {len(request.prompt_ids)} tokens and max_tokens "
-                f"{request.max_new} make {total}, over the context of {self.context} tokens"
-            )
-        if not 0 <= request.top_logprobs <= MAX_TOP_LOGPROBS:
-            raise ValueError(f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}]")
+        check_request(request, self.context)
         generation = Generation(request, loop, self)
         with self._lock:
             if self._closed:
