@@ -105,7 +105,8 @@ def serve(args) -> int:
             tokenizer,
             slots=slots,
             context=args.context,
-            max_queue=args.max_queue,
+            # Split, the HTTP process keeps the queue's bound (serve/remote.py).
+            max_queue=args.max_queue if args.http_in_process else 2**31,
             mesh=mesh,
             model_name=name,
             warm_up=args.warm_up,
@@ -118,7 +119,7 @@ def serve(args) -> int:
             return 0
         return _serve_split(backend, tokenizer, name, slots, api_key, args)
     finally:
-        backend.close()
+        backend.close(timeout=5)  # (the engine's thread ends at its next turn)
 
 
 def _serve_split(backend, tokenizer, name: str, slots: int, api_key, args) -> int:
@@ -126,6 +127,7 @@ def _serve_split(backend, tokenizer, name: str, slots: int, api_key, args) -> in
     requests to `backend` until the front exits: after SIGTERM / SIGINT (passed on to it:
     it answers what is open within its grace, then exits), or by itself (its exit status)."""
     import signal
+    import subprocess
 
     from jaxrl_scale.serve.remote import Front
     from jaxrl_scale.serve.server import GRACE_S, SHUTDOWN_S
@@ -144,14 +146,22 @@ def _serve_split(backend, tokenizer, name: str, slots: int, api_key, args) -> in
             passed_on = True
             with contextlib.suppress(ProcessLookupError):
                 front.proc.send_signal(signal.SIGTERM)
-        if signalled and time.monotonic() - signalled[0] > GRACE_S + 3:
+        if signalled and time.monotonic() - signalled[0] > GRACE_S + 2:
             front.proc.kill()  # it had its grace to answer what was open
         return front.proc.poll() is not None
 
     try:
-        front.relay.serve(stop)
-        code = front.proc.wait(timeout=SHUTDOWN_S)
+        front.relay.serve(stop)  # (returns once the front said it closed, or exited)
+        try:
+            code = front.proc.wait(timeout=GRACE_S + 2)
+        except subprocess.TimeoutExpired:
+            front.proc.kill()
+            code = front.proc.wait()
     finally:
+        if front.proc.poll() is None:
+            front.proc.kill()
+            front.proc.wait()
+        backend.close(timeout=SHUTDOWN_S - GRACE_S - 5)  # its thread sends to the relay
         front.close()
     if signalled:
         return 0

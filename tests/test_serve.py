@@ -1093,12 +1093,17 @@ def test_streamed_text_is_the_whole_decode_and_garbage_bytes_cost_a_short_window
     assert choice.text.count("\ufffd") == tokenizer.decode(ids).count("\ufffd")
 
 
-def test_a_byte_level_tokenizer_streams_its_decode_whatever_the_ids(tokenizer):
-    """Byte-level (Qwen3's vocabulary): random ids (bytes that form no character, special and
-    added tokens, whole characters) in deltas of random sizes come out as the tokenizer's own
-    decode of them; each token's offset is where its text starts, and its bytes are the
-    ones `decode` reads."""
-    assert tokenizer.byte_level
+def test_a_byte_level_tokenizer_streams_its_decode_whatever_the_ids():
+    """Byte-level (Qwen3's vocabulary, and added tokens that mix characters of the byte
+    alphabet with others, which the decoder reads as their own UTF-8): random ids (bytes
+    that form no character, special and added tokens, whole characters) in deltas of random
+    sizes come out as the tokenizer's own decode of them; each token's offset is where its
+    text starts, and its bytes are the ones `decode` reads."""
+    tokenizer = qwen3_tokenizer()
+    extra = ["日Ġé", "für ", "🙂x"]
+    tokenizer.backend.add_tokens([tokenizers.AddedToken(t, special=False) for t in extra])
+    tokenizer.backend.add_special_tokens(["<|extra|>"])
+    assert tokenizer.byte_level and tokenizer.decode(tokenizer.encode("für ")) == "für "
     rng = np.random.default_rng(1)
     for _ in range(200):
         ids = rng.integers(0, tokenizer.vocab_size, rng.integers(1, 40)).tolist()
@@ -1226,14 +1231,39 @@ def test_a_killed_side_of_the_split_server_takes_the_other_down(checkpoint):
                 os.kill(pid, signal.SIGKILL)
         proc.communicate(timeout=WAIT_S)
 
-    proc, base = _served(checkpoint)
+    # The HTTP process killed while streams decode: the engine's thread is sending to a
+    # socket no one reads any more, and the command still ends, saying why.
+    proc, base = _served(checkpoint, "--context", "4096")
     try:
         (front,) = _children(proc.pid)
+        client = openai.OpenAI(base_url=f"{base}/v1", api_key="x", max_retries=0, timeout=WAIT_S)
+        streams = [client.completions.create(model="tiny", prompt=[1] * 8, max_tokens=4000,
+                                             seed=2, stream=True) for _ in range(2)]  # fmt: skip
+        for stream in streams:
+            chunks = iter(stream)
+            assert next(chunks).choices and next(chunks).choices[0].finish_reason is None
         os.kill(front, signal.SIGKILL)
         out, _ = proc.communicate(timeout=WAIT_S)
-        assert proc.returncode not in (0, None)
-        assert "the HTTP server's process exited" in out, out[-2000:]
+        assert proc.returncode == 1, out[-2000:]
+        assert "the HTTP server's process exited with status -9" in out, out[-2000:]
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.communicate(timeout=WAIT_S)
+
+
+def test_a_port_in_use_ends_the_command_with_the_reason(checkpoint):
+    """The HTTP process cannot bind: the command exits 1 with the bind error, not a hang."""
+    taken = socket.create_server(("127.0.0.1", 0))
+    port = taken.getsockname()[1]
+    env = {**os.environ, "XLA_FLAGS": xla_flags(1)}
+    command = [sys.executable, "-m", "jaxrl_scale.cli", "serve", "--init-from", str(checkpoint),
+               "--port", str(port), "--slots", "2", "--context", "256", "--no-warm-up"]  # fmt: skip
+    try:
+        done = subprocess.run(command, env=env, cwd=ROOT, capture_output=True, text=True,
+                              timeout=3 * WAIT_S)  # fmt: skip
+    finally:
+        taken.close()
+    out = done.stdout + done.stderr
+    assert done.returncode == 1, out[-2000:]
+    assert "Address already in use" in out and "the HTTP server's process exited" in out

@@ -53,10 +53,9 @@ class Tokenizer:
         # their concatenation read as UTF-8 (a server's detokenizer appends a token's bytes
         # instead of decoding a window of ids twice per token: serve/text.py).
         self.byte_level = type(backend.decoder).__name__ == "ByteLevel"
-        self._special = {i for i, t in backend.get_added_tokens_decoder().items() if t.special}
-        # id -> bytes, filled as ids are met. Servers on several threads may share it: each
-        # writer sets an item to the same value, and a dict item set is atomic.
-        self._pieces: dict[int, bytes] = {}
+        # id -> (bytes, special), filled as ids are met. Servers on several threads may share
+        # it: each writer sets an item to the same value, and a dict item set is atomic.
+        self._pieces: dict[int, tuple[bytes, bool]] = {}
 
     @property
     def vocab_size(self) -> int:
@@ -74,20 +73,20 @@ class Tokenizer:
         `skip_special_tokens`; the bytes of any run of ids, read as UTF-8 with U+FFFD for
         what is not, are `decode` of the run. Otherwise the UTF-8 of the id's text alone."""
         token = int(token)
-        if skip_special_tokens and token in self._special:
-            return b""
-        piece = self._pieces.get(token)
-        if piece is None:
+        known = self._pieces.get(token)
+        if known is None:
             text = self.backend.id_to_token(token)
-            if self.byte_level and text is not None:  # a character outside the byte
-                # alphabet (an added token's) is its own UTF-8, as the decoder reads it
-                piece = b"".join(
-                    bytes((BYTE_OF[ch],)) if ch in BYTE_OF else ch.encode() for ch in text
-                )
+            added = self.backend.get_added_tokens_decoder().get(token)
+            if self.byte_level and text is not None and all(ch in BYTE_OF for ch in text):
+                piece = bytes(BYTE_OF[ch] for ch in text)
+            elif self.byte_level:  # a character outside the byte alphabet (an added
+                # token's): the decoder reads the whole token as its UTF-8
+                piece = (text or "").encode()
             else:
                 piece = self.decode([token], skip_special_tokens=False).encode()
-            self._pieces[token] = piece
-        return piece
+            known = self._pieces[token] = (piece, added is not None and added.special)
+        piece, special = known
+        return b"" if special and skip_special_tokens else piece
 
     def apply_chat_template(
         self,

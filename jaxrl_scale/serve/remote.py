@@ -54,14 +54,26 @@ def _addresses(directory: Path) -> tuple[str, str]:
 
 
 def _portable(item):
-    """A delta, or an exception that pickles (any other becomes a RuntimeError of its text)."""
+    """A delta, or an exception that survives a pickle's round trip (any other becomes a
+    RuntimeError of its text: some exceptions pickle but cannot be rebuilt)."""
     if isinstance(item, Delta):
         return item
     try:
-        pickle.dumps(item)
+        pickle.loads(pickle.dumps(item))
         return item
     except Exception:  # noqa: BLE001 - whatever it was, its message is what the client gets
         return RuntimeError(f"{type(item).__name__}: {item}")
+
+
+def _socket(kind: int):
+    """A socket whose sends never block: no bound on what waits for a slow peer (deltas must
+    not be dropped while it lives), and a send with no peer at all (not connected yet, or
+    dead) raises zmq.Again at once instead of waiting for one."""
+    sock = zmq.Context.instance().socket(kind)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.SNDHWM, 0)
+    sock.setsockopt(zmq.RCVHWM, 0)
+    return sock
 
 
 class _Outlet:
@@ -88,13 +100,11 @@ class Relay:
     def __init__(self, backend: Backend, directory: Path):
         self.backend = backend
         requests, deltas = _addresses(directory)
-        context = zmq.Context.instance()
-        self._in = context.socket(zmq.PULL)
-        self._in.setsockopt(zmq.LINGER, 0)
+        self._in = _socket(zmq.PULL)
         self._in.bind(requests)
-        self._out = context.socket(zmq.PUSH)
-        self._out.setsockopt(zmq.LINGER, 0)
+        self._out = _socket(zmq.PUSH)
         self._out.bind(deltas)
+        self._closed = False  # (under _send_lock: the sockets are closed)
         self._send_lock = threading.Lock()
         self._lock = threading.Lock()
         self._open: dict[int, list] = {}  # key -> [generation, its choices not finished]
@@ -116,8 +126,12 @@ class Relay:
         self._send(("deltas", key, [_portable(i) for i in items]))
 
     def _send(self, message) -> None:
-        with self._send_lock, contextlib.suppress(zmq.ZMQError):  # a closed socket: gone
-            self._out.send_pyobj(message)
+        """Send, never wait: with no front connected (not yet, or no more) it is dropped."""
+        with self._send_lock:
+            if self._closed:
+                return
+            with contextlib.suppress(zmq.Again):
+                self._out.send_pyobj(message, flags=zmq.NOBLOCK)
 
     def serve(self, stop=lambda: False) -> None:
         """Relay until the front says it closed, or `stop()` (checked every POLL_MS)."""
@@ -160,16 +174,14 @@ class Relay:
                 self.backend.cancel(entry[0], list(message[2]))
 
     def close(self) -> None:
-        """Fail what is open (the front is gone or going) and close the sockets."""
+        """Forget what is open and close the sockets (close the backend first: its thread
+        sends here until it stops; a send after this is dropped)."""
         with self._lock:
-            gone, self._open = list(self._open.values()), {}
-        for generation, choices in gone:
-            if generation is None:
-                continue
-            with contextlib.suppress(Exception):  # failing every request is all there is
-                self.backend.cancel(generation, sorted(choices))
+            self._open = {}
+        with self._send_lock:
+            self._closed = True
+            self._out.close()
         self._in.close()
-        self._out.close()
 
 
 class RemoteBackend:
@@ -189,12 +201,10 @@ class RemoteBackend:
         )  # fmt: skip
         self.engine_pid, self.on_lost, self.lost = engine_pid, on_lost, False
         requests, deltas = _addresses(directory)
-        ctx = zmq.Context.instance()
-        self._out = ctx.socket(zmq.PUSH)
+        self._out = _socket(zmq.PUSH)  # (connected: its messages wait for the engine's side)
         self._out.setsockopt(zmq.LINGER, 1000)  # a last "close" still reaches the engine
         self._out.connect(requests)
-        self._in = ctx.socket(zmq.PULL)
-        self._in.setsockopt(zmq.LINGER, 0)
+        self._in = _socket(zmq.PULL)
         self._in.connect(deltas)
         self._lock = threading.Lock()
         self._ids = itertools.count()
@@ -219,7 +229,11 @@ class RemoteBackend:
             key = next(self._ids)
             choices = set(range(request.n))
             self._open[key] = [generation, choices, set(choices)]
-            self._out.send_pyobj(("submit", key, request))
+            try:
+                self._out.send_pyobj(("submit", key, request), flags=zmq.NOBLOCK)
+            except zmq.Again:  # (a connected socket queues: only a broken one says so)
+                del self._open[key]
+                raise ShuttingDown("the engine's process does not take requests") from None
         return generation
 
     def cancel(self, generation: Generation, choices: list[int]) -> None:
@@ -233,7 +247,7 @@ class RemoteBackend:
             if not entry[1]:
                 del self._open[key]
             if not self._closed:
-                self._out.send_pyobj(("cancel", key, list(choices)))
+                self._out.send_pyobj(("cancel", key, list(choices)), flags=zmq.NOBLOCK)
 
     def stats(self) -> dict[str, float]:
         with self._lock:
@@ -256,7 +270,7 @@ class RemoteBackend:
             if not self._closed:
                 self._closed = True
                 with contextlib.suppress(zmq.ZMQError):
-                    self._out.send_pyobj(("close", None))
+                    self._out.send_pyobj(("close", None), flags=zmq.NOBLOCK)
         self._reader.join(timeout)
         self._fail_all(ShuttingDown("the server shut down"))
         self._out.close()
@@ -274,6 +288,8 @@ class RemoteBackend:
             if self.engine_pid is not None and not _alive(self.engine_pid):
                 self.lost = True
                 log.error("the engine's process (pid %d) ended", self.engine_pid)
+                with self._lock:  # no request taken from here on
+                    self._closed = True
                 self._fail_all(ShuttingDown("the engine's process ended"))
                 if self.on_lost is not None:
                     self.on_lost()
@@ -281,7 +297,10 @@ class RemoteBackend:
             if poller.poll(POLL_MS):
                 # A call of its own: what a message held (a generation, its deltas) is let
                 # go before the next wait.
-                self._take(self._in.recv_pyobj())
+                try:
+                    self._take(self._in.recv_pyobj())
+                except Exception:  # noqa: BLE001 - one bad message must not end the reader
+                    log.exception("a message from the engine's process could not be read")
 
     def _take(self, message) -> None:
         if message[0] == "stats":
@@ -328,7 +347,8 @@ class Front:
     """The front process for `backend` (in this process, the engine's), bound to `host` and
     `port`, and the `relay` that serves it (run `relay.serve` on a thread of this process;
     `proc` is the front's Popen). The sockets live in a fresh directory only this user can
-    enter; `close` kills the front if it still runs and removes them."""
+    enter. `backend`'s own queue should have no bound of its own: the front keeps
+    `max_queue` (an engine that refused a request the front took would fail it)."""
 
     def __init__(self, backend: Backend, tokenizer, *, model_name: str, slots: int,
                  max_queue: int, host: str, port: int, api_key: str | None = None):  # fmt: skip
@@ -337,17 +357,31 @@ class Front:
         import tempfile
 
         self._rmtree = shutil.rmtree
-        self.directory = Path(tempfile.mkdtemp(prefix="jaxrl-serve-"))  # mode 0700
-        self.relay = Relay(backend, self.directory)
-        spec = self.directory / "spec.pickle"
-        spec.write_bytes(pickle.dumps({
-            "directory": str(self.directory), "tokenizer": tokenizer, "api_key": api_key,
-            "host": host, "port": port, "context": backend.context, "model_name": model_name,
-            "slots": slots, "max_queue": max_queue,
-        }))  # fmt: skip
-        self.proc = subprocess.Popen([sys.executable, "-m", "jaxrl_scale.serve.remote", str(spec)])
+        # mode 0700; an ipc path holds ~100 bytes at most: a long TMPDIR gives way to /tmp
+        where = None if len(tempfile.gettempdir()) < 60 else "/tmp"
+        self.directory = Path(tempfile.mkdtemp(prefix="jaxrl-serve-", dir=where))
+        self.relay = None
+        try:
+            self.relay = Relay(backend, self.directory)
+            spec = self.directory / "spec.pickle"
+            spec.write_bytes(pickle.dumps({
+                "directory": str(self.directory), "tokenizer": tokenizer, "api_key": api_key,
+                "host": host, "port": port, "context": backend.context,
+                "model_name": model_name, "slots": slots, "max_queue": max_queue,
+                "engine_pid": os.getpid(),
+            }))  # fmt: skip
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "jaxrl_scale.serve.remote", str(spec)]
+            )
+        except BaseException:
+            if self.relay is not None:
+                self.relay.close()
+            shutil.rmtree(self.directory, ignore_errors=True)
+            raise
 
     def close(self) -> None:
+        """Kill the front if it still runs, close the relay (close the backend first) and
+        remove the sockets' directory."""
         if self.proc.poll() is None:
             self.proc.kill()
             self.proc.wait()
@@ -372,7 +406,7 @@ def front_main(spec_path: str) -> int:
         model_name=spec["model_name"],
         slots=spec["slots"],
         max_queue=spec["max_queue"],
-        engine_pid=os.getppid(),
+        engine_pid=spec["engine_pid"],
         on_lost=lambda: os.kill(os.getpid(), signal.SIGTERM),
     )
     app = make_app(backend, spec["tokenizer"], api_key=spec["api_key"])
