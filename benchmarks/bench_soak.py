@@ -175,8 +175,17 @@ class Drill:
                     raise AssertionError(f"a trainer exited {p.returncode} while waiting for "
                                          f"{what}:\n{log.read_text()[-3000:]}")  # fmt: skip
             if time.monotonic() > deadline:
-                raise AssertionError(f"timed out after {self.timeout:.0f} s waiting for {what}")
+                raise AssertionError(f"timed out after {self.timeout:.0f} s waiting for {what}"
+                                     f"\n{self.logs()}")  # fmt: skip
             time.sleep(0.1)
+
+    def logs(self, lines: int = 12) -> str:
+        """The last `lines` lines of every trainer's and group's log (what a stall leaves)."""
+        out = []
+        for p, log in [*self.trainer_procs, *self.groups.values()]:
+            tail = log.read_text(errors="replace").splitlines()[-lines:] if log.exists() else []
+            out.append(f"== {log.name} (exit {p.poll()})\n" + "\n".join(tail))
+        return "\n".join(out)
 
     def close(self) -> list[str]:
         """Kill whatever is still running; the logs of those that were."""
@@ -283,7 +292,7 @@ def soak(out: Path, *, steps: int, kills: int, trainers: int, groups: int, seed:
                 p.wait(timeout=timeout)
             except subprocess.TimeoutExpired as e:
                 raise AssertionError(
-                    f"the trainer did not finish:\n{log.read_text()[-3000:]}"
+                    f"the trainer did not finish:\n{log.read_text()[-3000:]}\n{drill.logs()}"
                 ) from e
             assert p.returncode == 0, log.read_text()[-3000:]
         counts["seconds"] = time.monotonic() - start
