@@ -56,6 +56,7 @@ class Tokenizer:
         # id -> (bytes, special), filled as ids are met. Servers on several threads may share
         # it: each writer sets an item to the same value, and a dict item set is atomic.
         self._pieces: dict[int, tuple[bytes, bool]] = {}
+        self._special: tuple[int, set[int]] = (-1, set())  # (vocabulary size, special ids)
 
     @property
     def vocab_size(self) -> int:
@@ -76,7 +77,6 @@ class Tokenizer:
         known = self._pieces.get(token)
         if known is None:
             text = self.backend.id_to_token(token)
-            added = self.backend.get_added_tokens_decoder().get(token)
             if self.byte_level and text is not None and all(ch in BYTE_OF for ch in text):
                 piece = bytes(BYTE_OF[ch] for ch in text)
             elif self.byte_level:  # a character outside the byte alphabet (an added
@@ -84,9 +84,17 @@ class Tokenizer:
                 piece = (text or "").encode()
             else:
                 piece = self.decode([token], skip_special_tokens=False).encode()
-            known = self._pieces[token] = (piece, added is not None and added.special)
+            known = self._pieces[token] = (piece, token in self._special_ids())
         piece, special = known
         return b"" if special and skip_special_tokens else piece
+
+    def _special_ids(self) -> set[int]:
+        """The special tokens' ids, read again when tokens were added since."""
+        size = self.vocab_size
+        if self._special[0] != size:
+            decoder = self.backend.get_added_tokens_decoder()
+            self._special = (size, {i for i, t in decoder.items() if t.special})
+        return self._special[1]
 
     def apply_chat_template(
         self,

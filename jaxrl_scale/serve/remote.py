@@ -65,6 +65,19 @@ def _portable(item):
         return RuntimeError(f"{type(item).__name__}: {item}")
 
 
+def _settle(choices: set, items: list, untouched: set | None = None) -> None:
+    """A request's open `choices` (and those `untouched`: no token yet) after `items`: a
+    finished delta closes its choice, an exception every one."""
+    for item in items:
+        if not isinstance(item, Delta):
+            choices.clear()
+            continue
+        if untouched is not None:
+            untouched.discard(item.index)
+        if item.finish is not None:
+            choices.discard(item.index)
+
+
 def _socket(kind: int):
     """A socket whose sends never block: no bound on what waits for a slow peer (deltas must
     not be dropped while it lives), and a send with no peer at all (not connected yet, or
@@ -108,7 +121,6 @@ class Relay:
         self._send_lock = threading.Lock()
         self._lock = threading.Lock()
         self._open: dict[int, list] = {}  # key -> [generation, its choices not finished]
-        self._stats: dict | None = None
 
     def send_items(self, key: int, items: list) -> None:
         """From any thread: `items` (deltas, or the exception that ended the request) for the
@@ -116,11 +128,7 @@ class Relay:
         with self._lock:
             entry = self._open.get(key)
             if entry is not None:
-                for item in items:
-                    if not isinstance(item, Delta):
-                        entry[1].clear()
-                    elif item.finish is not None:
-                        entry[1].discard(item.index)
+                _settle(entry[1], items)
                 if not entry[1]:
                     del self._open[key]
         self._send(("deltas", key, [_portable(i) for i in items]))
@@ -137,7 +145,7 @@ class Relay:
         """Relay until the front says it closed, or `stop()` (checked every POLL_MS)."""
         poller = zmq.Poller()
         poller.register(self._in, zmq.POLLIN)
-        sent_at = 0.0
+        sent_at, sent = 0.0, None
         while not stop():
             if poller.poll(POLL_MS):
                 message = self._in.recv_pyobj()
@@ -147,8 +155,8 @@ class Relay:
             now = time.monotonic()
             if now - sent_at > STATS_S:
                 stats = self.backend.stats()
-                if stats != self._stats:
-                    self._stats = stats
+                if stats != sent:
+                    sent = stats
                     self._send(("stats", stats))
                 sent_at = now
 
@@ -312,13 +320,7 @@ class RemoteBackend:
             entry = self._open.get(key)
             if entry is None:  # cancelled meanwhile
                 return
-            for item in items:
-                if isinstance(item, Delta):
-                    entry[2].discard(item.index)
-                    if item.finish is not None:
-                        entry[1].discard(item.index)
-                else:
-                    entry[1].clear()
+            _settle(entry[1], items, entry[2])
             if not entry[1]:
                 del self._open[key]
         generation = entry[0]
