@@ -5,6 +5,7 @@ import importlib.util
 import json
 import os
 import re
+import select
 import shutil
 import signal
 import socket
@@ -97,7 +98,8 @@ def test_an_offer_nobody_pulls_is_withdrawn_and_a_pulled_one_is_not(tiny_model_c
     gen_mesh = sharding.make_mesh(MeshConfig(data=2, fsdp=1, tensor=1), jax.devices()[2:4])
     model = sharding.init_sharded(lambda rngs: Policy(tiny_model_config, rngs=rngs), mesh, 0)
     _, params = nnx.split(model)
-    server = WeightServer(mesh, tiny_model_config, 2, host="127.0.0.1", timeout=1.0)
+    server = WeightServer(mesh, tiny_model_config, 2, host="127.0.0.1", timeout=1.0,
+                          probe_after=0.2, probe_wait=5.0)  # fmt: skip
     server.publish(0, params)
     abstract = jax.eval_shape(lambda p: for_generation(p, tiny_model_config, copy=False), params)
     client = WeightClient(abstract, sharding.state_shardings(abstract, gen_mesh), gen_mesh,
@@ -115,6 +117,7 @@ def test_an_offer_nobody_pulls_is_withdrawn_and_a_pulled_one_is_not(tiny_model_c
             time.sleep(0.05)
         time.sleep(1.5)  # past the acknowledged offer's deadline too
         assert server.withdrawn == 1
+        assert server.replaced == 0  # probed while the offer waited, and the probes arrived
         again = client.pull(0)
         for a, b in zip(jax.tree.leaves(first), jax.tree.leaves(again), strict=True):
             np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
@@ -122,6 +125,85 @@ def test_an_offer_nobody_pulls_is_withdrawn_and_a_pulled_one_is_not(tiny_model_c
         dead.close()
         client.close()
         server.close()
+
+
+# A generator process that asks for a version, starts pulling it and is frozen (SIGSTOP) with
+# its connection open, part of the blocks received: a host that hangs mid-pull.
+FROZEN_PULLER = r"""
+import json, os, signal, sys, time
+import jax, zmq
+from jax.experimental import transfer
+from jax.sharding import SingleDeviceSharding
+socket = zmq.Context.instance().socket(zmq.REQ)
+socket.connect(sys.argv[1])
+socket.send(json.dumps({"version": int(sys.argv[2])}).encode())
+offer = json.loads(socket.recv())
+device = jax.local_devices()[0]
+where = SingleDeviceSharding(device)
+specs = [jax.ShapeDtypeStruct((stop - start, chunk), dtype, sharding=where)
+         for chunk, dtype in zip(offer["chunks"], offer["dtypes"])
+         for start, stop in offer["blocks"]]
+own = transfer.start_transfer_server(device.client, "127.0.0.1:0", ["127.0.0.1:0"])
+got = own.connect(offer["transfer"]).pull(offer["uuid"], specs)
+while not any(x.is_ready() for x in got):
+    time.sleep(0.001)
+print(sum(x.is_ready() for x in got), len(got), flush=True)
+os.kill(os.getpid(), signal.SIGSTOP)
+"""
+
+
+def test_a_puller_frozen_mid_pull_holds_up_the_others_only_until_a_probe_fails(
+    tiny_model_config,
+):
+    """A puller frozen mid-pull holds up every pull of its transfer server (jax's transfer
+    API; docs/hosts.md). The trainer process probes its own server while an offer waits; the
+    probe does not arrive, a new server takes the offers, and another generator's pull of the
+    same version (asked for before or after that) arrives, equal, while the frozen one is
+    still stopped."""
+    import dataclasses
+
+    # About 370 MB of float32 blocks in 30 leaves: the frozen puller has most still to come.
+    cfg = dataclasses.replace(tiny_model_config, vocab_size=32768, hidden_size=1024,
+                              intermediate_size=4096, num_layers=4)  # fmt: skip
+    devices = jax.devices()
+    mesh = sharding.make_mesh(MeshConfig(data=1, fsdp=1, tensor=1), devices[:1])
+    gen_mesh = sharding.make_mesh(MeshConfig(data=1, fsdp=1, tensor=1), devices[1:2])
+    _, params = nnx.split(sharding.init_sharded(lambda rngs: Policy(cfg, rngs=rngs), mesh, 0))
+    server = WeightServer(mesh, cfg, 1, host="127.0.0.1", timeout=60, probe_after=0.5,
+                          probe_wait=1.5)  # fmt: skip
+    server.publish(0, params)
+    abstract = jax.eval_shape(lambda p: for_generation(p, cfg, copy=False), params)
+    client = WeightClient(abstract, sharding.state_shardings(abstract, gen_mesh), gen_mesh,
+                          host="127.0.0.1", timeout=45)  # fmt: skip
+    client.recheck = 1.0  # (5 s in a run)
+    frozen = subprocess.Popen(
+        [sys.executable, "-c", FROZEN_PULLER, server.address["weights"], "0"],
+        env=_env("generator", devices=1), stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        assert select.select([frozen.stdout], [], [], 60)[0], "the puller never started"
+        arrived, blocks = (int(x) for x in frozen.stdout.readline().split())
+        assert 0 < arrived < blocks
+        deadline = time.monotonic() + 10
+        while _state(frozen.pid) != "T" and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert _state(frozen.pid) == "T"  # stopped, its pull open
+        client.connect([server.address])
+        pulled = client.pull(0)  # (a TimeoutError after 45 s if held up behind it)
+        assert _state(frozen.pid) == "T" and server.replaced == 1
+        expected = for_generation(params, cfg)
+        for got, want in zip(jax.tree.leaves(pulled), jax.tree.leaves(expected), strict=True):
+            np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    finally:
+        frozen.kill()
+        frozen.wait(timeout=30)
+        client.close()
+        server.close()
+
+
+def _state(pid: int) -> str:
+    """A process's state letter (Linux: R, S, T for stopped, ...)."""
+    return open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0]
 
 
 def test_hosts_config_errors_name_the_key():

@@ -423,15 +423,13 @@ class Weights:
         """`rows` once every block has arrived, before decoding may use them (a transfer cut
         off, the trainer dying mid-pull, fails here rather than in a decode step later); a
         TimeoutError naming the trainer after `timeout` seconds."""
-        deadline = time.monotonic() + self.timeout
-        while not all(x.is_ready() for x in jax.tree.leaves(rows)):
-            if time.monotonic() > deadline:
-                raise TimeoutError(
-                    f"generator group {self.group}: version {version}'s weights had not "
-                    f"arrived from the trainer (hub {self.hub}) after {self.timeout:.0f} s"
-                )
-            time.sleep(0.01)
-        return jax.block_until_ready(rows)
+        try:
+            return self.client.arrived(rows, version, self.timeout)
+        except TimeoutError as e:
+            raise TimeoutError(
+                f"generator group {self.group}: version {version}'s weights had not "
+                f"arrived from the trainer (hub {self.hub}) after {self.timeout:.0f} s"
+            ) from e
 
     def _fail(self, e: BaseException, session: dict | None) -> None:
         with self._cond:

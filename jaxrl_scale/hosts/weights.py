@@ -31,6 +31,15 @@ itself, onto the devices that hold it, and drops what arrives; the blocks are fr
 dead puller would keep its version's blocks alive on the trainer for the rest of the run). A
 trainer process keeps the newest `keep` versions (2: the one a fixed schedule still decodes
 with and the newest).
+
+A puller frozen in the middle of a pull (SIGSTOP, a host that hangs without closing its
+connections) holds up every pull of that transfer server until it resumes or dies, and the
+trainer cannot cut the transfer. So while an offer waits longer than `probe_after`, the
+process probes its own transfer server (a tiny offer it pulls itself); a probe that has not
+arrived after `probe_wait` starts a new transfer server, which every later offer names (offers
+carry their server's address). The old server keeps what it has in flight; a generator whose
+pull has not arrived asks every few seconds which server a trainer process offers through now,
+and pulls again from a new one.
 """
 
 from __future__ import annotations
@@ -74,9 +83,11 @@ class WeightServer:
     thread answers requests. The versions held are shared by both, behind `_cond`."""
 
     def __init__(self, mesh: Mesh, model: ModelConfig, gen_devices: int, *, host: str,
-                 keep: int = 2, timeout: float = 300.0):  # fmt: skip
+                 keep: int = 2, timeout: float = 300.0, probe_after: float = 10.0,
+                 probe_wait: float = 10.0):  # fmt: skip
         self.rows = math.lcm(mesh.devices.size, gen_devices)
         self.keep, self.timeout = keep, timeout
+        self.probe_after, self.probe_wait = probe_after, probe_wait
         self.host = host
         self._layout = layout_program(
             mesh, self.rows, lambda p: for_generation(p, model, copy=False)
@@ -93,14 +104,20 @@ class WeightServer:
         self.address = {"weights": f"tcp://{host}:{port}", "transfer": self.transfer.address(),
                         "rows": self.rows}  # fmt: skip
         self._stopping = threading.Event()
-        # Written by the serving thread only: bytes offered; offers not yet acknowledged
-        # (uuid -> (deadline, version, what a pull of them takes)); offers withdrawn, and
-        # the arrays of withdrawals still arriving.
+        # Written by the serving thread only (after this): the transfer server offers are
+        # made on (`self.address` names the first); bytes offered; offers not yet
+        # acknowledged (uuid -> (deadline, version, what a pull of them takes, the server's
+        # address)); offers withdrawn, and the arrays of withdrawals still arriving; the
+        # probe in flight (its deadline and arrays), when the last was made, and how often a
+        # probe that did not arrive replaced the transfer server.
         self.offered_bytes = 0
-        self._offers: dict[int, tuple[float, int, list]] = {}
+        self._offers: dict[int, tuple[float, int, list, str]] = {}
         self.withdrawn = 0
         self._withdrawing: list = []
-        self._self = None  # a connection to this process's own transfer server
+        self._own: dict[str, object] = {}  # connections to this process's transfer servers
+        self._probe: tuple[float, list] | None = None
+        self._probed = 0.0
+        self.replaced = 0
         self._thread = threading.Thread(
             target=self._serve, args=(socket,), name="weight-server", daemon=True
         )
@@ -129,35 +146,79 @@ class WeightServer:
         try:
             while not self._stopping.is_set():
                 if not socket.poll(100):
-                    self._withdraw_stale()
+                    self._tend()
                     continue
                 try:
                     request = json.loads(socket.recv())
                     if "pulled" in request:  # those blocks have arrived: nothing to withdraw
                         self._offers.pop(int(request["pulled"]), None)
                         reply = {"ok": True}
+                    elif "server" in request:  # which transfer server offers go through
+                        reply = {"transfer": self.transfer.address()}
                     else:
                         reply = self._offer(int(request["version"]), request.get("of"))
                 except (ValueError, KeyError, TypeError) as e:
                     reply = {"error": f"bad request: {e}"}
                 socket.send(json.dumps(reply).encode())
-                self._withdraw_stale()
+                self._tend()
         finally:
             socket.close()
+
+    def _tend(self) -> None:
+        """Between requests: withdraw the offers past their deadline, probe the transfer
+        server while an offer waits."""
+        self._withdraw_stale()
+        self._check_transfer()
+
+    def _connection(self, address: str):
+        """A connection to this process's own transfer server at `address`."""
+        if address not in self._own:
+            self._own[address] = self.transfer.connect(address)
+        return self._own[address]
 
     def _withdraw_stale(self) -> None:
         """Pull, here, every offer not acknowledged by its deadline, and let it go."""
         self._withdrawing = [a for a in self._withdrawing if not a.is_ready()]
         now = time.monotonic()
-        for uuid in [u for u, (deadline, _, _) in self._offers.items() if deadline < now]:
-            _, version, specs = self._offers.pop(uuid)
-            if self._self is None:
-                self._self = self.transfer.connect(self.address["transfer"])
-            self._withdrawing += self._self.pull(uuid, specs)
+        for uuid in [u for u, (deadline, *_) in self._offers.items() if deadline < now]:
+            _, version, specs, server = self._offers.pop(uuid)
+            self._withdrawing += self._connection(server).pull(uuid, specs)
             self.withdrawn += 1
             print(f"weights: version {version}'s offer {uuid} was not pulled in "
                   f"{self.timeout:.0f} s (its generator died?); withdrawn",
                   file=sys.stderr, flush=True)  # fmt: skip
+
+    def _check_transfer(self) -> None:
+        """While an offer has waited `probe_after` s, pull a tiny offer of this process's
+        own every `probe_after` s; one not arrived after `probe_wait` s means a puller frozen
+        mid-pull holds the server up: later offers go through a new one."""
+        now = time.monotonic()
+        if self._probe is not None:
+            deadline, arrays = self._probe
+            if all(a.is_ready() for a in arrays):
+                self._probe = None
+            elif now > deadline:
+                self._probe = None
+                stuck = self.transfer.address()
+                self.transfer = start_server(self.host)
+                self.replaced += 1
+                print(f"weights: the transfer server {stuck} delivered nothing to this process "
+                      f"in {self.probe_wait:.0f} s (a puller frozen mid-pull holds up all its "
+                      f"pulls: a hung host?); later offers go through a new one, "
+                      f"{self.transfer.address()}", file=sys.stderr, flush=True)  # fmt: skip
+            return
+        if now - self._probed < self.probe_after:
+            return
+        offered = [deadline - self.timeout for deadline, *_ in self._offers.values()]
+        if not offered or now - min(offered) < self.probe_after:
+            return
+        self._probed = now
+        probe = jax.device_put(np.zeros(8, np.float32), jax.local_devices()[0])
+        uuid = next(self._ids)
+        self.transfer.await_pull(uuid, [probe])
+        spec = jax.ShapeDtypeStruct(probe.shape, probe.dtype, sharding=probe.sharding)
+        arrays = self._connection(self.transfer.address()).pull(uuid, [spec])
+        self._probe = (now + self.probe_wait, arrays)
 
     def _offer(self, version: int, of: list | None = None) -> dict:
         """Offer this process's blocks of `version`: all of them, or with `of` = [first,
@@ -189,7 +250,8 @@ class WeightServer:
         self.offered_bytes += sum(a.nbytes for a in arrays)
         specs = [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=SingleDeviceSharding(a.device))
                  for a in arrays]  # fmt: skip
-        self._offers[uuid] = (time.monotonic() + self.timeout, version, specs)
+        server = self.transfer.address()
+        self._offers[uuid] = (time.monotonic() + self.timeout, version, specs, server)
         return {
             "uuid": uuid,
             "version": version,
@@ -198,13 +260,15 @@ class WeightServer:
             "sizes": self._sizes,
             "dtypes": [str(x.dtype) for x in rows],
             "blocks": blocks,
-            "transfer": self.address["transfer"],
+            "transfer": server,
         }
 
 
 class WeightClient:
     """A generator process's side: pulls a version from every trainer process and rebuilds the
     parameters in `shardings` (the generator mesh's). One owner thread (its sockets)."""
+
+    recheck = 5.0  # seconds between asking, while a pull has not arrived, if it moved
 
     def __init__(self, abstract, shardings, mesh: Mesh, *, host: str, timeout: float):
         self.treedef = jax.tree.structure(abstract)
@@ -231,6 +295,7 @@ class WeightClient:
         self._sockets: list[zmq.Socket] = []
         self._connections: dict[str, object] = {}
         self._pulled: list[int] = []  # the last pull's offers, one per trainer process
+        self._servers: list[str] = []  # and the transfer servers they were made on
         self.pulled_bytes = 0
         self.pulls = 0  # versions pulled (`pulled_bytes` / `pulls` / `version_bytes`: the
         # share of a version this process pulls: 1, or its devices' share of a group's)
@@ -257,9 +322,41 @@ class WeightClient:
     def pull(self, version: int):
         """Version `version`'s parameters on this generator's devices, or raise
         `TimeoutError` / `LookupError` naming the trainer process that did not give them."""
-        rows = jax.block_until_ready(self.pull_rows(version))
+        rows = self.arrived(self.pull_rows(version), version, self.timeout)
         self.acknowledge()
         return self.lay_out(rows)
+
+    def arrived(self, rows: list[jax.Array], version: int, timeout: float) -> list[jax.Array]:
+        """`rows` (`pull_rows(version)`) once every block has arrived, or a TimeoutError
+        after `timeout` s. Every `recheck` s it asks whether a trainer process now offers
+        through another transfer server (it replaced one that a frozen puller held up:
+        module docstring), and then pulls the version again from there."""
+        deadline = time.monotonic() + timeout
+        check = time.monotonic() + self.recheck
+        while not all(x.is_ready() for x in rows):
+            now = time.monotonic()
+            if now > deadline:
+                raise TimeoutError(f"version {version}'s blocks had not arrived after "
+                                   f"{timeout:.0f} s")  # fmt: skip
+            if now > check:
+                check = now + self.recheck
+                if self._moved():
+                    print(f"weights: a trainer process offers through a new transfer "
+                          f"server; pulling version {version} again", file=sys.stderr,
+                          flush=True)  # fmt: skip
+                    rows = self.pull_rows(version)
+            time.sleep(0.01)
+        return jax.block_until_ready(rows)
+
+    def _moved(self) -> bool:
+        """Whether a trainer process offers through another transfer server than the one
+        its offer of the last pull named."""
+        for socket, server in zip(self._sockets, self._servers, strict=False):
+            socket.send(json.dumps({"server": True}).encode())
+            answered = socket.poll(int(min(self.timeout, 10.0) * 1000))
+            if answered and json.loads(socket.recv()).get("transfer") != server:
+                return True
+        return False
 
     def acknowledge(self) -> None:
         """Tell each trainer process that the last pull's blocks have arrived (call once they
@@ -283,7 +380,7 @@ class WeightClient:
         with no program that spans devices (safe beside a decoding thread)."""
         pieces: dict[int, list[tuple[int, jax.Array]]] = {}  # leaf -> [(first row, block)]
         rows = None
-        self._pulled = []
+        self._pulled, self._servers = [], []
         self.pulls += 1
         for t, socket in zip(self._trainers, self._sockets, strict=True):
             socket.send(json.dumps(self._ask(version)).encode())
@@ -314,6 +411,7 @@ class WeightClient:
                 self._connections[offer["transfer"]] = connection
             got = iter(connection.pull(offer["uuid"], specs))
             self._pulled.append(offer["uuid"])
+            self._servers.append(offer["transfer"])
             self.pulled_bytes += sum(math.prod(s.shape) * np.dtype(s.dtype).itemsize
                                      for s in specs)  # fmt: skip
             for leaf in range(len(self.shapes)):
