@@ -18,6 +18,12 @@ Then the summary against the goals: median |error| <= 0.02, coverage >= 90%, med
 <= 0.15, neither identified nor bounded on at most a third, every drop of 0.04 or more
 named. A drop is only as visible as its eval's noise: on 30 (AIME) or 40 (AMC) problems one
 eval's sd is 0.07-0.09, so a 0.1 drop from a single best eval is within noise.
+
+The forecast's interval is for what the last eval measures (the run's rate there plus the
+eval's own sampling noise), the interval the trainer's online forecast states and the one
+coverage can be checked with. Two more lines say how much of width and error that noise
+alone makes: the median width of the interval for the rate itself, and the median |error|
+a forecast that knew the rate exactly would still have (0.674 x one eval's binomial sd).
 """
 
 from __future__ import annotations
@@ -80,6 +86,7 @@ def main() -> None:
             f"{'95% interval':>16}{'A verdict':>22}{'drop':>7}{'(sd)':>6}{'named':>7}")  # fmt: skip
     print(head)
     errs, cover, widths, verdicts, named, false_calls, healthy = [], [], [], [], [], 0, 0
+    rate_widths, floors = [], []  # the rate's interval; |error| of an exact rate forecast
     too_few = 0
     start = time.perf_counter()
     with warnings.catch_warnings():
@@ -117,6 +124,10 @@ def main() -> None:
             errs.append(abs(half.error))
             cover.append(half.covered)  # an interval that could not be made covers nothing
             widths.append(half.hi - half.lo if np.isfinite(half.hi - half.lo) else np.inf)
+            lo, _, hi = (float(np.asarray(v)) for v in half.boot.predict_ci(half.c_last))
+            rate_widths.append(hi - lo if np.isfinite(hi - lo) else np.inf)
+            if d["size"]:  # the median of |N(0, sd)| is 0.674 sd
+                floors.append(0.674 * np.sqrt(half.actual * (1 - half.actual) / d["size"]))
             print(
                 f"{c['name'][:43]:<44}{d['size'] or '-':>5}{d['rates'].size:>6}"
                 f"{half.predicted:>7.3f}{half.actual:>7.3f}{abs(half.error):>7.3f}"
@@ -132,6 +143,12 @@ def main() -> None:
         f"coverage {np.mean(cover):.0%} (goal >= 90%), median width "
         f"{statistics.median(widths):.3f} (goal <= 0.15; no interval counts as infinite) on "
         f"{len(errs)} curves; {too_few} with too few evals in their first half to fit"
+    )
+    print(
+        f"  of that, the evals' own noise: the interval for the rate at the last step has a "
+        f"median width of {statistics.median(rate_widths):.3f}; a forecast of the exact rate "
+        f"would miss the observed eval by a median of {statistics.median(floors):.3f} "
+        f"({len(floors)} curves with a known eval size)"
     )
     print(
         f"A: identified {sum(v == 'identified' for v in verdicts)}, bounded below "
