@@ -5,7 +5,6 @@ import importlib.util
 import json
 import os
 import re
-import select
 import shutil
 import signal
 import socket
@@ -147,19 +146,19 @@ own = transfer.start_transfer_server(device.client, "127.0.0.1:0", ["127.0.0.1:0
 got = own.connect(offer["transfer"]).pull(offer["uuid"], specs)
 while not any(x.is_ready() for x in got):
     time.sleep(0.001)
-print(sum(x.is_ready() for x in got), len(got), flush=True)
 os.kill(os.getpid(), signal.SIGSTOP)
 """
 
 
 def test_a_puller_frozen_mid_pull_holds_up_the_others_only_until_a_probe_fails(
-    tiny_model_config,
+    tiny_model_config, capsys
 ):
     """A puller frozen mid-pull holds up every pull of its transfer server (jax's transfer
-    API; docs/hosts.md). The trainer process probes its own server while an offer waits; the
-    probe does not arrive, a new server takes the offers, and another generator's pull of the
-    same version (asked for before or after that) arrives, equal, while the frozen one is
-    still stopped."""
+    API; docs/hosts.md). Another generator asks for the same version, is offered it on that
+    server and waits. The trainer process probes its own server while the offers wait; the
+    probe does not arrive, a new server takes the offers; the waiting generator, its pull
+    making no progress, is told of the new server, pulls again from there, and its weights
+    arrive, equal, while the frozen one is still stopped."""
     import dataclasses
 
     # About 370 MB of float32 blocks in 30 leaves: the frozen puller has most still to come.
@@ -169,7 +168,9 @@ def test_a_puller_frozen_mid_pull_holds_up_the_others_only_until_a_probe_fails(
     mesh = sharding.make_mesh(MeshConfig(data=1, fsdp=1, tensor=1), devices[:1])
     gen_mesh = sharding.make_mesh(MeshConfig(data=1, fsdp=1, tensor=1), devices[1:2])
     _, params = nnx.split(sharding.init_sharded(lambda rngs: Policy(cfg, rngs=rngs), mesh, 0))
-    server = WeightServer(mesh, cfg, 1, host="127.0.0.1", timeout=60, probe_after=0.5,
+    # The first probe 4 s after the frozen puller's offer: the other generator's offer is
+    # made before the server is replaced.
+    server = WeightServer(mesh, cfg, 1, host="127.0.0.1", timeout=60, probe_after=4.0,
                           probe_wait=1.5)  # fmt: skip
     server.publish(0, params)
     abstract = jax.eval_shape(lambda p: for_generation(p, cfg, copy=False), params)
@@ -181,16 +182,15 @@ def test_a_puller_frozen_mid_pull_holds_up_the_others_only_until_a_probe_fails(
         env=_env("generator", devices=1), stdout=subprocess.PIPE, text=True,
     )  # fmt: skip
     try:
-        assert select.select([frozen.stdout], [], [], 60)[0], "the puller never started"
-        arrived, blocks = (int(x) for x in frozen.stdout.readline().split())
-        assert 0 < arrived < blocks
-        deadline = time.monotonic() + 10
+        deadline = time.monotonic() + 60
         while _state(frozen.pid) != "T" and time.monotonic() < deadline:
+            assert frozen.poll() is None, frozen.stdout.read()
             time.sleep(0.01)
-        assert _state(frozen.pid) == "T"  # stopped, its pull open
+        assert _state(frozen.pid) == "T"  # stopped, part of its blocks arrived
         client.connect([server.address])
         pulled = client.pull(0)  # (a TimeoutError after 45 s if held up behind it)
-        assert _state(frozen.pid) == "T" and server.replaced == 1
+        assert _state(frozen.pid) == "T" and server.replaced >= 1
+        assert "pulling its blocks of version 0 again" in capsys.readouterr().err
         expected = for_generation(params, cfg)
         for got, want in zip(jax.tree.leaves(pulled), jax.tree.leaves(expected), strict=True):
             np.testing.assert_array_equal(np.asarray(got), np.asarray(want))

@@ -428,7 +428,7 @@ class Weights:
         except TimeoutError as e:
             raise TimeoutError(
                 f"generator group {self.group}: version {version}'s weights had not "
-                f"arrived from the trainer (hub {self.hub}) after {self.timeout:.0f} s"
+                f"arrived from the trainer (hub {self.hub}): {e}"
             ) from e
 
     def _fail(self, e: BaseException, session: dict | None) -> None:

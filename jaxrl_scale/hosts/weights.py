@@ -37,9 +37,10 @@ connections) holds up every pull of that transfer server until it resumes or die
 trainer cannot cut the transfer. So while an offer waits longer than `probe_after`, the
 process probes its own transfer server (a tiny offer it pulls itself); a probe that has not
 arrived after `probe_wait` starts a new transfer server, which every later offer names (offers
-carry their server's address). The old server keeps what it has in flight; a generator whose
-pull has not arrived asks every few seconds which server a trainer process offers through now,
-and pulls again from a new one.
+carry their server's address). The old server is kept, with what it has in flight; a
+generator whose pull from a trainer process made no progress for a few seconds asks which
+server that process offers through now and, if it changed, pulls those blocks again from the
+new one (telling the process to drop the old offer).
 """
 
 from __future__ import annotations
@@ -118,6 +119,7 @@ class WeightServer:
         self._probe: tuple[float, list] | None = None
         self._probed = 0.0
         self.replaced = 0
+        self._retired: list = []  # servers replaced (kept: a dropped server takes no connection)
         self._thread = threading.Thread(
             target=self._serve, args=(socket,), name="weight-server", daemon=True
         )
@@ -153,6 +155,9 @@ class WeightServer:
                     if "pulled" in request:  # those blocks have arrived: nothing to withdraw
                         self._offers.pop(int(request["pulled"]), None)
                         reply = {"ok": True}
+                    elif "dropped" in request:  # pulled again from a new server: the pull of
+                        self._offers.pop(int(request["dropped"]), None)  # it ends on the old
+                        reply = {"ok": True}
                     elif "server" in request:  # which transfer server offers go through
                         reply = {"transfer": self.transfer.address()}
                     else:
@@ -166,9 +171,13 @@ class WeightServer:
 
     def _tend(self) -> None:
         """Between requests: withdraw the offers past their deadline, probe the transfer
-        server while an offer waits."""
-        self._withdraw_stale()
-        self._check_transfer()
+        server while an offer waits. A failure is logged and the thread goes on serving."""
+        try:
+            self._withdraw_stale()
+            self._check_transfer()
+        except Exception as e:  # (the transfer API's errors are RuntimeErrors of its own)
+            print(f"weights: tending the offers failed ({type(e).__name__}: {e})",
+                  file=sys.stderr, flush=True)  # fmt: skip
 
     def _connection(self, address: str):
         """A connection to this process's own transfer server at `address`."""
@@ -199,6 +208,7 @@ class WeightServer:
                 self._probe = None
             elif now > deadline:
                 self._probe = None
+                self._retired.append(self.transfer)
                 stuck = self.transfer.address()
                 self.transfer = start_server(self.host)
                 self.replaced += 1
@@ -294,8 +304,11 @@ class WeightClient:
         self._trainers: list[dict] = []
         self._sockets: list[zmq.Socket] = []
         self._connections: dict[str, object] = {}
-        self._pulled: list[int] = []  # the last pull's offers, one per trainer process
-        self._servers: list[str] = []  # and the transfer servers they were made on
+        # The last pull, per trainer process: its offer's id, the transfer server it was made
+        # on, and the blocks pulled ({leaf: [(first row, block)]}).
+        self._pulled: list[int] = []
+        self._servers: list[str] = []
+        self._got: list[dict[int, list[tuple[int, jax.Array]]]] = []
         self.pulled_bytes = 0
         self.pulls = 0  # versions pulled (`pulled_bytes` / `pulls` / `version_bytes`: the
         # share of a version this process pulls: 1, or its devices' share of a group's)
@@ -328,11 +341,12 @@ class WeightClient:
 
     def arrived(self, rows: list[jax.Array], version: int, timeout: float) -> list[jax.Array]:
         """`rows` (`pull_rows(version)`) once every block has arrived, or a TimeoutError
-        after `timeout` s. Every `recheck` s it asks whether a trainer process now offers
-        through another transfer server (it replaced one that a frozen puller held up:
-        module docstring), and then pulls the version again from there."""
+        after `timeout` s. A trainer process whose blocks made no progress for `recheck` s is
+        asked which transfer server it offers through; if another (it replaced one that a
+        frozen puller held up: module docstring), its blocks are pulled again from there."""
         deadline = time.monotonic() + timeout
         check = time.monotonic() + self.recheck
+        seen = self._progress()
         while not all(x.is_ready() for x in rows):
             now = time.monotonic()
             if now > deadline:
@@ -340,32 +354,51 @@ class WeightClient:
                                    f"{timeout:.0f} s")  # fmt: skip
             if now > check:
                 check = now + self.recheck
-                if self._moved():
-                    print(f"weights: a trainer process offers through a new transfer "
-                          f"server; pulling version {version} again", file=sys.stderr,
-                          flush=True)  # fmt: skip
-                    rows = self.pull_rows(version)
+                progress = self._progress()
+                stalled = [i for i, (before, after) in enumerate(zip(seen, progress, strict=True))
+                           if after == before < self._count(i)]  # fmt: skip
+                seen = progress
+                moved = [i for i in stalled if self._moved(i)]
+                for i in moved:
+                    print(f"weights: trainer process {self._trainers[i]['weights']} offers "
+                          f"through a new transfer server; pulling its blocks of version "
+                          f"{version} again", file=sys.stderr, flush=True)  # fmt: skip
+                    self._tell(i, {"dropped": self._pulled[i]})
+                    self._pulled[i], self._servers[i], self._got[i] = self._pull_from(i, version)
+                if moved:
+                    rows, seen = self._assembled(), self._progress()
             time.sleep(0.01)
         return jax.block_until_ready(rows)
 
-    def _moved(self) -> bool:
-        """Whether a trainer process offers through another transfer server than the one
+    def _progress(self) -> list[int]:
+        """Blocks arrived so far from each trainer process."""
+        return [sum(b.is_ready() for blocks in got.values() for _, b in blocks)
+                for got in self._got]  # fmt: skip
+
+    def _count(self, i: int) -> int:
+        return sum(len(blocks) for blocks in self._got[i].values())
+
+    def _moved(self, i: int) -> bool:
+        """Whether trainer process i offers through another transfer server than the one
         its offer of the last pull named."""
-        for socket, server in zip(self._sockets, self._servers, strict=False):
-            socket.send(json.dumps({"server": True}).encode())
-            answered = socket.poll(int(min(self.timeout, 10.0) * 1000))
-            if answered and json.loads(socket.recv()).get("transfer") != server:
-                return True
-        return False
+        reply = self._tell(i, {"server": True})
+        return reply is not None and "transfer" in reply and reply["transfer"] != self._servers[i]
+
+    def _tell(self, i: int, request: dict) -> dict | None:
+        """Trainer process i's answer to `request`, or None after 10 s (its socket takes
+        the next request all the same)."""
+        socket = self._sockets[i]
+        socket.send(json.dumps(request).encode())
+        if socket.poll(int(min(self.timeout, 10.0) * 1000)):
+            return json.loads(socket.recv())
+        return None
 
     def acknowledge(self) -> None:
         """Tell each trainer process that the last pull's blocks have arrived (call once they
         have), so it does not withdraw the offer; a process that does not answer within 10 s
         is left to withdraw it (its socket takes the next request all the same)."""
-        for socket, uuid in zip(self._sockets, self._pulled, strict=False):
-            socket.send(json.dumps({"pulled": uuid}).encode())
-            if socket.poll(int(min(self.timeout, 10.0) * 1000)):
-                socket.recv()
+        for i, uuid in enumerate(self._pulled):
+            self._tell(i, {"pulled": uuid})
         self._pulled = []
 
     def lay_out(self, rows):
@@ -378,47 +411,59 @@ class WeightClient:
     def pull_rows(self, version: int) -> list[jax.Array]:
         """Version `version`'s leaves as [rows, chunk] blocks split over the devices, moved
         with no program that spans devices (safe beside a decoding thread)."""
-        pieces: dict[int, list[tuple[int, jax.Array]]] = {}  # leaf -> [(first row, block)]
-        rows = None
-        self._pulled, self._servers = [], []
+        self._pulled, self._servers, self._got = [], [], []
         self.pulls += 1
-        for t, socket in zip(self._trainers, self._sockets, strict=True):
-            socket.send(json.dumps(self._ask(version)).encode())
-            if not socket.poll(int(self.timeout * 1000)):
-                raise TimeoutError(
-                    f"trainer weight server {t['weights']}: no answer in {self.timeout:.0f} s "
-                    f"to a request for version {version}"
-                )
-            offer = json.loads(socket.recv())
-            if "error" in offer:
-                raise LookupError(f"trainer weight server {t['weights']}: {offer['error']}")
-            self._check(offer)
-            rows = offer["rows"]
-            per, copies = rows // self.blocks, len(self.devices) // self.blocks
-            lo = self.mine[0] // copies * per  # a block from before this process's rows
-            specs = [
-                jax.ShapeDtypeStruct(
-                    (stop - start, chunk),
-                    dtype,
-                    sharding=SingleDeviceSharding(self._holder(max(start, lo) // per)),
-                )
-                for chunk, dtype in zip(offer["chunks"], offer["dtypes"], strict=True)
-                for start, stop in offer["blocks"]
-            ]
-            connection = self._connections.get(offer["transfer"])
-            if connection is None:
-                connection = self.transfer.connect(offer["transfer"])
-                self._connections[offer["transfer"]] = connection
-            got = iter(connection.pull(offer["uuid"], specs))
-            self._pulled.append(offer["uuid"])
-            self._servers.append(offer["transfer"])
-            self.pulled_bytes += sum(math.prod(s.shape) * np.dtype(s.dtype).itemsize
-                                     for s in specs)  # fmt: skip
-            for leaf in range(len(self.shapes)):
-                for start, _ in offer["blocks"]:
-                    pieces.setdefault(leaf, []).append((start, next(got)))
-        return [self._rows_array(sorted(pieces[i], key=lambda p: p[0]), rows)
-                for i in range(len(self.shapes))]  # fmt: skip
+        for i in range(len(self._trainers)):
+            uuid, server, got = self._pull_from(i, version)
+            self._pulled.append(uuid)
+            self._servers.append(server)
+            self._got.append(got)
+        return self._assembled()
+
+    def _pull_from(self, i: int, version: int) -> tuple[int, str, dict]:
+        """Ask trainer process i for its blocks of `version` and start pulling them: the
+        offer's id, its transfer server, and the blocks ({leaf: [(first row, block)]})."""
+        t = self._trainers[i]
+        socket = self._sockets[i]
+        socket.send(json.dumps(self._ask(version)).encode())
+        if not socket.poll(int(self.timeout * 1000)):
+            raise TimeoutError(
+                f"trainer weight server {t['weights']}: no answer in {self.timeout:.0f} s "
+                f"to a request for version {version}"
+            )
+        offer = json.loads(socket.recv())
+        if "error" in offer:
+            raise LookupError(f"trainer weight server {t['weights']}: {offer['error']}")
+        self._check(offer)
+        rows = offer["rows"]
+        per, copies = rows // self.blocks, len(self.devices) // self.blocks
+        lo = self.mine[0] // copies * per  # a block from before this process's rows
+        specs = [
+            jax.ShapeDtypeStruct(
+                (stop - start, chunk),
+                dtype,
+                sharding=SingleDeviceSharding(self._holder(max(start, lo) // per)),
+            )
+            for chunk, dtype in zip(offer["chunks"], offer["dtypes"], strict=True)
+            for start, stop in offer["blocks"]
+        ]
+        connection = self._connections.get(offer["transfer"])
+        if connection is None:
+            connection = self.transfer.connect(offer["transfer"])
+            self._connections[offer["transfer"]] = connection
+        got = iter(connection.pull(offer["uuid"], specs))
+        self.pulled_bytes += sum(math.prod(s.shape) * np.dtype(s.dtype).itemsize
+                                 for s in specs)  # fmt: skip
+        pieces = {leaf: [(start, next(got)) for start, _ in offer["blocks"]]
+                  for leaf in range(len(self.shapes))}  # fmt: skip
+        return offer["uuid"], offer["transfer"], pieces
+
+    def _assembled(self) -> list[jax.Array]:
+        """The last pull's blocks, from every trainer process, as each leaf's rows."""
+        rows = self._split[0]
+        return [self._rows_array(sorted((p for got in self._got for p in got[leaf]),
+                                        key=lambda p: p[0]), rows)
+                for leaf in range(len(self.shapes))]  # fmt: skip
 
     @property
     def blocks(self) -> int:
