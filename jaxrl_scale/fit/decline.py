@@ -18,7 +18,6 @@ from __future__ import annotations
 import dataclasses
 
 import numpy as np
-from scipy.optimize import isotonic_regression
 
 from jaxrl_scale.fit.data import Curve
 from jaxrl_scale.fit.noise import drift_model, noise_model
@@ -90,6 +89,8 @@ def detect_decline(
     """The decline in `curve` (fit.data.Curve, cleaned), or None when the data are consistent
     with a curve that never falls. Noise: the curve's own `sd` (known sampling sds) or a
     binomial sd from `eval_size` plus a drift, else an AR(1) of unknown size."""
+    from scipy.optimize import isotonic_regression  # (0.25 s to import: at the first test)
+
     from jaxrl_scale.fit.bootstrap import _jacobian
     from jaxrl_scale.fit.sigmoid_fit import fit_sigmoid
 
