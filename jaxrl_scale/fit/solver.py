@@ -21,7 +21,6 @@ import jax
 import jax.numpy as jnp
 
 
-
 class LMState(NamedTuple):
     theta: jax.Array  # [K]
     jtj: jax.Array  # [K, K] J^T J at theta
