@@ -160,6 +160,15 @@ def check_request(request: Request, context: int) -> None:
         raise ValueError(f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}]")
 
 
+def check_admission(closed: bool, waiting: int, max_queue: int) -> None:
+    """ShuttingDown once a backend is closed; QueueFull with `max_queue` requests waiting for a
+    slot (a backend calls it under the lock that guards both)."""
+    if closed:
+        raise ShuttingDown("the server is shutting down")
+    if waiting >= max_queue:
+        raise QueueFull(f"{waiting} requests are waiting for a slot")
+
+
 class Backend(Protocol):
     context: int  # the most prompt + generated tokens a request may have
     model_name: str

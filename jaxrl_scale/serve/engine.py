@@ -27,9 +27,9 @@ from jaxrl_scale.serve.backend import (
     MAX_TOP_LOGPROBS,
     Delta,
     Generation,
-    QueueFull,
     Request,
     ShuttingDown,
+    check_admission,
     check_request,
 )
 
@@ -107,10 +107,7 @@ class EngineBackend:
         check_request(request, self.context)
         generation = Generation(request, loop, self)
         with self._lock:
-            if self._closed:
-                raise ShuttingDown("the server is shutting down")
-            if self._waiting >= self.max_queue:
-                raise QueueFull(f"{self._waiting} requests are waiting for a slot")
+            check_admission(self._closed, self._waiting, self.max_queue)
             self._waiting += 1
             self._inbox.append(("submit", generation))
             self._wake.notify()

@@ -37,9 +37,9 @@ from jaxrl_scale.serve.backend import (
     Backend,
     Delta,
     Generation,
-    QueueFull,
     Request,
     ShuttingDown,
+    check_admission,
     check_request,
 )
 
@@ -229,11 +229,7 @@ class RemoteBackend:
         check_request(request, self.context)
         generation = Generation(request, loop, self)
         with self._lock:
-            if self._closed:
-                raise ShuttingDown("the server is shutting down")
-            waiting = self._waiting()
-            if waiting >= self.max_queue:
-                raise QueueFull(f"{waiting} requests are waiting for a slot")
+            check_admission(self._closed, self._waiting(), self.max_queue)
             key = next(self._ids)
             choices = set(range(request.n))
             self._open[key] = [generation, choices, set(choices)]
